@@ -1,0 +1,50 @@
+"""What generation returns: whole completions and streamed deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TopLogprob:
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a generated token, with the top-N alternatives at its position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """The finished output of one prompt."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to one request: new text, new token ids and, at the end, why it finished."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
