@@ -1,0 +1,168 @@
+"""The ops seam: one method per op, the same call on CPU and GPU.
+
+`TorchOps` is the plain torch implementation (the CPU path, and the oracle for the Triton kernels);
+`gpullama.kernels.TritonOps` overrides the methods with fused kernels. The backend is picked once at
+model load (`select_ops`), never per call.
+
+Shape contract (T tokens in a ragged batch of B sequences; Hq query heads, Hk kv heads, D head dim):
+- hidden states are ``[T, H]``; q is ``[T, Hq, D]``, k and v ``[T, Hk, D]``;
+- the paged KV pool of one layer is ``[num_blocks, block_size, Hk, D]`` for k and for v;
+- ``BatchMetadata`` says where each token sits (position, KV slot) and which sequence owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpullama.quants import QTensor
+
+
+@dataclass
+class BatchMetadata:
+    """Where each token of a ragged batch sits: positions, KV slots, per-sequence spans and block tables."""
+
+    positions: torch.Tensor  # [T] int64: absolute position of each token
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset where its k/v are written
+    query_start_loc: torch.Tensor  # [B + 1] int32: token span of each sequence in the batch
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32: block ids of each sequence, padded with 0
+    logits_indices: torch.Tensor  # [S] int64: rows whose logits are wanted
+    query_start_loc_cpu: list[int]  # host copies, for the torch path's per-sequence loop
+    seq_lens_cpu: list[int]
+    max_query_len: int = 1
+
+
+class TorchOps:
+    """Reference implementation of every op in plain torch."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32):
+        self.device = device
+        # dtype of the matmul weights and inputs; norms, attention and the residual stream stay float32
+        self.dtype = dtype
+
+    # -- weights -------------------------------------------------------------------------------
+    def prepare_weight(self, weight: QTensor) -> torch.Tensor:
+        """Turn a GGUF tensor into what `linear` consumes: here a dense matrix in the compute dtype."""
+        return weight.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor:
+        """Embedding table as `embedding` consumes it (kept in GGUF blocks: rows are gathered, then dequantized)."""
+        return weight.to(self.device)
+
+    # -- ops -------------------------------------------------------------------------------------
+    def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding table for `ids`, float32 ``[T, H]``."""
+        if isinstance(table, QTensor):
+            return table.take_rows(ids).dequantize(torch.float32)
+        return table[ids].float()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` in the weight's dtype, returned as float32."""
+        out = F.linear(x.to(weight.dtype), weight).float()
+        if bias is not None:
+            out = out + bias
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm fused with the residual add: returns ``(norm(x + residual) * weight, x + residual)``."""
+        if residual is not None:
+            x = x + residual
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(variance + eps) * weight, x
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of ``[T, heads, D]`` (Qwen3's q/k norm)."""
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(variance + eps) * weight
+
+    def rope_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k (NeoX halves; `cos_sin` is ``[max_pos, D]`` = cos|sin of each half) and write k, v to the pool."""
+        cs = cos_sin[meta.positions]
+        half = cs.shape[-1] // 2
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        num_blocks, block_size = k_cache.shape[:2]
+        k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[meta.slot_mapping] = v.to(v_cache.dtype)
+        return q, k
+
+    def attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its whole context in the paged pool: ``[T, Hq, D]``."""
+        out = torch.empty_like(q)
+        block_size = k_cache.shape[1]
+        hq, hk = q.shape[1], k_cache.shape[2]
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            q_start, q_end = starts[i], starts[i + 1]
+            q_len = q_end - q_start
+            if q_len == 0:
+                continue
+            n_blocks = -(-seq_len // block_size)
+            blocks = meta.block_tables[i, :n_blocks].long()
+            keys = k_cache[blocks].flatten(0, 1)[:seq_len].float()
+            values = v_cache[blocks].flatten(0, 1)[:seq_len].float()
+            qi = q[q_start:q_end].transpose(0, 1)  # [Hq, L, D]
+            ki = keys.transpose(0, 1)  # [Hk, S, D]
+            vi = values.transpose(0, 1)
+            mask = None
+            if q_len > 1:
+                # bottom-right aligned causal mask: query j sits at position seq_len - q_len + j
+                rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
+            out[q_start:q_end] = o.transpose(0, 1)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotary embedding: the first half of each head pairs with the second half."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_cos_sin(
+    head_dim: int, max_positions: int, base: float, freq_factors: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``[max_positions, head_dim]`` table of cos|sin for NeoX rotary embedding; `freq_factors` divides the
+    frequencies (Llama 3's ``rope_freqs`` tensor)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """The ops backend for a device, chosen once at load: Triton kernels on CUDA, torch elsewhere."""
+    if device.type == "cuda":
+        try:
+            from gpullama.kernels import TritonOps
+        except ImportError:  # kernels not available in this build: the torch path still runs on CUDA
+            return TorchOps(device, dtype)
+        return TritonOps(device, dtype)
+    return TorchOps(device, dtype)
