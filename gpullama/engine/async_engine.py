@@ -1,0 +1,144 @@
+"""The engine behind an event loop: a background thread runs the step loop; requests stream back as deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from gpullama.engine.llm_engine import LLMEngine
+from gpullama.outputs import StreamDelta
+from gpullama.sampling_params import SamplingParams
+
+log = logging.getLogger("gpullama")
+
+
+class EngineError(RuntimeError):
+    """Generation failed inside the engine for this request."""
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: StreamDelta | Exception) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Owns a thread that runs `LLMEngine.step()` while there is work; `generate` streams one request's deltas."""
+
+    def __init__(self, engine: LLMEngine | object):
+        self.engine: LLMEngine = getattr(engine, "engine", engine)  # an LLM or its engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="gpullama-engine", daemon=True)
+        self._thread.start()
+
+    # -- front ------------------------------------------------------------------------------------
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        """Submit a request (call from the event loop) and return its stream of deltas; the last has a finish_reason.
+        Raises ValueError at once when the request can never fit the context or the KV pool."""
+        if not self.is_alive:
+            raise EngineError("the engine is not running")
+        self.engine.check_request(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop())
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream))
+        self._wake.set()
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StreamDelta]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect, cancellation): free the request now
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; thread-safe. Its blocks are freed within one step."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a place in the batch."""
+        return len(self.engine.scheduler.waiting)
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the step loop has stopped."""
+        return self._thread.is_alive() and not self._stopped
+
+    def shutdown(self) -> None:
+        """Stop the step loop and wait for the thread."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ---------------------------------------------------------------------------
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, params, stream = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as exc:  # checked up front, so only a race (duplicate id) lands here
+                    stream.put(ValueError(str(exc)))
+                    continue
+                self._streams[request_id] = stream
+            else:
+                self.engine.abort(command[1])
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_commands()
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as exc:  # a failed step fails the requests it carried; the engine goes on
+                log.exception("engine step failed")
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.put(EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
+                self.engine.pending.clear()
+                continue
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is None:
+                    continue
+                if delta.finish_reason is not None:
+                    del self._streams[delta.request_id]
+                stream.put(delta)

@@ -1,0 +1,132 @@
+"""Paged KV blocks: allocation, reference counts and the prefix cache (chained hashes of full blocks)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from gpullama.engine.sequence import Sequence
+
+
+class Block:
+    """One block of the pool: who uses it, and the tokens it caches once full."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """Key of a full block: its tokens chained with the key of the block before it."""
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """Hands out pool blocks to sequences; keeps full blocks findable by content until they are reused (LRU)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # unreferenced blocks, least recently freed first; cached ones stay findable until taken
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        """Size of the pool in blocks."""
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached ones included)."""
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _take_free(self) -> Block:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block
+
+    def _prefix_hits(self, seq: Sequence) -> list[Block]:
+        """Cached blocks that hold the leading full blocks of the sequence (the last token is always recomputed)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        parent = None
+        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+            ids = tuple(seq.token_ids[start : start + self.block_size])
+            parent = chain_hash(parent, ids)
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != ids:
+                break
+            hits.append(self.blocks[block_id])
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, use_prefix_cache: bool = True) -> bool:
+        """Give a waiting sequence its blocks: prefix-cache hits first, then fresh blocks for `num_new_tokens` more
+        tokens beyond the hits. Returns False (and changes nothing) when the pool is short."""
+        assert not seq.block_table
+        hits = self._prefix_hits(seq) if use_prefix_cache else []
+        cached_tokens = len(hits) * self.block_size
+        num_new_tokens = min(num_new_tokens, seq.num_tokens - cached_tokens)
+        fresh = self.blocks_needed(cached_tokens + num_new_tokens) - len(hits)
+        reused_free = sum(1 for b in hits if b.ref_count == 0)
+        if fresh + reused_free > len(self.free):
+            return False
+        for block in hits:
+            if block.ref_count == 0:
+                del self.free[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        for _ in range(fresh):
+            seq.block_table.append(self._take_free().block_id)
+        seq.num_computed_tokens = cached_tokens
+        return True
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the pool can hold `num_new_tokens` more tokens of a running sequence."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= len(self.free)
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow a running sequence's block table to cover `num_new_tokens` more tokens."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(needed):
+            seq.block_table.append(self._take_free().block_id)
+
+    def commit_full_blocks(self, seq: Sequence, old_num_computed: int) -> None:
+        """Register the blocks that this step filled, so later requests with the same prefix find them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        first, last = old_num_computed // bs, seq.num_computed_tokens // bs
+        parent = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        for index in range(first, last):
+            block = self.blocks[seq.block_table[index]]
+            ids = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            if block.hash is None:
+                block.hash = chain_hash(parent, ids)
+                block.token_ids = ids
+                self.cached.setdefault(block.hash, block.block_id)
+            parent = block.hash
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release a sequence's blocks; full blocks stay cached until their slot is reused."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,81 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from gpullama.engine.block_manager import BlockManager
+from gpullama.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Fills each step under a token budget: running sequences first (decode or the next prefill chunk),
+    then waiting ones; preempts the newest running sequence when the KV pool is full."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; it joins the batch at the next step with room."""
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and send it back to the front of the queue (recomputed later)."""
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step: (sequence, number of new tokens to compute) pairs, with their KV slots allocated."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.append(seq, n)
+            batch.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.allocate(seq, budget):
+                break
+            if not seq.num_cached_tokens and not seq.num_output_tokens:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the engine and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

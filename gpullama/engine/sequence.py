@@ -1,0 +1,71 @@
+"""One request as the engine tracks it: its tokens, its KV blocks and its sampling state."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from gpullama.outputs import TokenLogprob
+from gpullama.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request's token ids (prompt then output), its block table and its per-request sampling state."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # the resolved limit (params.max_tokens or the rest of the context)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose k/v sit in the pool
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.output_counts: dict[int, int] = {}  # token id -> times generated (presence/frequency penalties)
+        self.sent_text_len = 0  # characters of output text already handed out
+        self.text = ""  # output text so far (stop strings removed at the end)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens."""
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated."""
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the sequence has left the engine."""
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Add a generated token."""
+        self.token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
