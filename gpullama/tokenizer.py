@@ -146,8 +146,11 @@ class Tokenizer:
         self.eos_token_id: int | None = _token_id(meta, "eos_token_id", n)
         self.bos_token: str = self._tokens[self.bos_token_id] if self.bos_token_id is not None else ""
         self.eos_token: str = self._tokens[self.eos_token_id] if self.eos_token_id is not None else ""
+        # Without tokenizer.ggml.add_bos_token: BOS for SentencePiece, and (as llama.cpp) for the Llama 3 family
+        # and tekken byte-level vocabularies; none for other byte-level ones. Never when there is no BOS token.
         pre = meta.get("tokenizer.ggml.pre", "default")
         default_bos = self._model == "llama" or (self._model == "gpt2" and _PRE.get(pre, ("", False, False))[2])
+        default_bos = default_bos and self.bos_token_id is not None
         self.add_bos_token: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_eos_token: bool = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         if self.add_bos_token and self.bos_token_id is None:

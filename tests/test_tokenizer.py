@@ -525,3 +525,14 @@ def test_no_chat_template_falls_back_to_chatml(caplog: pytest.LogCaptureFixture)
     assert "ChatML" in caplog.text and not tok.has_chat_template
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_add_bos_default_follows_llama_cpp_for_llama3_family() -> None:
+    meta = vocab_metadata("llama-bpe")
+    del meta["tokenizer.ggml.add_bos_token"]
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.encode("hi", add_special_tokens=True) == [tok.bos_token_id, *tok.encode("hi")]
+    del meta["tokenizer.ggml.bos_token_id"]
+    assert Tokenizer.from_metadata(meta).encode("hi", add_special_tokens=True) == tok.encode("hi")
+    with pytest.raises(ValueError, match="bos_token_id is missing"):
+        Tokenizer.from_metadata(meta | {"tokenizer.ggml.add_bos_token": True})
