@@ -1,0 +1,56 @@
+"""Shared pieces of the Triton kernels: the interpreter switch, tile sizes and a `tl.dot` that works everywhere."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+TL_DTYPES: dict[torch.dtype, tl.dtype] = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tl_dtype(dtype: torch.dtype, what: str = "tensor") -> tl.dtype:
+    """The Triton dtype of a float torch dtype; other dtypes raise ValueError naming `what`."""
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"{what}: dtype {dtype} is not supported by the kernels (float32, float16 or bfloat16)")
+    return TL_DTYPES[dtype]
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    """The smallest power of two that is at least `n` and `minimum`."""
+    return max(triton.next_power_of_2(max(int(n), 1)), minimum)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a small stand-in elsewhere, to keep interpreter grids small)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@triton.jit
+def dot(a, b, acc, DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + a @ b`` with the inputs rounded to DOT_DTYPE; float32 stays exact (no TF32).
+
+    EMULATE (set under the interpreter, whose bf16 `tl.dot` is wrong) rounds to DOT_DTYPE and multiplies in
+    float32, which gives the same products, since a product of two 16-bit floats is exact in float32.
+    """
+    if EMULATE:
+        return tl.dot(
+            a.to(DOT_DTYPE).to(tl.float32), b.to(DOT_DTYPE).to(tl.float32), acc, input_precision="ieee"
+        )
+    elif DOT_DTYPE == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)

@@ -1,0 +1,145 @@
+"""GGUF block layouts decoded in registers: `dequantize_tile` turns raw bytes into a float32 tile.
+
+A quantized weight is uint8 ``[rows, bytes_per_row]``: each row is a run of blocks of QK values. The kernels
+address element (row, col) as byte ``row * row_bytes + (col // QK) * TYPE_SIZE + field offset``; f16 fields sit
+at even offsets of blocks of even size, so they are read through a float16 view of the same bytes.
+
+    F32/F16/BF16  the typed matrix itself                                        w = x
+    Q8_0  32 values,  34 bytes: d f16 | qs int8[32]                               w = d * q
+    Q4_0  32 values,  18 bytes: d f16 | qs[16] (value j: nibble j%16, low nibble first half)   w = d * (q - 8)
+    Q4_1  32 values,  20 bytes: d f16 | m f16 | qs[16]                            w = d * q + m
+    Q5_0  32 values,  22 bytes: d f16 | qh u32 (bit j = 5th bit of value j) | qs[16]   w = d * (q - 16)
+    Q5_1  32 values,  24 bytes: d f16 | m f16 | qh u32 | qs[16]                   w = d * q + m
+    Q4_K  256 values, 144 bytes: d f16 | dmin f16 | scales[12] (8 x 6-bit scale, 8 x 6-bit min) | qs[128]
+          value e: sub-block s = e // 32, byte 32 * (e // 64) + e % 32, nibble (e // 32) % 2;
+          w = d * scale[s] * q - dmin * min[s]
+    Q5_K  256 values, 176 bytes: d | dmin | scales[12] | qh[32] (bit s of qh[e % 32]) | qs[128]   as Q4_K, q += 16 * bit
+    Q6_K  256 values, 210 bytes: ql[128] | qh[64] | scales int8[16] | d f16; half h = e // 128, r = e % 128:
+          low nibble of ql[64h + r % 64] (high nibble if r >= 64), 2 bits (r // 32) of qh[32h + r % 32];
+          w = d * scales[e // 16] * (q - 32)
+Torch reference: `gpullama.quants.dequantize` (and `gguf.quants.dequantize`).
+"""
+
+from __future__ import annotations
+
+import gguf
+import torch
+import triton
+import triton.language as tl
+
+Q = gguf.GGMLQuantizationType
+
+# Types the kernels read directly; the constexpr FMT of a kernel is the GGML type id.
+QUANTIZED_KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+DENSE_FORMATS = {torch.float32: int(Q.F32), torch.float16: int(Q.F16), torch.bfloat16: int(Q.BF16)}
+
+
+def weight_pointers(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The (bytes, float16 view, row stride) a kernel reads a quantized weight through."""
+    if qtype not in QUANTIZED_KERNEL_TYPES:
+        raise ValueError(f"no Triton dequantizer for type {qtype.name}")
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
+        raise ValueError(f"quantized weight data must be uint8 [rows, bytes] with unit column stride, got {data.dtype} {tuple(data.shape)}")
+    if data.stride(0) % 2 or data.shape[1] % 2:
+        raise ValueError(f"quantized weight rows must start at even byte offsets, got row stride {data.stride(0)}")
+    return data, data.view(torch.float16), data.stride(0)
+
+
+@triton.jit
+def _f16_at(h_ptr, byte_offset, mask):
+    """The f16 field at an even byte offset, as float32."""
+    return tl.load(h_ptr + byte_offset // 2, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _u8_at(u8_ptr, byte_offset, mask):
+    """The byte at an offset, as int32."""
+    return tl.load(u8_ptr + byte_offset, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _k_scale_min(u8_ptr, scales_offset, s, mask):
+    """6-bit scale and min of sub-block `s` (0..7) from the 12 packed bytes of a Q4_K / Q5_K block."""
+    low = s % 4
+    a = _u8_at(u8_ptr, scales_offset + low, mask)  # scales[s] (s < 4) or scales[s - 4]
+    b = _u8_at(u8_ptr, scales_offset + 4 + low, mask)  # scales[s + 4] (s < 4) or scales[s]
+    c = _u8_at(u8_ptr, scales_offset + 8 + low, mask)  # scales[s + 4] (s >= 4)
+    scale = tl.where(s < 4, a & 63, (c & 0xF) | ((a >> 6) << 4))
+    minimum = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return scale.to(tl.float32), minimum.to(tl.float32)
+
+
+@triton.jit
+def dequantize_tile(w_ptr, h_ptr, rows, cols, row_stride, mask, FMT: tl.constexpr):
+    """Float32 values of the weight at ``rows [R, 1] x cols [1, C]`` (0 where `mask` is false).
+
+    `w_ptr` is the typed matrix for F32/F16/BF16 (`row_stride` in elements) or its bytes for quantized types
+    (`row_stride` in bytes, `h_ptr` the float16 view of the same bytes).
+    """
+    rows = rows.to(tl.int64)
+    if FMT == 0 or FMT == 1 or FMT == 30:  # F32, F16, BF16
+        return tl.load(w_ptr + rows * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 8:  # Q8_0
+        base = rows * row_stride + (cols // 32) * 34
+        d = _f16_at(h_ptr, base, mask)
+        q = tl.load(w_ptr + base + 2 + cols % 32, mask=mask, other=0).to(tl.int8, bitcast=True)
+        return d * q.to(tl.float32)
+    elif FMT == 2:  # Q4_0
+        j = cols % 32
+        base = rows * row_stride + (cols // 32) * 18
+        d = _f16_at(h_ptr, base, mask)
+        q = (_u8_at(w_ptr, base + 2 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+        return d * (q - 8).to(tl.float32)
+    elif FMT == 3:  # Q4_1
+        j = cols % 32
+        base = rows * row_stride + (cols // 32) * 20
+        d = _f16_at(h_ptr, base, mask)
+        m = _f16_at(h_ptr, base + 2, mask)
+        q = (_u8_at(w_ptr, base + 4 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+        return d * q.to(tl.float32) + m
+    elif FMT == 6:  # Q5_0
+        j = cols % 32
+        base = rows * row_stride + (cols // 32) * 22
+        d = _f16_at(h_ptr, base, mask)
+        high = (_u8_at(w_ptr, base + 2 + j // 8, mask) >> (j % 8)) & 1
+        q = ((_u8_at(w_ptr, base + 6 + j % 16, mask) >> ((j // 16) * 4)) & 0xF) | (high << 4)
+        return d * (q - 16).to(tl.float32)
+    elif FMT == 7:  # Q5_1
+        j = cols % 32
+        base = rows * row_stride + (cols // 32) * 24
+        d = _f16_at(h_ptr, base, mask)
+        m = _f16_at(h_ptr, base + 2, mask)
+        high = (_u8_at(w_ptr, base + 4 + j // 8, mask) >> (j % 8)) & 1
+        q = ((_u8_at(w_ptr, base + 8 + j % 16, mask) >> ((j // 16) * 4)) & 0xF) | (high << 4)
+        return d * q.to(tl.float32) + m
+    elif FMT == 12:  # Q4_K
+        e = cols % 256
+        s = e // 32
+        base = rows * row_stride + (cols // 256) * 144
+        d = _f16_at(h_ptr, base, mask)
+        dmin = _f16_at(h_ptr, base + 2, mask)
+        scale, minimum = _k_scale_min(w_ptr, base + 4, s, mask)
+        q = (_u8_at(w_ptr, base + 16 + (e // 64) * 32 + e % 32, mask) >> ((s % 2) * 4)) & 0xF
+        return d * scale * q.to(tl.float32) - dmin * minimum
+    elif FMT == 13:  # Q5_K
+        e = cols % 256
+        s = e // 32
+        base = rows * row_stride + (cols // 256) * 176
+        d = _f16_at(h_ptr, base, mask)
+        dmin = _f16_at(h_ptr, base + 2, mask)
+        scale, minimum = _k_scale_min(w_ptr, base + 4, s, mask)
+        high = (_u8_at(w_ptr, base + 16 + e % 32, mask) >> s) & 1
+        q = ((_u8_at(w_ptr, base + 48 + (e // 64) * 32 + e % 32, mask) >> ((s % 2) * 4)) & 0xF) | (high << 4)
+        return d * scale * q.to(tl.float32) - dmin * minimum
+    else:  # Q6_K (FMT == 14)
+        tl.static_assert(FMT == 14)
+        e = cols % 256
+        half = e // 128
+        r = e % 128
+        base = rows * row_stride + (cols // 256) * 210
+        d = _f16_at(h_ptr, base + 208, mask)
+        scale = tl.load(w_ptr + base + 192 + e // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+        low = (_u8_at(w_ptr, base + 64 * half + r % 64, mask) >> ((r // 64) * 4)) & 0xF
+        high = (_u8_at(w_ptr, base + 128 + 32 * half + r % 32, mask) >> ((r // 32) * 2)) & 3
+        q = low | (high << 4)
+        return d * scale.to(tl.float32) * (q - 32).to(tl.float32)

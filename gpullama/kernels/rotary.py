@@ -1,0 +1,96 @@
+"""Rotary embedding of q and k (NeoX halves) fused with the write of k and v into the paged KV pool.
+
+Grid ``(T,)``: one program per token reads its position and the ``[D]`` cos|sin row of the table (plain or
+Llama-3-scaled frequencies are baked into the table by `rope_cos_sin`), rotates all Hq query heads and Hk key
+heads as ``[heads, D/2]`` halves in registers, writes q and k back in place, and stores the rotated k and the
+v of the token at its slot ``slot_mapping[t] = block * block_size + offset`` of the ``[num_blocks, block_size,
+Hk, D]`` pools (a negative slot skips the write: padding tokens). Torch reference: `TorchOps.rope_and_cache`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpullama.kernels.common import pow2
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_h, HEADS, cos, sin, HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate ``[HEADS, 2 * HALF]`` at `ptr` in place; returns the rotated halves."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < HEADS) & (cols < HALF)
+    first = tl.load(ptr + heads * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(ptr + heads * stride_h + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    new_first = first * cos - second * sin
+    new_second = second * cos + first * sin
+    tl.store(ptr + heads * stride_h + cols, new_first, mask=mask)
+    tl.store(ptr + heads * stride_h + HALF + cols, new_second, mask=mask)
+    return new_first, new_second, mask
+
+
+@triton.jit
+def _rope_and_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    HQ, HK, HALF, block_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cb, stride_cs_slot, stride_ch,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Rotate one token's q and k heads in place and write its k, v to the pool."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    half_cols = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + half_cols, mask=half_cols < HALF, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + half_cols, mask=half_cols < HALF, other=0.0)[None, :]
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    k_first, k_second, mask = _rotate_heads(k_ptr + t * stride_kt, stride_kh, HK, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_HK)[:, None]
+        cols = half_cols[None, :]
+        dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs_slot + heads * stride_ch + cols
+        tl.store(k_cache_ptr + dst, k_first.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, k_second.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v_src = v_ptr + t * stride_vt + heads * stride_vh + cols
+        v_first = tl.load(v_src, mask=mask, other=0.0)
+        v_second = tl.load(v_src + HALF, mask=mask, other=0.0)
+        tl.store(v_cache_ptr + dst, v_first.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, v_second.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place and write k, v into the pools; returns (q, k)."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if d % 2 or k.shape != (t, hk, d) or v.shape != (t, hk, d):
+        raise ValueError(f"rope_and_cache: q [T, Hq, D] and k, v [T, Hk, D] with even D, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k_cache.shape[2:] != (hk, d) or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"rope_and_cache: pools must both be [num_blocks, block_size, {hk}, {d}], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if cos_sin.shape[1] != d or cos_sin.dtype != torch.float32:
+        raise ValueError(f"rope_and_cache: cos_sin must be float32 [max_pos, {d}], got {cos_sin.dtype} {tuple(cos_sin.shape)}")
+    if q.dtype != torch.float32 or k.dtype != torch.float32:
+        raise ValueError(f"rope_and_cache: q and k must be float32 (rotated in place), got {q.dtype}, {k.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"rope_and_cache: {name} needs a unit last stride, got strides {x.stride()}")
+    if t:
+        _rope_and_cache_kernel[(t,)](
+            q, k, v, cos_sin, positions, slot_mapping, k_cache, v_cache,
+            hq, hk, d // 2, k_cache.shape[1],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            BLOCK_HQ=pow2(hq), BLOCK_HK=pow2(hk), BLOCK_HALF=pow2(d // 2), num_warps=4,
+        )
+    return q, k

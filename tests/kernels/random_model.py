@@ -1,0 +1,106 @@
+"""Random-weight decoders built straight on a device (no file): the GPU check's Llama-3.2-1B shapes and tiny ones.
+
+Random bytes are valid GGUF blocks once their f16 scale fields are set to small finite values; the values are
+chosen so weights have a spread near 0.02, like a trained model's, and activations stay moderate.
+"""
+
+from __future__ import annotations
+
+import gguf
+import torch
+
+from gpullama.config import ModelConfig
+from gpullama.ops import BatchMetadata
+from gpullama.quants import QTensor
+
+Q = gguf.GGMLQuantizationType
+
+# f16 fields of each block type: (byte offset, low, high), drawn uniformly.
+_SCALE_FIELDS = {
+    Q.Q8_0: ((0, -3e-4, 3e-4),),
+    Q.Q4_0: ((0, -5e-3, 5e-3),),
+    Q.Q4_1: ((0, -5e-3, 5e-3), (2, -0.04, 0.0)),
+    Q.Q5_0: ((0, -2e-3, 2e-3),),
+    Q.Q5_K: ((0, 1e-5, 3e-5), (2, 1e-5, 3e-5)),
+    Q.Q4_K: ((0, 2e-5, 6e-5), (2, 2e-5, 6e-5)),
+    Q.Q6_K: ((208, 1e-5, 3e-5),),
+}
+
+
+def llama_1b_config(num_layers: int = 16) -> ModelConfig:
+    """Llama-3.2-1B shapes (hidden 2048, 32 heads, 8 kv heads, head dim 64, intermediate 8192, vocab 128256)."""
+    return ModelConfig("llama", num_layers, 2048, 8192, 32, 8, 64, 128256, 131072, 500000.0, 1e-5)
+
+
+def tiny_config(num_layers: int = 1, vocab_size: int = 72, intermediate_size: int = 256) -> ModelConfig:
+    """A tiny llama whose every matmul input dim is a multiple of 256 (the K-quant block)."""
+    return ModelConfig("llama", num_layers, 256, intermediate_size, 4, 2, 64, vocab_size, 512, 10000.0, 1e-5)
+
+
+def random_weight(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, device: torch.device, g: torch.Generator) -> QTensor:
+    """A random valid `[rows, cols]` weight of `qtype`, generated on `device`."""
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+        values = torch.randn(rows, cols, device=device, generator=g) * 0.02
+        return QTensor(values.to(dtype), qtype, (rows, cols))
+    block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block
+    blocks = torch.randint(0, 256, (n_blocks, size), device=device, dtype=torch.uint8, generator=g)
+    for offset, low, high in _SCALE_FIELDS[qtype]:
+        field = torch.rand(n_blocks, 1, device=device, generator=g) * (high - low) + low
+        blocks[:, offset : offset + 2] = field.half().view(torch.uint8)
+    return QTensor(blocks.view(rows, -1), qtype, (rows, cols))
+
+
+def random_tensors(config: ModelConfig, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0) -> dict[str, QTensor]:
+    """GGUF-named tensors of a random decoder: matmul weights (and the embedding) in `qtype`, norms in F32."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    c = config
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def norm(n: int) -> QTensor:
+        return QTensor(1.0 + 0.1 * torch.randn(n, device=device, generator=g), Q.F32, (n,))
+
+    tensors = {
+        "token_embd.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
+        "output.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
+        "output_norm.weight": norm(c.hidden_size),
+    }
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        shapes = {
+            "attn_q.weight": (q_rows, c.hidden_size),
+            "attn_k.weight": (kv_rows, c.hidden_size),
+            "attn_v.weight": (kv_rows, c.hidden_size),
+            "attn_output.weight": (c.hidden_size, q_rows),
+            "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
+            "ffn_up.weight": (c.intermediate_size, c.hidden_size),
+            "ffn_down.weight": (c.hidden_size, c.intermediate_size),
+        }
+        for name, (rows, cols) in shapes.items():
+            tensors[p + name] = random_weight(qtype, rows, cols, device, g)
+        tensors[p + "attn_norm.weight"] = norm(c.hidden_size)
+        tensors[p + "ffn_norm.weight"] = norm(c.hidden_size)
+    return tensors
+
+
+def batch_metadata(seq_lens: list[int], q_lens: list[int], block_size: int, device: torch.device) -> BatchMetadata:
+    """Metadata of sequences i owning blocks ``i * blocks_per_seq ...``, their last q_lens tokens new."""
+    per_seq = max(-(-s // block_size) for s in seq_lens)
+    positions, slots, starts = [], [], [0]
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        positions += range(seq_len - q_len, seq_len)
+        slots += [i * per_seq * block_size + p for p in range(seq_len - q_len, seq_len)]
+        starts.append(starts[-1] + q_len)
+    tables = torch.arange(len(seq_lens) * per_seq, dtype=torch.int32).view(len(seq_lens), per_seq)
+    return BatchMetadata(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        logits_indices=torch.tensor(starts[1:], dtype=torch.int64, device=device) - 1,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(q_lens),
+    )

@@ -1,0 +1,96 @@
+"""Rotary + paged KV write, and paged attention (decode and prefill) against TorchOps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpullama.kernels import TritonOps
+from gpullama.kernels.attention import paged_attention
+from gpullama.ops import TorchOps, rope_cos_sin
+from tests.kernels.batches import make_batch, meta_to
+
+CPU = torch.device("cpu")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute error over the largest reference magnitude."""
+    return float((got.cpu().double() - want.cpu().double()).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("llama3_factors", [False, True])
+def test_rope_and_cache_matches_torch(cache_dtype, llama3_factors, device):
+    """Rotated q, k (strided views of one qkv) and the pool contents equal TorchOps'."""
+    hq, hk, d, block_size = 4, 2, 32, 4
+    meta = make_batch([7, 3, 9], [2, 3, 1], block_size, num_blocks=8)
+    t = meta.positions.shape[0]
+    factors = torch.linspace(1.0, 8.0, d // 2) if llama3_factors else None
+    cos_sin = rope_cos_sin(d, 16, 10000.0, factors)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=torch.Generator().manual_seed(1))
+    q, k, v = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d), qkv[:, (hq + hk) * d :].view(t, hk, d)
+    pools = [torch.randn(8, block_size, hk, d).to(cache_dtype) for _ in range(2)]
+    want_pools = [p.clone() for p in pools]
+    want_q, want_k = TorchOps(CPU).rope_and_cache(q.clone(), k.clone(), v, cos_sin, *want_pools, meta)
+    qkv_dev = qkv.to(device)
+    q2, k2, v2 = (qkv_dev[:, : hq * d].view(t, hq, d), qkv_dev[:, hq * d : (hq + hk) * d].view(t, hk, d),
+                  qkv_dev[:, (hq + hk) * d :].view(t, hk, d))
+    got_pools = [p.to(device) for p in pools]
+    got_q, got_k = TritonOps(device).rope_and_cache(q2, k2, v2, cos_sin.to(device), *got_pools, meta_to(meta, device))
+    assert rel_err(got_q, want_q) < 1e-5 and rel_err(got_k, want_k) < 1e-5
+    tolerance = 1e-5 if cache_dtype == torch.float32 else 1e-2  # bf16: one rounding step of a float32 value
+    for got, want in zip(got_pools, want_pools):
+        assert rel_err(got, want) < tolerance  # written slots match, untouched slots unchanged
+
+
+def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device, **kernel_args):
+    """(kernel output, TorchOps output) for one random batch."""
+    meta = make_batch(seq_lens, q_lens, block_size, num_blocks=sum(-(-s // block_size) for s in seq_lens) + 3, seed=2)
+    g = torch.Generator().manual_seed(3)
+    num_blocks = int(meta.block_tables.max()) + 4
+    k_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(cache_dtype)
+    q = torch.randn(meta.positions.shape[0], hq, d, generator=g)
+    want = TorchOps(CPU).attention(q, k_cache, v_cache, meta, d**-0.5)
+    m = meta_to(meta, device)
+    got = paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), m.block_tables, m.seq_lens,
+                          m.query_start_loc, m.max_query_len, d**-0.5, **kernel_args)
+    return got, want
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (6, 2), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_matches_torch(hq, hk, num_splits, device):
+    """One new token per sequence, contexts across several blocks and splits (some splits empty)."""
+    got, want = _attention_case([1, 13, 37], [1, 1, 1], hq, hk, 32, 4, torch.float32, device,
+                                num_splits=num_splits, block_n=16)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_attention_16bit_pool(cache_dtype, device):
+    """A 16-bit pool stays within 1e-2 of the float32 reference."""
+    got, want = _attention_case([9, 20], [1, 1], 8, 2, 64, 8, cache_dtype, device, num_splits=2, block_n=16)
+    assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_prefill_attention_with_cached_prefix(block_n, device):
+    """Varlen causal prefill: fresh prompts, prompts after a cached prefix, and a decode row in one batch."""
+    got, want = _attention_case([5, 21, 30, 11], [5, 9, 1, 11], 6, 2, 16, 4, torch.float32, device, block_n=block_n)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_prefill_attention_16bit_pool_odd_head_dim(device):
+    """Head dim 48 (padded to 64 in registers) with a bf16 pool."""
+    got, want = _attention_case([19, 7], [19, 4], 4, 1, 48, 8, torch.bfloat16, device, block_n=16)
+    assert rel_err(got, want) < 1e-2
+
+
+def test_attention_rejects_mismatched_pool(device):
+    """kv heads that do not divide the query heads are a ValueError naming the shapes."""
+    q = torch.zeros(1, 6, 16, device=device)
+    pool = torch.zeros(2, 4, 4, 16, device=device)
+    meta = meta_to(make_batch([1], [1], 4, 2), device)
+    with pytest.raises(ValueError, match="Hk dividing 6"):
+        paged_attention(q, pool, pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1, 0.25)

@@ -1,0 +1,47 @@
+"""TritonOps as a whole: a random decoder's prefill and decode logits against TorchOps on the same weights."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from gpullama.kernels import TritonOps
+from gpullama.model import Decoder
+from gpullama.ops import TorchOps
+from tests.kernels.random_model import batch_metadata, random_tensors, tiny_config
+
+Q = gguf.GGMLQuantizationType
+
+
+def _prefill_then_decode(ops: TorchOps, tensors: dict, block_size: int = 8) -> list[torch.Tensor]:
+    """Logits of a 2-sequence prefill (5 and 3 tokens) and of the decode step after it."""
+    config = tiny_config()
+    decoder = Decoder(config, tensors, ops, max_positions=64)
+    pools = [torch.zeros(4, block_size, config.num_kv_heads, config.head_dim, device=ops.device) for _ in range(2 * config.num_layers)]
+    k_caches, v_caches = pools[: config.num_layers], pools[config.num_layers :]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (8,), generator=g).to(ops.device)
+    first = decoder.forward(prompt, batch_metadata([5, 3], [5, 3], block_size, ops.device), k_caches, v_caches)
+    step = torch.randint(0, config.vocab_size, (2,), generator=g).to(ops.device)
+    second = decoder.forward(step, batch_metadata([6, 4], [1, 1], block_size, ops.device), k_caches, v_caches)
+    return [first.cpu(), second.cpu()]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_decoder_logits_match_torch_ops(qtype, device):
+    """float32: every kernel chained through a layer and the head stays within 1e-4 of the torch path."""
+    tensors = random_tensors(tiny_config(), qtype, torch.device("cpu"), seed=1)
+    want = _prefill_then_decode(TorchOps(torch.device("cpu")), tensors)
+    got = _prefill_then_decode(TritonOps(device), {k: v.to(device) for k, v in tensors.items()})
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max() / w.abs().max()) < 1e-4
+
+
+def test_prepare_weight_keeps_gguf_blocks(device):
+    """Kernel-readable quantized weights stay raw blocks of their GGUF size on the device."""
+    tensors = random_tensors(tiny_config(num_layers=1), Q.Q4_K, torch.device("cpu"))
+    weight = tensors["blk.0.ffn_up.weight"]
+    prepared = TritonOps(device).prepare_weight(weight)
+    assert prepared.qtype == Q.Q4_K and prepared.nbytes == weight.nbytes == 256 * 256 // 256 * 144
+    assert prepared.device.type == device.type
