@@ -1,0 +1,7 @@
+"""``python -m gpullama.server`` runs ``gpullama-serve``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

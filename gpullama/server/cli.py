@@ -1,0 +1,69 @@
+"""``gpullama-serve``: parse flags, configure logging, run uvicorn (the model loads once the socket is up)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from .app import create_app
+from .state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MODEL, ServerConfig, ServerState
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command-line flags."""
+    p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"GGUF path or alias (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: auto, the library's choice for the device)")
+    p.add_argument("--max-model-len", type=_positive, default=None, help="context limit in tokens (default: the model's)")
+    p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: the model's name)")
+    p.add_argument("--api-key", default=os.environ.get("GPULLAMA_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $GPULLAMA_API_KEY, else none)")
+    p.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until interrupted; exit status 1 when the model cannot be loaded."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+                          max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    state = ServerState(config)
+    app = create_app(config, state)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                           log_level=args.log_level, access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    failed: list[BaseException] = []
+
+    def on_load_failed(exc: BaseException) -> None:
+        failed.append(exc)
+        server.should_exit = True
+
+    state.on_load_failed = on_load_failed
+    logging.getLogger("gpullama.server").info("gpullama-serve: model %s, device %s, address http://%s:%d%s",
+                                              args.model, args.device, args.host, args.port,
+                                              " (API key required)" if args.api_key else "")
+    server.run()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the server (a private registry rendered at ``GET /metrics``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Request counts by status, token counters, latency histograms and the engine's queue gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gpullama_http_requests", "HTTP requests by route and status code.",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("gpullama_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("gpullama_generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("gpullama_time_to_first_token_seconds", "Time from request arrival to the first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("gpullama_inter_token_latency_seconds", "Time between consecutive generated tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("gpullama_request_duration_seconds", "Generation request latency, arrival to last token.",
+                             buckets=_TTFT_BUCKETS, registry=r)
+        self.running = Gauge("gpullama_requests_running", "Requests in the engine's running batch.", registry=r)
+        self.waiting = Gauge("gpullama_requests_waiting", "Requests queued in the engine.", registry=r)
+
+    def observe_request(self, path: str, status: int) -> None:
+        """Count one finished HTTP request (unknown paths share one label)."""
+        self.requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()
+
+    def render(self, engine: Any | None) -> bytes:
+        """The Prometheus text exposition, with the queue gauges read from ``engine`` now."""
+        self.running.set(engine.num_running if engine is not None else 0)
+        self.waiting.set(engine.num_waiting if engine is not None else 0)
+        return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""Pure-ASGI middleware: bearer-key authentication and one access-log line (plus a metric) per request."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_bytes
+from .metrics import ServerMetrics
+
+access_log = logging.getLogger("gpullama.server.access")
+
+
+async def send_json_error(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Send a complete JSON error response."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    """Require ``Authorization: Bearer KEY`` on ``/v1`` routes; health and metrics stay open (as in vLLM)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            message = "Missing API key" if not given else "Incorrect API key provided"
+            body = error_bytes(401, f"{message}: pass it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
+            return await send_json_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+
+class AccessLogMiddleware:
+    """Log ``client "METHOD path HTTP/v" status duration`` once the response is complete; count it by status."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            client = scope.get("client")
+            where = f"{client[0]}:{client[1]}" if client else "-"
+            access_log.info('%s "%s %s HTTP/%s" %d %.1fms', where, scope["method"], scope["path"],
+                            scope.get("http_version", "1.1"), status, (time.perf_counter() - start) * 1000)
+            self.metrics.observe_request(scope["path"], status)

@@ -1,0 +1,86 @@
+"""Server configuration and the shared state: the model and engine, loaded after the socket is up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .metrics import ServerMetrics
+
+log = logging.getLogger("gpullama.server")
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    """Command-line settings of ``gpullama-serve``."""
+
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 8080
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
+    """Load the model (blocking; run in a thread); return it with the engine factory to call on the event loop."""
+    from gpullama import LLM
+    from gpullama.engine import AsyncEngine
+
+    llm = LLM(config.model, device=config.device, max_model_len=config.max_model_len, dtype=config.dtype)
+    return llm, AsyncEngine
+
+
+class ServerState:
+    """What every route reads: status (``loading``/``ready``/``failed``), model, engine, metrics."""
+
+    def __init__(self, config: ServerConfig,
+                 loader: Callable[[ServerConfig], tuple[Any, Callable[[Any], Any]]] = load_engine) -> None:
+        self.config = config
+        self.loader = loader
+        self.status = "loading"
+        self.error: str | None = None
+        self.llm: Any = None
+        self.engine: Any = None
+        self.model_name: str | None = config.served_model_name
+        self.created = int(time.time())
+        self.metrics = ServerMetrics()
+        self.on_load_failed: Callable[[BaseException], None] | None = None
+
+    async def load(self) -> None:
+        """Load the model off the event loop, then start the engine; on failure record it and notify."""
+        start = time.perf_counter()
+        log.info("loading model %s (device=%s, dtype=%s, max_model_len=%s)", self.config.model, self.config.device,
+                 self.config.dtype, self.config.max_model_len)
+        try:
+            llm, engine_cls = await asyncio.to_thread(self.loader, self.config)
+            self.engine = engine_cls(llm)
+            self.llm = llm
+        except Exception as exc:  # noqa: BLE001 - any loading failure ends the server with a clear log line
+            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("loading model %s failed: %s", self.config.model, self.error)
+            if self.on_load_failed is not None:
+                self.on_load_failed(exc)
+            return
+        self.model_name = self.config.served_model_name or llm.model_name
+        self.status = "ready"
+        log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
+                 self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
+                 self.config.host, self.config.port)
+
+    def shutdown(self) -> None:
+        """Stop the engine's step loop."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        self.status = "stopped"
