@@ -107,6 +107,8 @@ class TorchOps:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its whole context in the paged pool: ``[T, Hq, D]``."""
+        if meta.max_query_len == 1:
+            return self._decode_attention(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         hq, hk = q.shape[1], k_cache.shape[2]
@@ -131,6 +133,22 @@ class TorchOps:
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
             out[q_start:q_end] = o.transpose(0, 1)
         return out
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
+    ) -> torch.Tensor:
+        """One new token per sequence: gather every context into one padded batch and attend in a single call."""
+        block_size, hk, d = k_cache.shape[1:]
+        n_blocks = -(-max(meta.seq_lens_cpu) // block_size)
+        tables = meta.block_tables[:, :n_blocks].long()
+        batch = tables.shape[0]
+        keys = k_cache[tables].view(batch, n_blocks * block_size, hk, d).transpose(1, 2).float()
+        values = v_cache[tables].view(batch, n_blocks * block_size, hk, d).transpose(1, 2).float()
+        valid = torch.arange(n_blocks * block_size, device=q.device)[None, :] < meta.seq_lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != hk
+        )
+        return o[:, :, 0, :]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
