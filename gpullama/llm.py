@@ -65,6 +65,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ):
         started = time.perf_counter()
         self.model_name = str(model) if str(model) in ALIASES else Path(model).stem
@@ -94,6 +95,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching,
+                use_cuda_graphs=not enforce_eager,
             ),
             kv_dtype,
         )

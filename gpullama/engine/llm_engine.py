@@ -14,6 +14,7 @@ from gpullama.engine.scheduler import Scheduler
 from gpullama.engine.sequence import Sequence
 from gpullama.model import Decoder
 from gpullama.ops import BatchMetadata
+from gpullama.plan import StepPlan
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
 from gpullama.sampling_params import SamplingParams
 
@@ -30,6 +31,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    use_cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA with the Triton ops only)
+    static_decode: bool = False  # run decode on the plan's padded static buffers even without graphs
 
 
 class LLMEngine:
@@ -43,10 +46,22 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         mc = model.config
-        shape = (config.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+        # one block past the managed ones: the scratch block that padded decode rows write into
+        shape = (config.num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
         device = model.ops.device
         self.k_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(mc.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(mc.num_layers)]
+        use_graphs = config.use_cuda_graphs and device.type == "cuda" and model.ops.name == "triton"
+        self.plan = StepPlan(
+            model,
+            self.k_caches,
+            self.v_caches,
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=-(-config.max_model_len // config.block_size),
+            scratch_block=config.num_blocks,
+            use_static_decode=config.static_decode,
+            use_graphs=use_graphs,
+        )
         self.requests: dict[str, Sequence] = {}
         self.pending: list[StreamDelta] = []  # deltas of aborted requests, sent with the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
@@ -115,7 +130,7 @@ class LLMEngine:
         if not batch:
             return deltas
         token_ids, meta, sampling = self._prepare(batch)
-        logits = self.model.forward(token_ids, meta, self.k_caches, self.v_caches)
+        logits = self.plan.run(token_ids, meta)
         for seq, n in batch:
             old = seq.num_computed_tokens
             seq.num_computed_tokens += n
