@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import torch
 
+# Functions named like their modules are imported under private names, so that `gpullama.kernels.rms_norm`
+# and the others stay the modules.
 from gpullama.kernels.attention import paged_attention
-from gpullama.kernels.embedding import embedding
+from gpullama.kernels.embedding import embedding as _embedding
 from gpullama.kernels.gguf_blocks import QUANTIZED_KERNEL_TYPES
 from gpullama.kernels.quant_matmul import quant_linear
-from gpullama.kernels.rms_norm import head_rms_norm, rms_norm
-from gpullama.kernels.rotary import rope_and_cache
-from gpullama.kernels.sampling import sample, sample_reference
-from gpullama.kernels.silu_mul import silu_mul
+from gpullama.kernels.rms_norm import head_rms_norm as _head_rms_norm
+from gpullama.kernels.rms_norm import rms_norm as _rms_norm
+from gpullama.kernels.rotary import rope_and_cache as _rope_and_cache
+from gpullama.kernels.sampling import sample as _sample
+from gpullama.kernels.sampling import sample_reference
+from gpullama.kernels.silu_mul import silu_mul as _silu_mul
 from gpullama.ops import BatchMetadata, TorchOps
 from gpullama.quants import QTensor
 
-__all__ = ["TritonOps", "sample", "sample_reference"]
+__all__ = ["TritonOps", "sample_reference"]
 
 _DENSE_TYPES = ("F32", "F16", "BF16")
 
@@ -39,7 +43,7 @@ class TritonOps(TorchOps):
         """Rows of the table for `ids`, dequantized in the kernel: float32 ``[T, H]``."""
         if isinstance(table, QTensor) and table.qtype not in QUANTIZED_KERNEL_TYPES and table.qtype.name not in _DENSE_TYPES:
             return super().embedding(ids, table)
-        return embedding(ids, table)
+        return _embedding(ids, table)
 
     def linear(self, x: torch.Tensor, weight: QTensor | torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` from GGUF blocks, multiplied in the compute dtype, float32 out."""
@@ -49,11 +53,11 @@ class TritonOps(TorchOps):
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm fused with the residual add: ``(norm(x + residual) * weight, x + residual)``."""
-        return rms_norm(x, weight, eps, residual)
+        return _rms_norm(x, weight, eps, residual)
 
     def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each head of ``[T, heads, D]``."""
-        return head_rms_norm(x, weight, eps)
+        return _head_rms_norm(x, weight, eps)
 
     def rope_and_cache(
         self,
@@ -66,7 +70,7 @@ class TritonOps(TorchOps):
         meta: BatchMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k in place and write k, v into the paged pool, in one kernel."""
-        return rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
+        return _rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
 
     def attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
@@ -78,7 +82,7 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the fused gate|up output."""
-        return silu_mul(gate_up)
+        return _silu_mul(gate_up)
 
     def sample(
         self,
@@ -90,4 +94,4 @@ class TritonOps(TorchOps):
         uniform: torch.Tensor,
     ) -> torch.Tensor:
         """Next token per row on the device (see `gpullama.kernels.sampling.sample`)."""
-        return sample(logits, temperature, top_k, top_p, min_p, uniform)
+        return _sample(logits, temperature, top_k, top_p, min_p, uniform)

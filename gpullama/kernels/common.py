@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,8 +36,14 @@ def pow2(n: int, minimum: int = 1) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a small stand-in elsewhere, to keep interpreter grids small)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    """Multiprocessor count of CUDA device `index`, asked once."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit

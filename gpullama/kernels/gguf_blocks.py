@@ -11,7 +11,7 @@ at even offsets of blocks of even size, so they are read through a float16 view 
     Q5_0  32 values,  22 bytes: d f16 | qh u32 (bit j = 5th bit of value j) | qs[16]   w = d * (q - 16)
     Q5_1  32 values,  24 bytes: d f16 | m f16 | qh u32 | qs[16]                   w = d * q + m
     Q4_K  256 values, 144 bytes: d f16 | dmin f16 | scales[12] (8 x 6-bit scale, 8 x 6-bit min) | qs[128]
-          value e: sub-block s = e // 32, byte 32 * (e // 64) + e % 32, nibble (e // 32) % 2;
+          value e (0..255): sub-block s = e // 32, byte 32 * (s // 2) + e % 32, nibble s % 2;
           w = d * scale[s] * q - dmin * min[s]
     Q5_K  256 values, 176 bytes: d | dmin | scales[12] | qh[32] (bit s of qh[e % 32]) | qs[128]   as Q4_K, q += 16 * bit
     Q6_K  256 values, 210 bytes: ql[128] | qh[64] | scales int8[16] | d f16; half h = e // 128, r = e % 128:
@@ -69,77 +69,79 @@ def _k_scale_min(u8_ptr, scales_offset, s, mask):
     return scale.to(tl.float32), minimum.to(tl.float32)
 
 
-@triton.jit
-def dequantize_tile(w_ptr, h_ptr, rows, cols, row_stride, mask, FMT: tl.constexpr):
-    """Float32 values of the weight at ``rows [R, 1] x cols [1, C]`` (0 where `mask` is false).
+def sub_block_size(fmt: int) -> int:
+    """Values that share one scale in format `fmt` (the innermost tile dim): 16 for Q6_K, 32 otherwise."""
+    return 16 if fmt == int(Q.Q6_K) else 32
 
-    `w_ptr` is the typed matrix for F32/F16/BF16 (`row_stride` in elements) or its bytes for quantized types
-    (`row_stride` in bytes, `h_ptr` the float16 view of the same bytes).
+
+@triton.jit
+def dequantize_tile(w_ptr, h_ptr, rows, sub, lane, row_stride, row_mask, K, FMT: tl.constexpr, SUB: tl.constexpr):
+    """Float32 weights at rows ``[R, 1, 1]`` x columns ``sub * SUB + lane`` (``sub [1, S, 1]``, ``lane [1, 1, SUB]``).
+
+    A tile is ``[R, S, SUB]``: S sub-blocks of SUB values that share their scales, so the scale fields are read
+    and decoded once per ``[R, S, 1]`` sub-block and broadcast. `w_ptr` is the typed matrix for F32/F16/BF16
+    (`row_stride` in elements) or its bytes (`row_stride` in bytes, `h_ptr` the float16 view of the same
+    bytes). `row_mask` is ``[R, 1, 1]``; values of masked rows and of columns >= K are 0.
     """
-    rows = rows.to(tl.int64)
+    rows = rows.to(tl.int64) * row_stride
+    mask = row_mask & (sub * SUB + lane < K)  # [R, S, SUB]
+    sub_mask = row_mask & (sub * SUB < K)  # [R, S, 1]: quantized rows hold whole sub-blocks
     if FMT == 0 or FMT == 1 or FMT == 30:  # F32, F16, BF16
-        return tl.load(w_ptr + rows * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(w_ptr + rows + sub * SUB + lane, mask=mask, other=0.0).to(tl.float32)
     elif FMT == 8:  # Q8_0
-        base = rows * row_stride + (cols // 32) * 34
-        d = _f16_at(h_ptr, base, mask)
-        q = tl.load(w_ptr + base + 2 + cols % 32, mask=mask, other=0).to(tl.int8, bitcast=True)
+        base = rows + sub * 34
+        d = _f16_at(h_ptr, base, sub_mask)
+        q = tl.load(w_ptr + base + 2 + lane, mask=mask, other=0).to(tl.int8, bitcast=True)
         return d * q.to(tl.float32)
     elif FMT == 2:  # Q4_0
-        j = cols % 32
-        base = rows * row_stride + (cols // 32) * 18
-        d = _f16_at(h_ptr, base, mask)
-        q = (_u8_at(w_ptr, base + 2 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+        base = rows + sub * 18
+        d = _f16_at(h_ptr, base, sub_mask)
+        q = (_u8_at(w_ptr, base + 2 + lane % 16, mask) >> ((lane // 16) * 4)) & 0xF
         return d * (q - 8).to(tl.float32)
     elif FMT == 3:  # Q4_1
-        j = cols % 32
-        base = rows * row_stride + (cols // 32) * 20
-        d = _f16_at(h_ptr, base, mask)
-        m = _f16_at(h_ptr, base + 2, mask)
-        q = (_u8_at(w_ptr, base + 4 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+        base = rows + sub * 20
+        d = _f16_at(h_ptr, base, sub_mask)
+        m = _f16_at(h_ptr, base + 2, sub_mask)
+        q = (_u8_at(w_ptr, base + 4 + lane % 16, mask) >> ((lane // 16) * 4)) & 0xF
         return d * q.to(tl.float32) + m
     elif FMT == 6:  # Q5_0
-        j = cols % 32
-        base = rows * row_stride + (cols // 32) * 22
-        d = _f16_at(h_ptr, base, mask)
-        high = (_u8_at(w_ptr, base + 2 + j // 8, mask) >> (j % 8)) & 1
-        q = ((_u8_at(w_ptr, base + 6 + j % 16, mask) >> ((j // 16) * 4)) & 0xF) | (high << 4)
+        base = rows + sub * 22
+        d = _f16_at(h_ptr, base, sub_mask)
+        high = (_u8_at(w_ptr, base + 2 + lane // 8, mask) >> (lane % 8)) & 1
+        q = ((_u8_at(w_ptr, base + 6 + lane % 16, mask) >> ((lane // 16) * 4)) & 0xF) | (high << 4)
         return d * (q - 16).to(tl.float32)
     elif FMT == 7:  # Q5_1
-        j = cols % 32
-        base = rows * row_stride + (cols // 32) * 24
-        d = _f16_at(h_ptr, base, mask)
-        m = _f16_at(h_ptr, base + 2, mask)
-        high = (_u8_at(w_ptr, base + 4 + j // 8, mask) >> (j % 8)) & 1
-        q = ((_u8_at(w_ptr, base + 8 + j % 16, mask) >> ((j // 16) * 4)) & 0xF) | (high << 4)
+        base = rows + sub * 24
+        d = _f16_at(h_ptr, base, sub_mask)
+        m = _f16_at(h_ptr, base + 2, sub_mask)
+        high = (_u8_at(w_ptr, base + 4 + lane // 8, mask) >> (lane % 8)) & 1
+        q = ((_u8_at(w_ptr, base + 8 + lane % 16, mask) >> ((lane // 16) * 4)) & 0xF) | (high << 4)
         return d * q.to(tl.float32) + m
-    elif FMT == 12:  # Q4_K
-        e = cols % 256
-        s = e // 32
-        base = rows * row_stride + (cols // 256) * 144
-        d = _f16_at(h_ptr, base, mask)
-        dmin = _f16_at(h_ptr, base + 2, mask)
-        scale, minimum = _k_scale_min(w_ptr, base + 4, s, mask)
-        q = (_u8_at(w_ptr, base + 16 + (e // 64) * 32 + e % 32, mask) >> ((s % 2) * 4)) & 0xF
-        return d * scale * q.to(tl.float32) - dmin * minimum
+    elif FMT == 12:  # Q4_K: sub-block s = sub % 8 of super-block sub // 8
+        s = sub % 8
+        base = rows + (sub // 8) * 144
+        scale, minimum = _k_scale_min(w_ptr, base + 4, s, sub_mask)
+        d = _f16_at(h_ptr, base, sub_mask) * scale
+        dm = _f16_at(h_ptr, base + 2, sub_mask) * minimum
+        q = (_u8_at(w_ptr, base + 16 + (s // 2) * 32 + lane, mask) >> ((s % 2) * 4)) & 0xF
+        return d * q.to(tl.float32) - dm
     elif FMT == 13:  # Q5_K
-        e = cols % 256
-        s = e // 32
-        base = rows * row_stride + (cols // 256) * 176
-        d = _f16_at(h_ptr, base, mask)
-        dmin = _f16_at(h_ptr, base + 2, mask)
-        scale, minimum = _k_scale_min(w_ptr, base + 4, s, mask)
-        high = (_u8_at(w_ptr, base + 16 + e % 32, mask) >> s) & 1
-        q = ((_u8_at(w_ptr, base + 48 + (e // 64) * 32 + e % 32, mask) >> ((s % 2) * 4)) & 0xF) | (high << 4)
-        return d * scale * q.to(tl.float32) - dmin * minimum
-    else:  # Q6_K (FMT == 14)
+        s = sub % 8
+        base = rows + (sub // 8) * 176
+        scale, minimum = _k_scale_min(w_ptr, base + 4, s, sub_mask)
+        d = _f16_at(h_ptr, base, sub_mask) * scale
+        dm = _f16_at(h_ptr, base + 2, sub_mask) * minimum
+        high = (_u8_at(w_ptr, base + 16 + lane, mask) >> s) & 1
+        q = ((_u8_at(w_ptr, base + 48 + (s // 2) * 32 + lane, mask) >> ((s % 2) * 4)) & 0xF) | (high << 4)
+        return d * q.to(tl.float32) - dm
+    else:  # Q6_K (FMT == 14), SUB == 16: sub-block s = sub % 16 of super-block sub // 16
         tl.static_assert(FMT == 14)
-        e = cols % 256
-        half = e // 128
-        r = e % 128
-        base = rows * row_stride + (cols // 256) * 210
-        d = _f16_at(h_ptr, base + 208, mask)
-        scale = tl.load(w_ptr + base + 192 + e // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+        s = sub % 16
+        base = rows + (sub // 16) * 210
+        scale = tl.load(w_ptr + base + 192 + s, mask=sub_mask, other=0).to(tl.int8, bitcast=True)
+        d = _f16_at(h_ptr, base + 208, sub_mask) * scale.to(tl.float32)
+        half = s // 8
+        r = (s % 8) * 16 + lane  # position in the half, 0..127
         low = (_u8_at(w_ptr, base + 64 * half + r % 64, mask) >> ((r // 64) * 4)) & 0xF
         high = (_u8_at(w_ptr, base + 128 + 32 * half + r % 32, mask) >> ((r // 32) * 2)) & 3
-        q = low | (high << 4)
-        return d * scale.to(tl.float32) * (q - 32).to(tl.float32)
+        return d * ((low | (high << 4)) - 32).to(tl.float32)

@@ -2,11 +2,12 @@
 
 Two kernels share `gguf_blocks.dequantize_tile`:
 - `_gemv_kernel` (decode, at most GEMV_MAX_ROWS rows of x): grid ``(cdiv(N, BLOCK_N), M)``; each program owns
-  BLOCK_N output features of one token and walks K in BLOCK_K steps, dequantizing a ``[BLOCK_N, BLOCK_K]``
-  weight tile and accumulating ``w * x`` in float32 (reduced once at the end). Weight bytes are read once per
-  token, so at batch 1 the kernel streams the weight exactly once.
+  BLOCK_N output features of one token and walks K in BLOCK_K steps, dequantizing a ``[BLOCK_N, BLOCK_K / SUB,
+  SUB]`` weight tile (SUB values share a scale: the scales are decoded once per sub-block) and accumulating
+  ``w * x`` in float32, reduced once at the end. At batch 1 the kernel streams each weight byte once.
 - `_matmul_kernel` (prefill and wide decode): grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``; a ``[BLOCK_M,
-  BLOCK_N]`` float32 accumulator fed by `tl.dot` of an x tile and a dequantized, transposed weight tile.
+  BLOCK_N]`` float32 accumulator fed by `tl.dot` of an x tile and the dequantized weight tile, reshaped to
+  ``[BLOCK_N, BLOCK_K]`` and transposed.
 Both round x and the weights to the compute dtype before multiplying, as `TorchOps.linear` does, and return
 float32 ``[M, N]`` (+ bias). Torch reference: `TorchOps.linear` over `QTensor.dequantize` (tests use
 `gguf.quants.dequantize` and a float64 matmul).
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from gpullama.kernels.common import dot, interpreting, tl_dtype
-from gpullama.kernels.gguf_blocks import DENSE_FORMATS, dequantize_tile, weight_pointers
+from gpullama.kernels.gguf_blocks import DENSE_FORMATS, dequantize_tile, sub_block_size, weight_pointers
 from gpullama.quants import QTensor
 
 GEMV_MAX_ROWS = 4
@@ -30,7 +31,7 @@ GEMV_MAX_ROWS = 4
 def _gemv_kernel(
     x_ptr, w_ptr, h_ptr, bias_ptr, out_ptr,
     N, K, stride_xm, stride_om, row_stride,
-    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    FMT: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One token's BLOCK_N outputs: float32 sum over K of dequantized weight times x."""
@@ -38,16 +39,18 @@ def _gemv_kernel(
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    subs = tl.arange(0, BLOCK_K // SUB)[None, :, None]
+    lane = tl.arange(0, SUB)[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        x = tl.load(x_ptr + m * stride_xm + cols, mask=col_mask, other=0.0)
+        sub = k0 // SUB + subs
+        cols = sub * SUB + lane
+        x = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0)
         x = x.to(COMPUTE_DTYPE).to(tl.float32)
-        w = dequantize_tile(w_ptr, h_ptr, rows[:, None], cols[None, :], row_stride,
-                            row_mask[:, None] & col_mask[None, :], FMT)
-        acc += w.to(COMPUTE_DTYPE).to(tl.float32) * x[None, :]
-    out = tl.sum(acc, axis=1)
+        w = dequantize_tile(w_ptr, h_ptr, rows[:, None, None], sub, lane, row_stride, row_mask[:, None, None], K,
+                            FMT, SUB)
+        acc += w.to(COMPUTE_DTYPE).to(tl.float32) * x
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rows, out, mask=row_mask)
@@ -57,8 +60,8 @@ def _gemv_kernel(
 def _matmul_kernel(
     x_ptr, w_ptr, h_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_om, row_stride,
-    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMT: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """A ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` by `tl.dot` over dequantized weight tiles."""
     pid_n = tl.program_id(0)
@@ -67,15 +70,16 @@ def _matmul_kernel(
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = rows_m < M
     mask_n = rows_n < N
+    subs = tl.arange(0, BLOCK_K // SUB)[None, :, None]
+    lane = tl.arange(0, SUB)[None, None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
         x = tl.load(x_ptr + rows_m[:, None] * stride_xm + cols[None, :],
-                    mask=mask_m[:, None] & col_mask[None, :], other=0.0)
-        w = dequantize_tile(w_ptr, h_ptr, rows_n[:, None], cols[None, :], row_stride,
-                            mask_n[:, None] & col_mask[None, :], FMT)
-        acc = dot(x, tl.trans(w), acc, COMPUTE_DTYPE, EMULATE)
+                    mask=mask_m[:, None] & (cols[None, :] < K), other=0.0)
+        w = dequantize_tile(w_ptr, h_ptr, rows_n[:, None, None], k0 // SUB + subs, lane, row_stride,
+                            mask_n[:, None, None], K, FMT, SUB)
+        acc = dot(x, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K])), acc, COMPUTE_DTYPE, EMULATE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows_m[:, None] * stride_om + rows_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
@@ -110,6 +114,8 @@ def quant_linear(
         x = x.contiguous()
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"quant_linear: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
+    if (block_k or 32) % 32 or (block_n or 16) % 16:
+        raise ValueError(f"quant_linear: block_k must be a multiple of 32 and block_n of 16, got {block_k}, {block_n}")
     m = x.shape[0]
     out = torch.empty((m, n), device=x.device, dtype=torch.float32)
     if m == 0:
@@ -122,7 +128,8 @@ def quant_linear(
         grid = (triton.cdiv(n, block_n), m)
         _gemv_kernel[grid](
             x, data, halves, bias_arg, out, n, k, x.stride(0), out.stride(0), row_stride,
-            FMT=fmt, HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, BLOCK_N=block_n, BLOCK_K=block_k,
+            FMT=fmt, SUB=sub_block_size(fmt), HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute,
+            BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=4,
         )
         return out
@@ -132,7 +139,7 @@ def quant_linear(
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _matmul_kernel[grid](
         x, data, halves, bias_arg, out, m, n, k, x.stride(0), out.stride(0), row_stride,
-        FMT=fmt, HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, EMULATE=interpreting(),
+        FMT=fmt, SUB=sub_block_size(fmt), HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, EMULATE=interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
     )
     return out

@@ -1,0 +1,226 @@
+"""GPU check: TritonOps against TorchOps on a random Llama-3.2-1B-shaped decoder, and decode timings.
+
+Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks), compares the logits of a prefill
+and a decode step between the Triton kernels and the torch path, then times one decode step at each batch size:
+Triton eager, Triton replayed from a CUDA graph (captured here around `Decoder.forward`), and torch eager.
+Prints one markdown table last; everything else goes to the log. `--tiny --device cpu` runs the same code at
+toy shapes (set TRITON_INTERPRET=1) to check the script itself without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpullama.kernels import TritonOps  # noqa: E402
+from gpullama.model import Decoder  # noqa: E402
+from gpullama.ops import TorchOps  # noqa: E402
+from tests.kernels.random_model import batch_metadata, llama_1b_config, random_tensors, tiny_config  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K}
+log = logging.getLogger("gpu_check")
+
+
+@dataclass
+class Row:
+    """One line of the result table."""
+
+    fmt: str
+    batch: int
+    path: str
+    ms: float
+    weight_gb: float
+    floor_ms: float
+
+    def markdown(self) -> str:
+        """The row as a markdown table line."""
+        tok_s = self.batch / (self.ms / 1e3)
+        return (f"| {self.fmt} | {self.batch} | {self.path} | {self.ms:.3f} | {tok_s:,.0f} | "
+                f"{self.weight_gb:.2f} | {100 * self.floor_ms / self.ms:.0f}% |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line of the check."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 and --tiny")
+    p.add_argument("--formats", default="bf16,q8_0,q4_k", help=f"comma list of {', '.join(FORMATS)}")
+    p.add_argument("--batches", default="1,8,64", help="decode batch sizes to time")
+    p.add_argument("--context", type=int, default=512, help="context length of every sequence while timing")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--iters", type=int, default=50, help="timed decode steps per measurement")
+    p.add_argument("--bandwidth", type=float, default=4.3e12, help="copy bandwidth in bytes/s for the floor")
+    p.add_argument("--tiny", action="store_true", help="toy shapes (1 layer, hidden 256) instead of Llama-3.2-1B")
+    p.add_argument("--no-torch-timing", action="store_true", help="skip timing the torch eager path")
+    p.add_argument("--log", default="gpu_check.log", help="file for the full log")
+    args = p.parse_args(argv)
+    args.formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in args.formats if f not in FORMATS]
+    if unknown:
+        p.error(f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if any(b < 1 for b in args.batches) or args.context < 2 or args.iters < 1:
+        p.error("batches, iters must be >= 1 and context >= 2")
+    return args
+
+
+def make_pools(config, num_seqs: int, context: int, block_size: int, device, dtype) -> tuple[list, list]:
+    """Random-filled k/v pools (per layer) big enough for `num_seqs` sequences of `context` tokens."""
+    blocks = num_seqs * -(-context // block_size)
+    shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
+    g = torch.Generator(device=device).manual_seed(5)
+    k = [torch.randn(shape, device=device, generator=g).to(dtype) for _ in range(config.num_layers)]
+    v = [torch.randn(shape, device=device, generator=g).to(dtype) for _ in range(config.num_layers)]
+    return k, v
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(step, device: torch.device, iters: int) -> float:
+    """Milliseconds per call of `step` after warm-up (CUDA events on the GPU, wall clock elsewhere)."""
+    for _ in range(3):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            step()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def run_logits(ops: TorchOps, config, tensors, block_size: int) -> torch.Tensor:
+    """Logits of a 2-sequence prefill (16 and 8 tokens) then one decode step, with `ops`, float32."""
+    decoder = Decoder(config, tensors, ops, max_positions=64)
+    pool_dtype = torch.float32 if ops.dtype == torch.float32 else torch.bfloat16
+    k, v = make_pools(config, 2, 40, block_size, ops.device, pool_dtype)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (24,), generator=g).to(ops.device)
+    step = torch.randint(0, config.vocab_size, (2,), generator=g).to(ops.device)
+    first = decoder.forward(prompt, batch_metadata([16, 8], [16, 8], block_size, ops.device), k, v)
+    second = decoder.forward(step, batch_metadata([17, 9], [1, 1], block_size, ops.device), k, v)
+    return torch.cat([first, second]).float()
+
+
+def compare_logits(config, tensors, device, block_size: int) -> dict[str, float]:
+    """Relative errors (max |a - ref| / max |ref|) against the float32 torch path: triton f32, triton and torch bf16."""
+    reference = run_logits(TorchOps(device, torch.float32), config, tensors, block_size)
+    errors = {}
+    for label, ops in (("triton f32", TritonOps(device, torch.float32)), ("triton bf16", TritonOps(device, torch.bfloat16)),
+                       ("torch bf16", TorchOps(device, torch.bfloat16))):
+        got = run_logits(ops, config, tensors, block_size)
+        errors[label] = float((got - reference).abs().max() / reference.abs().max()) if torch.isfinite(got).all() else float("inf")
+        gc.collect()
+    return errors
+
+
+def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
+    """Time one decode step per batch size with each path; rows of the table."""
+    rows: list[Row] = []
+    paths = [("triton", TritonOps(device, dtype))]
+    if not args.no_torch_timing:
+        paths.append(("torch eager", TorchOps(device, dtype)))
+    for name, ops in paths:
+        decoder = Decoder(config, tensors, ops, max_positions=args.context + 1)
+        weight_bytes = sum(_nbytes(w) for layer in decoder.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down))
+        weight_bytes += _nbytes(decoder.output)
+        floor_ms = weight_bytes / args.bandwidth * 1e3
+        for batch in args.batches:
+            k, v = make_pools(config, batch, args.context, args.block_size, device, dtype)
+            meta = batch_metadata([args.context] * batch, [1] * batch, args.block_size, device)
+            ids = torch.randint(0, config.vocab_size, (batch,), device=device)
+
+            def step() -> torch.Tensor:
+                return decoder.forward(ids, meta, k, v)
+
+            ms = time_step(step, device, args.iters)
+            rows.append(Row(fmt, batch, f"{name} eager" if name == "triton" else name, ms, weight_bytes / 1e9, floor_ms))
+            log.info("%s", rows[-1].markdown())
+            if name == "triton" and device.type == "cuda":
+                graph_ms = _graph_time(step, device, args.iters)
+                rows.append(Row(fmt, batch, "triton graph", graph_ms, weight_bytes / 1e9, floor_ms))
+                log.info("%s", rows[-1].markdown())
+            del k, v
+            gc.collect()
+        del decoder
+    return rows
+
+
+def _graph_time(step, device: torch.device, iters: int) -> float:
+    """Capture `step` in a CUDA graph (after warm-up on a side stream) and time its replays."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return time_step(graph.replay, device, iters)
+
+
+def _nbytes(weight) -> int:
+    """Bytes a prepared weight occupies."""
+    return weight.nbytes if hasattr(weight, "qtype") else weight.numel() * weight.element_size()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check; returns the exit status (1 when a logits comparison fails)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        handlers=[logging.FileHandler(args.log, mode="a"), logging.StreamHandler(sys.stderr)])
+    device = torch.device(args.device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    log.info("device %s, torch %s, triton %s", card, torch.__version__, __import__("triton").__version__)
+    config = tiny_config(vocab_size=300) if args.tiny else llama_1b_config()
+    dtype = torch.bfloat16
+    checks, rows, failed = [], [], False
+    for fmt in args.formats:
+        t0 = time.perf_counter()
+        tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
+        log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
+        errors = compare_logits(config, tensors, device, args.block_size)
+        # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
+        ok = errors["triton f32"] < 1e-3 and errors["triton bf16"] <= max(2e-2, 1.5 * errors["torch bf16"])
+        failed |= not ok
+        checks.append(f"| {fmt} | {errors['triton f32']:.1e} | {errors['triton bf16']:.1e} | {errors['torch bf16']:.1e} | "
+                      f"{'ok' if ok else 'FAIL'} |")
+        log.info("%s: logits errors vs torch float32 %s (%s)", fmt, errors, "ok" if ok else "FAIL")
+        rows += decode_timings(args, config, tensors, fmt, device, dtype)
+        del tensors
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    shape = "tiny" if args.tiny else "Llama-3.2-1B shapes"
+    print(f"\n### gpu_check: {card}, {shape}, bf16 compute, context {args.context}\n")
+    print("Logits of a prefill + decode step, max |error| / max |value| against the torch float32 path:\n")
+    print("| format | triton f32 | triton bf16 | torch bf16 | check |\n|---|---|---|---|---|")
+    print("\n".join(checks))
+    print("\n| format | batch | path | ms/step | tok/s | weights GB | % of bandwidth floor |\n|---|---|---|---|---|---|---|")
+    print("\n".join(r.markdown() for r in rows))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
