@@ -1,7 +1,7 @@
 """``x @ W.T`` straight from GGUF blocks: weights stay in their file size and are dequantized in registers.
 
 Two kernels share `gguf_blocks.dequantize_tile`:
-- `_gemv_kernel` (decode, at most GEMV_MAX_ROWS rows of x): grid ``(cdiv(N, BLOCK_N), M)``; each program owns
+- `_gemv_kernel` (decode, at most GEMV_MAX_ROWS rows of x): grid ``(M * cdiv(N, BLOCK_N),)``; each program owns
   BLOCK_N output features of one token and walks K in BLOCK_K steps, dequantizing a ``[BLOCK_N, BLOCK_K / SUB,
   SUB]`` weight tile (SUB values share a scale: the scales are decoded once per sub-block) and accumulating
   ``w * x`` in float32, reduced once at the end. At batch 1 the kernel streams each weight byte once.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpullama.kernels.common import dot, interpreting, tl_dtype
+from gpullama.kernels.common import dot, interpreting, sm_count, tl_dtype
 from gpullama.kernels.gguf_blocks import DENSE_FORMATS, dequantize_tile, sub_block_size, weight_pointers
 from gpullama.quants import QTensor
 
@@ -30,13 +30,14 @@ GEMV_MAX_ROWS = 4
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, h_ptr, bias_ptr, out_ptr,
-    N, K, stride_xm, stride_om, row_stride,
+    M, N, K, stride_xm, stride_om, row_stride,
     FMT: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One token's BLOCK_N outputs: float32 sum over K of dequantized weight times x."""
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0)
+    pid_n = pid // M
+    m = (pid % M).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     subs = tl.arange(0, BLOCK_K // SUB)[None, :, None]
@@ -98,6 +99,25 @@ def _operands(weight: QTensor | torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return weight, weight, weight.stride(0), DENSE_FORMATS[weight.dtype], weight.shape[0], weight.shape[1]
 
 
+def gemv_blocks(m: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the GEMV: the widest row tile that still gives every SM 4+ programs, 4096 values a tile."""
+    if interpreting():
+        return 64, 256  # the interpreter pays per program, not per byte
+    block_n = 16
+    while block_n > 4 and triton.cdiv(n, block_n) * m < 4 * sm_count(device):
+        block_n //= 2
+    return block_n, 4096 // block_n
+
+
+def matmul_blocks(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the tiled kernel: the widest N tile that still gives every SM 2+ programs."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 128
+    while block_n > 16 and triton.cdiv(n, block_n) * triton.cdiv(m, block_m) < 2 * sm_count(device):
+        block_n //= 2
+    return block_m, block_n, 128 if block_m <= 32 else 64
+
+
 def quant_linear(
     x: torch.Tensor,
     weight: QTensor | torch.Tensor,
@@ -106,7 +126,10 @@ def quant_linear(
     block_n: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` as float32 ``[M, N]``; `weight` is a QTensor of raw GGUF blocks or a dense matrix."""
+    """``x @ weight.T (+ bias)`` as float32 ``[M, N]``; `weight` is a QTensor of raw GGUF blocks or a dense matrix.
+
+    `block_n` / `block_k` override the tile heuristics (powers of two; block_k >= 32, block_n >= 16 for M > 4).
+    """
     data, halves, row_stride, fmt, n, k = _operands(weight)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"quant_linear: x must be [M, {k}] for a weight of shape [{n}, {k}], got {tuple(x.shape)}")
@@ -114,28 +137,27 @@ def quant_linear(
         x = x.contiguous()
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"quant_linear: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
-    if (block_k or 32) % 32 or (block_n or 16) % 16:
-        raise ValueError(f"quant_linear: block_k must be a multiple of 32 and block_n of 16, got {block_k}, {block_n}")
     m = x.shape[0]
+    for name, value, least in (("block_k", block_k, 32), ("block_n", block_n, 16 if m > GEMV_MAX_ROWS else 1)):
+        if value is not None and (value < least or value & (value - 1)):
+            raise ValueError(f"quant_linear: {name} must be a power of two >= {least}, got {value}")
     out = torch.empty((m, n), device=x.device, dtype=torch.float32)
     if m == 0:
         return out
     compute = tl_dtype(compute_dtype, "quant_linear compute dtype")
     bias_arg = bias if bias is not None else out
     if m <= GEMV_MAX_ROWS:
-        block_n = block_n or (64 if interpreting() else 16)  # the interpreter pays per program, not per byte
-        block_k = block_k or 256
-        grid = (triton.cdiv(n, block_n), m)
-        _gemv_kernel[grid](
-            x, data, halves, bias_arg, out, n, k, x.stride(0), out.stride(0), row_stride,
+        auto_n, auto_k = gemv_blocks(m, n, x.device)
+        block_n, block_k = block_n or auto_n, block_k or auto_k
+        # one program per (row tile, token), the tokens of a tile adjacent so its bytes are re-read from L2
+        _gemv_kernel[(m * triton.cdiv(n, block_n),)](
+            x, data, halves, bias_arg, out, m, n, k, x.stride(0), out.stride(0), row_stride,
             FMT=fmt, SUB=sub_block_size(fmt), HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute,
-            BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=4,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = block_n or 64
-    block_k = block_k or 64
+    block_m, auto_n, auto_k = matmul_blocks(m, n, x.device)
+    block_n, block_k = block_n or auto_n, block_k or auto_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _matmul_kernel[grid](
         x, data, halves, bias_arg, out, m, n, k, x.stride(0), out.stride(0), row_stride,

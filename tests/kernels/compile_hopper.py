@@ -45,10 +45,10 @@ def cases(everything: bool) -> list[tuple[str, object, dict, dict, int]]:
         ptrs = dict(x_ptr="*fp32", w_ptr=WEIGHT_POINTER.get(fmt, "*u8"), h_ptr="*fp16", bias_ptr="*fp32", out_ptr="*fp32")
         for dt in dtypes:
             out.append((f"gemv fmt={fmt} {dt}", quant_matmul._gemv_kernel, ptrs,
-                        dict(FMT=fmt, SUB=sub, HAS_BIAS=True, COMPUTE_DTYPE=dt, BLOCK_N=16, BLOCK_K=256), 4))
+                        dict(FMT=fmt, SUB=sub, HAS_BIAS=True, COMPUTE_DTYPE=dt, BLOCK_N=4, BLOCK_K=1024), 4))
             out.append((f"matmul fmt={fmt} {dt}", quant_matmul._matmul_kernel, ptrs,
-                        dict(FMT=fmt, SUB=sub, HAS_BIAS=False, COMPUTE_DTYPE=dt, EMULATE=False, BLOCK_M=64, BLOCK_N=64,
-                             BLOCK_K=64), 4))
+                        dict(FMT=fmt, SUB=sub, HAS_BIAS=False, COMPUTE_DTYPE=dt, EMULATE=False, BLOCK_M=16, BLOCK_N=128,
+                             BLOCK_K=128), 4))
         out.append((f"embedding fmt={fmt}", embedding._embedding_kernel,
                     dict(ids_ptr="*i64", w_ptr=WEIGHT_POINTER.get(fmt, "*u8"), h_ptr="*fp16", out_ptr="*fp32"), dict(FMT=fmt, SUB=sub, BLOCK=1024), 4))
     for pool, dt in [("*bf16", tl.bfloat16), ("*fp32", tl.float32)] if everything else [("*bf16", tl.bfloat16)]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gpullama.kernels.embedding import embedding
+from gpullama.kernels import quant_matmul
 from gpullama.kernels.quant_matmul import GEMV_MAX_ROWS, quant_linear
 from gpullama.quants import QTensor
 from tests.fixtures.quant_blocks import random_blocks, random_float_tensor
@@ -74,6 +75,27 @@ def test_gemv_tail_of_vocab_sized_rows(device):
         assert rel_err(out.cpu(), x.double() @ w_ref.T) < 1e-5
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.BF16], ids=lambda q: q.name)
+def test_gpu_tile_shapes(qtype, device):
+    """The tiles the GPU heuristics pick (GEMV 4 x 1024, tl.dot 16 x 128 x 128) on ragged rows."""
+    weight, w_ref = make_weight(qtype, 37, 1024, seed=11)
+    for m, block_n, block_k in ((2, 4, 1024), (5, 128, 128)):
+        x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m))
+        out = quant_linear(x.to(device), weight.to(device), None, torch.float32, block_n=block_n, block_k=block_k)
+        assert rel_err(out.cpu(), x.double() @ w_ref.T) < 1e-5
+
+
+def test_tile_heuristics_fill_a_hopper(monkeypatch):
+    """On a 132-SM device: narrow GEMV tiles for 2048-row projections, wide ones for the vocab head."""
+    monkeypatch.setattr(quant_matmul, "interpreting", lambda: False)
+    monkeypatch.setattr(quant_matmul, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert quant_matmul.gemv_blocks(1, 2048, cuda) == (4, 1024)
+    assert quant_matmul.gemv_blocks(1, 128256, cuda) == (16, 256)
+    assert quant_matmul.matmul_blocks(8, 2048, cuda) == (16, 16, 128)
+    assert quant_matmul.matmul_blocks(64, 128256, cuda) == (64, 128, 64)
+
+
 def test_gemv_and_tiled_paths_agree_at_the_switch(device):
     """GEMV_MAX_ROWS and one more row take different kernels and give the same numbers."""
     weight, w_ref = make_weight(Q.Q4_0, 40, 64, seed=3)
@@ -87,6 +109,8 @@ def test_linear_rejects_mismatched_input(device):
     weight, _ = make_weight(Q.Q8_0, 8, 64, seed=0)
     with pytest.raises(ValueError, match=r"\[M, 64\].*\(2, 32\)"):
         quant_linear(torch.zeros(2, 32, device=device), weight.to(device))
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 32, got 48"):
+        quant_linear(torch.zeros(2, 64, device=device), weight.to(device), block_k=48)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q6_K, Q.F16], ids=lambda q: q.name)
