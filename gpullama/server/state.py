@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class ServerState:
         log.info("loading model %s (device=%s, dtype=%s, max_model_len=%s)", self.config.model, self.config.device,
                  self.config.dtype, self.config.max_model_len)
         try:
-            llm, engine_cls = await asyncio.to_thread(self.loader, self.config)
+            llm, engine_cls = await self._load_in_thread()
             self.engine = engine_cls(llm)
             self.llm = llm
         except Exception as exc:  # noqa: BLE001 - any loading failure ends the server with a clear log line
@@ -77,6 +78,29 @@ class ServerState:
         log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
                  self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
                  self.config.host, self.config.port)
+
+    async def _load_in_thread(self) -> tuple[Any, Callable[[Any], Any]]:
+        # A daemon thread, not the default executor: a server that stops mid-load (port in use, Ctrl-C) must not
+        # wait for the load to finish before the process can exit.
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(value: Any, exc: BaseException | None) -> None:
+            if not future.done():
+                future.set_exception(exc) if exc is not None else future.set_result(value)
+
+        def work() -> None:
+            try:
+                value, exc = self.loader(self.config), None
+            except BaseException as error:  # noqa: BLE001 - handed to the event loop
+                value, exc = None, error
+            try:
+                loop.call_soon_threadsafe(settle, value, exc)
+            except RuntimeError:  # the loop is already closed: the server stopped while loading
+                pass
+
+        threading.Thread(target=work, name="gpullama-load", daemon=True).start()
+        return await future
 
     def shutdown(self) -> None:
         """Stop the engine's step loop."""

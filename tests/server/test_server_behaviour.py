@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
-import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -106,3 +107,11 @@ def test_console_script_fails_cleanly_on_a_missing_model() -> None:
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "loading model /nonexistent/model.gguf failed" in run.stderr
+
+
+def test_smoke_script_passes_against_the_server(server) -> None:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "server-smoke-test.sh"
+    env = dict(os.environ, GPULLAMA_API_KEY=API_KEY)
+    run = subprocess.run(["bash", str(script), server.base_url], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith("9 passed, 0 failed")
