@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -195,31 +196,43 @@ def main(argv: list[str] | None = None) -> int:
     log.info("device %s, torch %s, triton %s", card, torch.__version__, __import__("triton").__version__)
     config = tiny_config(vocab_size=300) if args.tiny else llama_1b_config()
     dtype = torch.bfloat16
-    checks, rows, failed = [], [], False
-    for fmt in args.formats:
-        t0 = time.perf_counter()
-        tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
-        log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
-        errors = compare_logits(config, tensors, device, args.block_size)
-        # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
-        ok = errors["triton f32"] < 1e-3 and errors["triton bf16"] <= max(2e-2, 1.5 * errors["torch bf16"])
-        failed |= not ok
-        checks.append(f"| {fmt} | {errors['triton f32']:.1e} | {errors['triton bf16']:.1e} | {errors['torch bf16']:.1e} | "
-                      f"{'ok' if ok else 'FAIL'} |")
-        log.info("%s: logits errors vs torch float32 %s (%s)", fmt, errors, "ok" if ok else "FAIL")
-        rows += decode_timings(args, config, tensors, fmt, device, dtype)
-        del tensors
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    checks: list[str] = []
+    rows: list[Row] = []
+    failed = False
+    signal.signal(signal.SIGTERM, _stop)  # `timeout` in gpu_check.sh: still print what was measured
+    try:
+        for fmt in args.formats:
+            t0 = time.perf_counter()
+            tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
+            log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
+            errors = compare_logits(config, tensors, device, args.block_size)
+            # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
+            ok = errors["triton f32"] < 1e-3 and errors["triton bf16"] <= max(2e-2, 1.5 * errors["torch bf16"])
+            failed |= not ok
+            checks.append(f"| {fmt} | {errors['triton f32']:.1e} | {errors['triton bf16']:.1e} | "
+                          f"{errors['torch bf16']:.1e} | {'ok' if ok else 'FAIL'} |")
+            log.info("%s: logits errors vs torch float32 %s (%s)", fmt, errors, "ok" if ok else "FAIL")
+            rows += decode_timings(args, config, tensors, fmt, device, dtype)
+            del tensors
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except (KeyboardInterrupt, SystemExit) as stop:
+        log.error("stopped early (%s): the table holds what was measured", stop)
+        failed = True
     shape = "tiny" if args.tiny else "Llama-3.2-1B shapes"
     print(f"\n### gpu_check: {card}, {shape}, bf16 compute, context {args.context}\n")
     print("Logits of a prefill + decode step, max |error| / max |value| against the torch float32 path:\n")
     print("| format | triton f32 | triton bf16 | torch bf16 | check |\n|---|---|---|---|---|")
     print("\n".join(checks))
     print("\n| format | batch | path | ms/step | tok/s | weights GB | % of bandwidth floor |\n|---|---|---|---|---|---|---|")
-    print("\n".join(r.markdown() for r in rows))
+    print("\n".join(r.markdown() for r in rows), flush=True)
     return 1 if failed else 0
+
+
+def _stop(signum: int, frame: object) -> None:
+    """SIGTERM handler: unwind to `main`, which prints the partial table."""
+    raise SystemExit(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,21 @@ def _cuda_sm_count(index: int) -> int:
 
 
 @triton.jit
+def round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 `x` rounded to DTYPE (to nearest even), returned as float32.
+
+    The interpreter truncates float32 -> bfloat16; with EMULATE set the rounding is done on the bits instead,
+    so interpreted kernels round exactly as compiled ones do.
+    """
+    if EMULATE and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def dot(a, b, acc, DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ b`` with the inputs rounded to DOT_DTYPE; float32 stays exact (no TF32).
 
@@ -54,9 +69,7 @@ def dot(a, b, acc, DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     float32, which gives the same products, since a product of two 16-bit floats is exact in float32.
     """
     if EMULATE:
-        return tl.dot(
-            a.to(DOT_DTYPE).to(tl.float32), b.to(DOT_DTYPE).to(tl.float32), acc, input_precision="ieee"
-        )
+        return tl.dot(round_to(a, DOT_DTYPE, EMULATE), round_to(b, DOT_DTYPE, EMULATE), acc, input_precision="ieee")
     elif DOT_DTYPE == tl.float32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:

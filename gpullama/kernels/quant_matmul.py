@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpullama.kernels.common import dot, interpreting, sm_count, tl_dtype
+from gpullama.kernels.common import dot, interpreting, round_to, sm_count, tl_dtype
 from gpullama.kernels.gguf_blocks import DENSE_FORMATS, dequantize_tile, sub_block_size, weight_pointers
 from gpullama.quants import QTensor
 
@@ -32,7 +32,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, h_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_om, row_stride,
     FMT: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One token's BLOCK_N outputs: float32 sum over K of dequantized weight times x."""
     pid = tl.program_id(0)
@@ -47,10 +47,10 @@ def _gemv_kernel(
         sub = k0 // SUB + subs
         cols = sub * SUB + lane
         x = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0)
-        x = x.to(COMPUTE_DTYPE).to(tl.float32)
+        x = round_to(x, COMPUTE_DTYPE, EMULATE)
         w = dequantize_tile(w_ptr, h_ptr, rows[:, None, None], sub, lane, row_stride, row_mask[:, None, None], K,
                             FMT, SUB)
-        acc += w.to(COMPUTE_DTYPE).to(tl.float32) * x
+        acc += round_to(w, COMPUTE_DTYPE, EMULATE) * x
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -153,7 +153,7 @@ def quant_linear(
         _gemv_kernel[(m * triton.cdiv(n, block_n),)](
             x, data, halves, bias_arg, out, m, n, k, x.stride(0), out.stride(0), row_stride,
             FMT=fmt, SUB=sub_block_size(fmt), HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+            EMULATE=interpreting(), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
     block_m, auto_n, auto_k = matmul_blocks(m, n, x.device)

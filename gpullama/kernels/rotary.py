@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpullama.kernels.common import pow2
+from gpullama.kernels.common import interpreting, pow2, round_to, tl_dtype
 
 
 @triton.jit
@@ -37,6 +37,7 @@ def _rope_and_cache_kernel(
     HQ, HK, HALF, block_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_cb, stride_cs_slot, stride_ch,
+    POOL_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """Rotate one token's q and k heads in place and write its k, v to the pool."""
@@ -52,13 +53,13 @@ def _rope_and_cache_kernel(
         heads = tl.arange(0, BLOCK_HK)[:, None]
         cols = half_cols[None, :]
         dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs_slot + heads * stride_ch + cols
-        tl.store(k_cache_ptr + dst, k_first.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k_second.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst, round_to(k_first, POOL_DTYPE, EMULATE).to(POOL_DTYPE), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, round_to(k_second, POOL_DTYPE, EMULATE).to(POOL_DTYPE), mask=mask)
         v_src = v_ptr + t * stride_vt + heads * stride_vh + cols
-        v_first = tl.load(v_src, mask=mask, other=0.0)
-        v_second = tl.load(v_src + HALF, mask=mask, other=0.0)
-        tl.store(v_cache_ptr + dst, v_first.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, v_second.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        v_first = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
+        v_second = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(v_cache_ptr + dst, round_to(v_first, POOL_DTYPE, EMULATE).to(POOL_DTYPE), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, round_to(v_second, POOL_DTYPE, EMULATE).to(POOL_DTYPE), mask=mask)
 
 
 def rope_and_cache(
@@ -91,6 +92,7 @@ def rope_and_cache(
             hq, hk, d // 2, k_cache.shape[1],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            POOL_DTYPE=tl_dtype(k_cache.dtype, "rope_and_cache KV pool"), EMULATE=interpreting(),
             BLOCK_HQ=pow2(hq), BLOCK_HK=pow2(hk), BLOCK_HALF=pow2(d // 2), num_warps=4,
         )
     return q, k

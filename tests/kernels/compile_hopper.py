@@ -45,7 +45,7 @@ def cases(everything: bool) -> list[tuple[str, object, dict, dict, int]]:
         ptrs = dict(x_ptr="*fp32", w_ptr=WEIGHT_POINTER.get(fmt, "*u8"), h_ptr="*fp16", bias_ptr="*fp32", out_ptr="*fp32")
         for dt in dtypes:
             out.append((f"gemv fmt={fmt} {dt}", quant_matmul._gemv_kernel, ptrs,
-                        dict(FMT=fmt, SUB=sub, HAS_BIAS=True, COMPUTE_DTYPE=dt, BLOCK_N=4, BLOCK_K=1024), 4))
+                        dict(FMT=fmt, SUB=sub, HAS_BIAS=True, COMPUTE_DTYPE=dt, EMULATE=False, BLOCK_N=4, BLOCK_K=1024), 4))
             out.append((f"matmul fmt={fmt} {dt}", quant_matmul._matmul_kernel, ptrs,
                         dict(FMT=fmt, SUB=sub, HAS_BIAS=False, COMPUTE_DTYPE=dt, EMULATE=False, BLOCK_M=16, BLOCK_N=128,
                              BLOCK_K=128), 4))
@@ -55,7 +55,7 @@ def cases(everything: bool) -> list[tuple[str, object, dict, dict, int]]:
         out.append((f"rope {pool}", rotary._rope_and_cache_kernel,
                     dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", cos_sin_ptr="*fp32", positions_ptr="*i64",
                          slots_ptr="*i64", k_cache_ptr=pool, v_cache_ptr=pool),
-                    dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=32), 4))
+                    dict(POOL_DTYPE=dt, EMULATE=False, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=32), 4))
         ptrs = dict(q_ptr="*fp32", k_cache_ptr=pool, v_cache_ptr=pool, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     query_start_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*fp32")
         out.append((f"decode attention {pool}", attention._decode_kernel, ptrs,

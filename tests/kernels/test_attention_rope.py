@@ -38,9 +38,10 @@ def test_rope_and_cache_matches_torch(cache_dtype, llama3_factors, device):
     got_pools = [p.to(device) for p in pools]
     got_q, got_k = TritonOps(device).rope_and_cache(q2, k2, v2, cos_sin.to(device), *got_pools, meta_to(meta, device))
     assert rel_err(got_q, want_q) < 1e-5 and rel_err(got_k, want_k) < 1e-5
-    tolerance = 1e-5 if cache_dtype == torch.float32 else 1e-2  # bf16: one rounding step of a float32 value
     for got, want in zip(got_pools, want_pools):
-        assert rel_err(got, want) < tolerance  # written slots match, untouched slots unchanged
+        # written slots hold the same values rounded to the pool dtype (bf16 may differ by one rounding step
+        # where float32 rotations differ in the last bit); untouched slots are unchanged
+        assert rel_err(got, want) < (1e-6 if cache_dtype == torch.float32 else 2**-8)
 
 
 def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device, **kernel_args):
