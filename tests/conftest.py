@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -14,6 +15,9 @@ if str(REPO_ROOT) not in sys.path:  # `tests.fixtures.*` imports work under plai
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.fixtures.tiny_models import TinyModel, build_tiny_model  # noqa: E402
+
+if TYPE_CHECKING:
+    from gpullama import LLM
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,3 +58,19 @@ def default_model_path() -> Path:
             f"default model not found at {cache} or {DEFAULT_MODEL_FALLBACK}, and gpullama.hub cannot pull it"
         ) from None
     return Path(resolve_model(DEFAULT_MODEL_ALIAS))  # pulls it into the cache
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_model_path: Path) -> "LLM":
+    """The real default model on the CPU in float32, loaded once per session."""
+    from gpullama import LLM
+
+    return LLM(str(default_model_path), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def short_bf16_llm(default_model_path: Path) -> "LLM":
+    """The real default model on the CPU in bfloat16 with a 64-token context (bf16 and context-limit tests)."""
+    from gpullama import LLM
+
+    return LLM(str(default_model_path), device="cpu", dtype="bfloat16", max_model_len=64)

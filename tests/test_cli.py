@@ -1,0 +1,98 @@
+"""The `gpullama` command run as a user runs it: info, generate, bad input and pull errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from gpullama.hub import ALIASES, DEFAULT_MODEL
+
+
+def gpullama(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m gpullama.cli ARGS` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpullama.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def info_rows(stdout: str) -> dict[str, str]:
+    """`gpullama info` output as {field: value} (fields and values are separated by two or more spaces)."""
+    rows = {}
+    for line in stdout.splitlines():
+        parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        if len(parts) == 2:
+            rows[parts[0]] = parts[1]
+    return rows
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit code 2 and exactly one stderr line `gpullama: error: ...` holding every needle, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gpullama: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def test_info_describes_the_real_model_found_by_its_alias(tmp_path: Path, default_model_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    cached = home / ALIASES[DEFAULT_MODEL].filename
+    cached.symlink_to(default_model_path)
+    result = gpullama("info", DEFAULT_MODEL, env={"GPULLAMA_HOME": str(home)}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = info_rows(result.stdout)
+    assert rows["file"] == str(cached)  # the alias resolved inside $GPULLAMA_HOME
+    assert rows["architecture"] == "llama"
+    assert rows["context length"] == "8192"
+    assert "Q4_1" in rows["tensor types"] and "Q8_0" in rows["tensor types"]
+    assert rows["chat template"] == "yes"
+    assert rows["parameters"] == "134.5M"  # SmolLM2-135M: 134,515,008 weights (embedding tied)
+    assert rows["layers"] == "30"
+
+
+def test_generate_prints_paris(default_model_path: Path) -> None:
+    result = gpullama(
+        "generate", "--model", str(default_model_path), "--device", "cpu",
+        "--prompt", "The capital of France is", "--max-tokens", "8",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout, result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_model_file_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("just some text\n")
+    assert_one_line_error(gpullama("info", str(not_gguf), timeout=120), str(not_gguf), "GGUF")
+    missing = tmp_path / "missing.gguf"
+    assert_one_line_error(
+        gpullama("generate", "--model", str(missing), "--prompt", "hi", "--max-tokens", "2", timeout=120),
+        str(missing),
+        "not found",
+    )
+
+
+def test_bad_sampling_value_is_one_line_and_exit_code_2(default_model_path: Path) -> None:
+    result = gpullama(
+        "generate", "--model", str(default_model_path), "--prompt", "hi", "--temperature", "-1", timeout=120
+    )
+    assert_one_line_error(result, "temperature")
+
+
+def test_pull_of_an_unknown_alias_fails_cleanly(tmp_path: Path) -> None:
+    result = gpullama("pull", "no-such-model", env={"GPULLAMA_HOME": str(tmp_path)}, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "no-such-model" in result.stderr and DEFAULT_MODEL in result.stderr  # names it and what is known
+    assert not any(tmp_path.iterdir())  # nothing was downloaded
