@@ -39,13 +39,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA and on CPUs with native bf16 matmul, float32 otherwise."""
+    """``"auto"``: bfloat16 on CUDA, float32 on the CPU (where a sequence then gives the same tokens alone or
+    batched; bfloat16 rounding of the activations lets near-ties flip with the batch)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]

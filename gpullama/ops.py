@@ -44,11 +44,16 @@ class TorchOps:
         self.device = device
         # dtype of the matmul weights and inputs; norms, attention and the residual stream stay float32
         self.dtype = dtype
+        # On the CPU, oneDNN's prepacked linear: about 2-4x MKL's sgemm here, and its rows do not depend on the
+        # other rows of the batch (a sequence computes the same logits alone or batched).
+        self.packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _has_packed_linear()
 
     # -- weights -------------------------------------------------------------------------------
     def prepare_weight(self, weight: QTensor) -> torch.Tensor:
-        """Turn a GGUF tensor into what `linear` consumes: here a dense matrix in the compute dtype."""
-        return weight.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous()
+        """Turn a GGUF tensor into what `linear` consumes: a dense matrix in the compute dtype (prepacked by
+        oneDNN on the CPU)."""
+        dense = weight.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(dense) if self.packed else dense
 
     def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor:
         """Embedding table as `embedding` consumes it (kept in GGUF blocks: rows are gathered, then dequantized)."""
@@ -63,7 +68,11 @@ class TorchOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` in the weight's dtype, returned as float32."""
-        out = F.linear(x.to(weight.dtype), weight).float()
+        x = x.to(self.dtype)
+        if self.packed:
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "").float()
+        else:
+            out = F.linear(x, weight).float()
         if bias is not None:
             out = out + bias
         return out
@@ -154,6 +163,14 @@ class TorchOps:
         """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def _has_packed_linear() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear ops."""
+    mkldnn = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(
+        mkldnn, "_linear_pointwise"
+    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
