@@ -2,7 +2,8 @@
 
 Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks), compares the logits of a prefill
 and a decode step between the Triton kernels and the torch path, then times one decode step at each batch size:
-Triton eager, Triton replayed from a CUDA graph (captured here around `Decoder.forward`), and torch eager.
+Triton eager, Triton replayed from the CUDA graphs of `gpullama.plan.StepPlan` (the engine's decode path), and
+torch eager.
 Prints one markdown table last; everything else goes to the log. `--tiny --device cpu` runs the same code at
 toy shapes (set TRITON_INTERPRET=1) to check the script itself without a GPU.
 """
@@ -76,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_pools(config, num_seqs: int, context: int, block_size: int, device, dtype) -> tuple[list, list]:
-    """Random-filled k/v pools (per layer) big enough for `num_seqs` sequences of `context` tokens."""
-    blocks = num_seqs * -(-context // block_size)
+    """Random-filled k/v pools (per layer) for `num_seqs` sequences of `context` tokens, plus one scratch block."""
+    blocks = num_seqs * -(-context // block_size) + 1
     shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
     g = torch.Generator(device=device).manual_seed(5)
     k = [torch.randn(shape, device=device, generator=g).to(dtype) for _ in range(config.num_layers)]
@@ -157,14 +158,31 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
             ms = time_step(step, device, args.iters)
             rows.append(Row(fmt, batch, f"{name} eager" if name == "triton" else name, ms, weight_bytes / 1e9, floor_ms))
             log.info("%s", rows[-1].markdown())
-            if name == "triton" and device.type == "cuda":
-                graph_ms = _graph_time(step, device, args.iters)
-                rows.append(Row(fmt, batch, "triton graph", graph_ms, weight_bytes / 1e9, floor_ms))
+            if name == "triton":
+                label, graph_ms = _plan_time(decoder, k, v, ids, meta, step, device, args.iters)
+                rows.append(Row(fmt, batch, label, graph_ms, weight_bytes / 1e9, floor_ms))
                 log.info("%s", rows[-1].markdown())
             del k, v
             gc.collect()
         del decoder
     return rows
+
+
+def _plan_time(decoder, k, v, ids, meta, step, device: torch.device, iters: int) -> tuple[str, float]:
+    """(label, ms) of a decode step through `gpullama.plan.StepPlan` (CUDA graphs on CUDA, padded eager elsewhere).
+
+    Without the plan module, a graph captured here around `Decoder.forward` stands in for it on CUDA.
+    """
+    try:
+        from gpullama.plan import StepPlan
+    except ImportError:
+        if device.type != "cuda":
+            return "triton graph (no plan, skipped)", float("nan")
+        return "triton graph (script)", _graph_time(step, device, iters)
+    use_graphs = device.type == "cuda"
+    plan = StepPlan(decoder, k, v, max_num_seqs=len(meta.seq_lens_cpu), max_blocks_per_seq=meta.block_tables.shape[1],
+                    scratch_block=k[0].shape[0] - 1, use_static_decode=True, use_graphs=use_graphs)
+    return ("triton graph (StepPlan)" if use_graphs else "triton StepPlan eager"), time_step(lambda: plan.run(ids, meta), device, iters)
 
 
 def _graph_time(step, device: torch.device, iters: int) -> float:
