@@ -20,6 +20,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        value = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 1073741824, 512M or 4G, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags."""
     p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
@@ -35,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $GPULLAMA_API_KEY, else none)")
     p.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                   help="bytes for the paged KV cache, e.g. 512M or 4G (default: 1 GiB on CPU, 85%% of free GPU memory)")
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences per batch (default: 64)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=512,
+                   help="tokens per engine step; longer prompts are prefilled in chunks (default: 512)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -45,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                           max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                          api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                          engine_options=dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                                              max_num_batched_tokens=args.max_num_batched_tokens,
+                                              enable_prefix_caching=not args.no_prefix_caching,
+                                              enforce_eager=args.enforce_eager))
     state = ServerState(config)
     app = create_app(config, state)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

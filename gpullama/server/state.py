@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .metrics import ServerMetrics
@@ -31,6 +31,7 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine_options: dict[str, Any] = field(default_factory=dict)  # more keyword arguments of gpullama.LLM
 
 
 def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
@@ -38,7 +39,8 @@ def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
     from gpullama import LLM
     from gpullama.engine import AsyncEngine
 
-    llm = LLM(config.model, device=config.device, max_model_len=config.max_model_len, dtype=config.dtype)
+    llm = LLM(config.model, device=config.device, max_model_len=config.max_model_len, dtype=config.dtype,
+              **config.engine_options)
     return llm, AsyncEngine
 
 
