@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
+
+# Triton kernels run on CPU tensors through the interpreter unless GPULLAMA_TEST_DEVICE=cuda; this must be set
+# before anything imports triton (transformers and torch do).
+if os.environ.get("GPULLAMA_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
