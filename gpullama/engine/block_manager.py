@@ -10,13 +10,20 @@ from gpullama.engine.sequence import Sequence
 class Block:
     """One block of the pool: who uses it, and the tokens it caches once full."""
 
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "epoch")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.parent: tuple[int, int] | None = None  # (block id, epoch) of the block before it when it was filled
+        self.epoch = 0  # bumped each time the block is handed out again
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Identity of this block's current contents."""
+        return (self.block_id, self.epoch)
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -54,12 +61,15 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
-        block.hash, block.token_ids = None, ()
+        block.hash, block.token_ids, block.parent = None, (), None
+        block.epoch += 1
         block.ref_count = 1
         return block
 
     def _prefix_hits(self, seq: Sequence) -> list[Block]:
-        """Cached blocks that hold the leading full blocks of the sequence (the last token is always recomputed)."""
+        """Cached blocks that hold the leading full blocks of the sequence (the last token is always recomputed).
+        A hit needs the same hash, the same token ids and the same block before it, so a hash collision can never
+        serve another prefix's k/v."""
         if not self.enable_prefix_caching:
             return []
         hits: list[Block] = []
@@ -68,9 +78,12 @@ class BlockManager:
             ids = tuple(seq.token_ids[start : start + self.block_size])
             parent = chain_hash(parent, ids)
             block_id = self.cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != ids:
+            if block_id is None:
                 break
-            hits.append(self.blocks[block_id])
+            block = self.blocks[block_id]
+            if block.token_ids != ids or block.parent != (hits[-1].key if hits else None):
+                break
+            hits.append(block)
         return hits
 
     def allocate(self, seq: Sequence, num_new_tokens: int, use_prefix_cache: bool = True) -> bool:
@@ -111,15 +124,16 @@ class BlockManager:
             return
         bs = self.block_size
         first, last = old_num_computed // bs, seq.num_computed_tokens // bs
-        parent = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        previous = self.blocks[seq.block_table[first - 1]] if first > 0 else None
         for index in range(first, last):
             block = self.blocks[seq.block_table[index]]
             ids = tuple(seq.token_ids[index * bs : (index + 1) * bs])
             if block.hash is None:
-                block.hash = chain_hash(parent, ids)
+                block.hash = chain_hash(previous.hash if previous else None, ids)
                 block.token_ids = ids
+                block.parent = previous.key if previous else None
                 self.cached.setdefault(block.hash, block.block_id)
-            parent = block.hash
+            previous = block
 
     def free_sequence(self, seq: Sequence) -> None:
         """Release a sequence's blocks; full blocks stay cached until their slot is reused."""

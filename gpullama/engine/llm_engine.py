@@ -116,7 +116,7 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.finish(seq, "abort")
-        self.pending.append(self._delta(seq, "", [], None))
+        self.pending.append(self._delta(seq, "", [], "abort"))
 
     def has_work(self) -> bool:
         """True while any request waits, runs or has a delta to deliver."""
