@@ -29,10 +29,14 @@ GPU_MEMORY_FRACTION = 0.85  # share of free GPU memory the KV pool may take afte
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` picks CUDA when present, else the CPU."""
+    """``"auto"`` picks CUDA when present, else the CPU; otherwise ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    name = str(device)
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA device is available")
     return device
