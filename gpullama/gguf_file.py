@@ -37,12 +37,15 @@ def read_gguf(path: str) -> GGUFModel:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    size = os.path.getsize(path)
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as exc:  # the reader fails with numpy errors deep inside on a cut file
-        raise ModelFileError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from None
+        raise ModelFileError(
+            f"{path}: corrupt or truncated GGUF file: its header and metadata do not parse within its {size} bytes "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
     metadata = {name: field.contents() for name, field in reader.fields.items()}
-    size = os.path.getsize(path)
     tensors: dict[str, QTensor] = {}
     for t in reader.tensors:
         if t.data_offset + int(t.n_bytes) > size:
