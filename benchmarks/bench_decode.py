@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import time
 
@@ -20,17 +19,7 @@ import torch
 from gpullama import LLM, SamplingParams
 from gpullama.hub import resolve_model
 
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo, else the platform string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from machine import cpu_name  # benchmarks/machine.py
 
 
 def timed(fn, repeats: int) -> list[float]:

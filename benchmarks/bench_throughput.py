@@ -13,7 +13,6 @@ import argparse
 import datetime
 import gc
 import os
-import platform
 import random
 import time
 
@@ -22,6 +21,8 @@ import torch
 from gpullama import LLM, SamplingParams
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import resolve_model
+
+from machine import cpu_name  # benchmarks/machine.py
 from gpullama.tokenizer import Tokenizer
 
 # Plain English written for this benchmark: the prompts are windows of its tokens, so ids look like real text.
@@ -52,18 +53,6 @@ had bought the structure an extra five hundred years. The viaduct, built to exac
 needs new steel every few decades. There is a lesson in that, the mayor said at the ceremony, although he did not \
 say exactly what it was, and the crowd, who had come mostly for the music and the fireworks, did not ask.
 """
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo, else the platform string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_prompts(tokenizer: Tokenizer, num_requests: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
