@@ -13,18 +13,27 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def output_text(self, seq: Sequence, drop_last: bool = False) -> str:
-        """The whole output text so far, decoded in the context of the prompt's last tokens."""
-        context = seq.prompt_token_ids[-CONTEXT_TOKENS:]
-        output = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
-        head = self.tokenizer.decode(context, skip_special_tokens=True)
-        full = self.tokenizer.decode(context + output, skip_special_tokens=True)
-        return full[len(head) :] if full.startswith(head) else full
+    def output_text(self, seq: Sequence, drop_last: bool = False, finishing: bool = False) -> str:
+        """The output text so far. Decodes only a window of recent tokens (as vLLM does): the window starts a few
+        tokens back so a SentencePiece leading space survives, and text is added only once its UTF-8 is complete
+        (or the sequence is finishing)."""
+        start = max(0, seq.num_prompt_tokens - CONTEXT_TOKENS)  # ids are indexed from the prompt's last tokens
+        if seq.read_offset < 0:
+            seq.prefix_offset, seq.read_offset = 0, seq.num_prompt_tokens - start
+        end = seq.num_tokens - start - (1 if drop_last else 0)
+        if end > seq.read_offset:
+            ids = seq.token_ids[start + seq.prefix_offset : start + end]
+            prefix = self.tokenizer.decode(ids[: seq.read_offset - seq.prefix_offset], skip_special_tokens=True)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if len(text) > len(prefix) and (finishing or not text.endswith("\ufffd")):
+                seq.decoded_text += text[len(prefix) :]
+                seq.prefix_offset, seq.read_offset = seq.read_offset, end
+        return seq.decoded_text
 
     def update(self, seq: Sequence, finishing: bool, drop_last: bool = False) -> tuple[str, bool]:
         """Decode after a new token: returns (new text to send, whether a stop string ended the sequence).
         `drop_last` leaves out the last token (a stop token, whose text is never shown)."""
-        text = self.output_text(seq, drop_last)
+        text = self.output_text(seq, drop_last, finishing)
         stops = seq.params.stop
         stopped = False
         if stops:
@@ -34,9 +43,7 @@ class Detokenizer:
                 text, stopped = text[: min(hits)], True
         ready = len(text)
         if not (stopped or finishing):
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
-                ready = len(text.rstrip("\ufffd"))
-            ready -= _stop_prefix_len(text[:ready], stops)  # a tail that may grow into a stop string waits
+            ready -= _stop_prefix_len(text, stops)  # a tail that may grow into a stop string waits
         ready = max(ready, seq.sent_text_len)
         delta = text[seq.sent_text_len : ready]
         seq.sent_text_len = ready

@@ -39,6 +39,9 @@ class Sequence:
         self.output_counts: dict[int, int] = {}  # token id -> times generated (presence/frequency penalties)
         self.sent_text_len = 0  # characters of output text already handed out
         self.text = ""  # output text so far (stop strings removed at the end)
+        self.decoded_text = ""  # all output text decoded so far (complete characters only)
+        self.prefix_offset = 0  # detokenizer window: ids before read_offset were already turned into text
+        self.read_offset = -1
 
     @property
     def num_tokens(self) -> int:
