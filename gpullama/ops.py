@@ -159,10 +159,55 @@ class TorchOps:
         )
         return o[:, :, 0, :]
 
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        uniform: torch.Tensor,
+    ) -> torch.Tensor:
+        """Next token of each row ``[B]`` int64: argmax where temperature <= 0, else the first token whose running
+        sum of kept probability (vocab order) exceeds ``uniform`` of the kept total (one U[0, 1) per row)."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        hot = (temperature > 0).nonzero()[:, 0]
+        if hot.numel() == 0:
+            return tokens
+        x = logits[hot]
+        e = torch.exp((x - x.max(dim=-1, keepdim=True).values) / temperature[hot, None].float())
+        keep = keep_mask(e, top_k[hot], top_p[hot], min_p[hot])
+        cdf = torch.where(keep, e, 0.0).cumsum(-1)
+        target = uniform[hot].float() * cdf[:, -1]
+        index = torch.arange(e.shape[-1], device=e.device)
+        first = torch.where(keep & (cdf > target[:, None]), index, e.shape[-1]).min(-1).values
+        last = torch.where(keep, index, -1).max(-1).values
+        tokens[hot] = torch.where(first < e.shape[-1], first, last)
+        return tokens
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens each row keeps, in vLLM's order: min-p, top-k, then the top-p nucleus of what is left.
+
+    `e` is ``[B, V]`` probabilities over the row's largest one (so the top token has e == 1); top_k <= 0 or >= V,
+    top_p >= 1 and min_p <= 0 turn that filter off; ties at a threshold are all kept.
+    """
+    v = e.shape[-1]
+    sorted_e = e.sort(dim=-1, descending=True).values
+    k = top_k.long()
+    k_on = (k > 0) & (k < v)
+    t_k = torch.where(k_on, sorted_e.gather(1, (k.clamp(1, v) - 1)[:, None])[:, 0], torch.zeros_like(sorted_e[:, 0]))
+    floor = torch.maximum(t_k, min_p.to(e.dtype))
+    cumulative = torch.where(sorted_e >= floor[:, None], sorted_e, 0.0).cumsum(-1)
+    first_reaching = (cumulative < top_p[:, None].to(e.dtype) * cumulative[:, -1:]).sum(-1).clamp(max=v - 1)
+    t_p = torch.where(top_p < 1, sorted_e.gather(1, first_reaching[:, None])[:, 0], torch.zeros_like(floor))
+    return e >= torch.maximum(floor, t_p)[:, None]
 
 
 def _has_packed_linear() -> bool:

@@ -136,7 +136,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, old)
         if sampling:
-            tokens, logprobs = sample_batch(logits, sampling)
+            tokens, logprobs = sample_batch(logits, sampling, self.model.ops)
             for row, (seq, token) in enumerate(zip(sampling, tokens)):
                 deltas.append(self._advance(seq, token, logprobs[row] if logprobs is not None else None))
         return deltas

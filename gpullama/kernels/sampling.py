@@ -4,8 +4,9 @@ Grid ``(B,)``: one program per row of ``[B, V]`` logits walks the vocab in BLOCK
 1. max and first argmax of the logits (the answer when temperature <= 0);
 2. ``e = exp((logit - max) / temperature)`` into a float32 scratch row (the largest e is exactly 1);
 3. the top-k threshold ``t_k`` = the k-th largest e, found by bisection on the float32 bit pattern (31 passes,
-   exact); the top-p threshold ``t_p`` = the largest e such that the mass of ``{e >= t_p}`` among the top-k
-   tokens is at least ``top_p`` of their mass (31 more passes); min-p keeps ``e >= min_p``;
+   exact); min-p keeps ``e >= min_p``; the top-p threshold ``t_p`` = the largest e such that the mass of
+   ``{e >= t_p}`` among the tokens top-k and min-p keep is at least ``top_p`` of their mass (31 more passes),
+   which is vLLM's order (min-p, top-k, then top-p on what is left);
 4. one pass that draws the first token whose running sum of kept e exceeds ``uniform * total``.
 Ties at a threshold are all kept. The caller gives per-row parameters and per-row uniforms in [0, 1), so a
 batch samples with one launch and the result is reproducible. Torch reference: `sample_reference` (sorts).
@@ -74,20 +75,22 @@ def _sample_kernel(
                 lo = tl.where(ok, mid, lo)
                 hi = tl.where(ok, hi, mid)
             t_k = lo.to(tl.float32, bitcast=True)
+        # min-p and top-k first; top-p then takes its nucleus of what they keep (vLLM's order)
+        floor = tl.maximum(t_k, tl.load(min_p_ptr + row))
         top_p = tl.load(top_p_ptr + row)
         t_p = tl.zeros([], tl.float32)
         if top_p < 1.0:
-            _count, mass_k = _mass_at_least(e_row, t_k, 0.0, V, BLOCK_V)
+            _count, mass_k = _mass_at_least(e_row, floor, 0.0, V, BLOCK_V)
             lo = tl.zeros([], tl.int32)
             hi = tl.full([], 0x3F800001, tl.int32)
             for _ in range(31):
                 mid = lo + (hi - lo) // 2
-                _count, mass = _mass_at_least(e_row, mid.to(tl.float32, bitcast=True), t_k, V, BLOCK_V)
+                _count, mass = _mass_at_least(e_row, mid.to(tl.float32, bitcast=True), floor, V, BLOCK_V)
                 ok = mass >= top_p * mass_k
                 lo = tl.where(ok, mid, lo)
                 hi = tl.where(ok, hi, mid)
             t_p = lo.to(tl.float32, bitcast=True)
-        threshold = tl.maximum(tl.maximum(t_k, t_p), tl.load(min_p_ptr + row))
+        threshold = tl.maximum(floor, t_p)
         # 4. inverse CDF over the kept tokens, in vocab order
         _count, total = _mass_at_least(e_row, threshold, 0.0, V, BLOCK_V)
         target = tl.load(uniform_ptr + row) * total
@@ -166,13 +169,14 @@ def sample_reference(
         sorted_e, _ = torch.sort(e, descending=True)
         k = int(top_k[i])
         t_k = float(sorted_e[k - 1]) if 0 < k < e.numel() else 0.0
+        floor = max(t_k, float(min_p[i]))
         t_p = 0.0
         if float(top_p[i]) < 1.0:
-            kept = sorted_e[sorted_e >= t_k]
+            kept = sorted_e[sorted_e >= floor]
             cumulative = torch.cumsum(kept, 0)
             n = int(torch.searchsorted(cumulative, float(top_p[i]) * float(kept.sum())))  # first prefix reaching p
             t_p = float(kept[min(n, kept.numel() - 1)])
-        threshold = max(t_k, t_p, float(min_p[i]))
+        threshold = max(floor, t_p)
         kept_e = torch.where(e >= threshold, e, torch.zeros_like(e))
         cumulative = torch.cumsum(kept_e, 0)
         target = float(uniform[i]) * float(cumulative[-1])
