@@ -82,6 +82,11 @@ class LLM:
             max_model_len = self.config.context_length
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len > self.config.context_length:
+            log.warning(
+                "max_model_len %d is beyond the model's trained context length %d: output past it may degrade",
+                max_model_len, self.config.context_length,
+            )
         self.max_model_len = max_model_len
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         ops = select_ops(self.device, self.dtype)
