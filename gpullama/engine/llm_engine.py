@@ -224,9 +224,8 @@ class LLMEngine:
         """Next-token logits of every position of `token_ids` from one forward pass, float32 ``[n, vocab]``."""
         if self.scheduler.has_work():
             raise RuntimeError("score() needs an idle engine")
-        seq = self.add_request("__score__", token_ids, SamplingParams(max_tokens=1))
-        self.scheduler.waiting.remove(seq)
-        self.requests.pop(seq.request_id)
+        params = SamplingParams(max_tokens=1)
+        seq = Sequence("__score__", token_ids, params, self.check_request(token_ids, params))
         try:
             if not self.block_manager.allocate(seq, len(token_ids), use_prefix_cache=False):
                 raise ValueError(f"{len(token_ids)} tokens do not fit the KV pool ({self.kv_capacity_tokens} tokens)")
