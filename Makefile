@@ -7,7 +7,7 @@ MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: install serve generate test bench clean
+.PHONY: install serve generate test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,12 @@ generate: install
 	$(VENV)/bin/gpullama generate --model $(MODEL) --prompt "The capital of France is" --max-tokens 32
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/gpullama pull $(MODEL)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 bench: install
 	$(PY) benchmarks/bench_decode.py --model $(MODEL)

@@ -15,11 +15,10 @@ import statistics
 import time
 
 import torch
+from machine import cpu_name  # benchmarks/machine.py
 
 from gpullama import LLM, SamplingParams
 from gpullama.hub import resolve_model
-
-from machine import cpu_name  # benchmarks/machine.py
 
 
 def timed(fn, repeats: int) -> list[float]:

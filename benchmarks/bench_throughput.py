@@ -17,12 +17,11 @@ import random
 import time
 
 import torch
+from machine import cpu_name  # benchmarks/machine.py
 
 from gpullama import LLM, SamplingParams
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import resolve_model
-
-from machine import cpu_name  # benchmarks/machine.py
 from gpullama.tokenizer import Tokenizer
 
 # Plain English written for this benchmark: the prompts are windows of its tokens, so ids look like real text.

@@ -2,7 +2,8 @@
 
 Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks), compares the logits of a prefill
 and a decode step between the Triton kernels and the torch path, then times one decode step at each batch size:
-Triton eager, Triton replayed from the CUDA graphs of `gpullama.plan.StepPlan` (the engine's decode path), and
+Triton eager, Triton replayed from the CUDA graphs of `gpullama.engine.decode_graphs.DecodeGraphs` (the model
+runner's decode path), and
 torch eager.
 Prints one markdown table last; everything else goes to the log. `--tiny --device cpu` runs the same code at
 toy shapes (set TRITON_INTERPRET=1) to check the script itself without a GPU.
@@ -24,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpullama.kernels import TritonOps  # noqa: E402
 from gpullama.model import Decoder  # noqa: E402
 from gpullama.ops import TorchOps  # noqa: E402
+from gpullama.ops.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.random_model import batch_metadata, llama_1b_config, random_tensors, tiny_config  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -152,14 +153,14 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
             meta = batch_metadata([args.context] * batch, [1] * batch, args.block_size, device)
             ids = torch.randint(0, config.vocab_size, (batch,), device=device)
 
-            def step() -> torch.Tensor:
+            def step(decoder=decoder, ids=ids, meta=meta, k=k, v=v) -> torch.Tensor:
                 return decoder.forward(ids, meta, k, v)
 
             ms = time_step(step, device, args.iters)
             rows.append(Row(fmt, batch, f"{name} eager" if name == "triton" else name, ms, weight_bytes / 1e9, floor_ms))
             log.info("%s", rows[-1].markdown())
             if name == "triton":
-                label, graph_ms = _plan_time(decoder, k, v, ids, meta, step, device, args.iters)
+                label, graph_ms = _plan_time(decoder, k, v, ids, meta, device, args.iters)
                 rows.append(Row(fmt, batch, label, graph_ms, weight_bytes / 1e9, floor_ms))
                 log.info("%s", rows[-1].markdown())
             del k, v
@@ -168,35 +169,18 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
     return rows
 
 
-def _plan_time(decoder, k, v, ids, meta, step, device: torch.device, iters: int) -> tuple[str, float]:
-    """(label, ms) of a decode step through `gpullama.plan.StepPlan` (CUDA graphs on CUDA, padded eager elsewhere).
+def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tuple[str, float]:
+    """(label, ms) of a decode step through `gpullama.engine.decode_graphs.DecodeGraphs`, the model runner's decode
+    path (CUDA graphs on CUDA, padded static buffers run eagerly elsewhere), host inputs copied in each step."""
+    from gpullama.engine.decode_graphs import DecodeGraphs
 
-    Without the plan module, a graph captured here around `Decoder.forward` stands in for it on CUDA.
-    """
-    try:
-        from gpullama.plan import StepPlan
-    except ImportError:
-        if device.type != "cuda":
-            return "triton graph (no plan, skipped)", float("nan")
-        return "triton graph (script)", _graph_time(step, device, iters)
     use_graphs = device.type == "cuda"
-    plan = StepPlan(decoder, k, v, max_num_seqs=len(meta.seq_lens_cpu), max_blocks_per_seq=meta.block_tables.shape[1],
-                    scratch_block=k[0].shape[0] - 1, use_static_decode=True, use_graphs=use_graphs)
-    return ("triton graph (StepPlan)" if use_graphs else "triton StepPlan eager"), time_step(lambda: plan.run(ids, meta), device, iters)
-
-
-def _graph_time(step, device: torch.device, iters: int) -> float:
-    """Capture `step` in a CUDA graph (after warm-up on a side stream) and time its replays."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return time_step(graph.replay, device, iters)
+    batch = meta.seq_lens.shape[0]
+    graphs = DecodeGraphs(decoder, k, v, max_num_seqs=batch, max_blocks_per_seq=meta.block_tables.shape[1],
+                          scratch_block=k[0].shape[0] - 1, use_graphs=use_graphs)
+    host = (ids.tolist(), meta.positions.tolist(), meta.slot_mapping.tolist(), meta.block_tables.tolist())
+    label = "triton graph (DecodeGraphs)" if use_graphs else "triton DecodeGraphs eager"
+    return label, time_step(lambda: graphs.run(*host), device, iters)
 
 
 def _nbytes(weight) -> int:

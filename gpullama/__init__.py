@@ -1,8 +1,42 @@
-"""gpullama: LLM inference for GGUF models with a continuous-batching engine and an OpenAI-compatible server."""
+"""gpullama: LLM inference for GGUF models with a continuous-batching engine and an OpenAI-compatible server.
 
-from gpullama.llm import LLM
-from gpullama.outputs import Completion, StreamDelta, TokenLogprob, TopLogprob
-from gpullama.sampling_params import SamplingParams
+The public names load on first use, so the command lines answer ``--help`` without importing torch.
+"""
 
-__all__ = ["LLM", "Completion", "SamplingParams", "StreamDelta", "TokenLogprob", "TopLogprob"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpullama.engine.args import EngineArgs
+    from gpullama.llm import LLM
+    from gpullama.outputs import Completion, StreamDelta, TokenLogprob, TopLogprob
+    from gpullama.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "gpullama.llm",
+    "EngineArgs": "gpullama.engine.args",
+    "SamplingParams": "gpullama.sampling_params",
+    "Completion": "gpullama.outputs",
+    "StreamDelta": "gpullama.outputs",
+    "TokenLogprob": "gpullama.outputs",
+    "TopLogprob": "gpullama.outputs",
+}
+__all__ = [
+    "Completion",
+    "EngineArgs",
+    "LLM",
+    "SamplingParams",
+    "StreamDelta",
+    "TokenLogprob",
+    "TopLogprob",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gpullama' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

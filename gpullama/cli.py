@@ -8,14 +8,8 @@ import math
 import sys
 from collections import Counter
 
+from gpullama.engine.args import EngineArgs
 from gpullama.hub import ALIASES, DEFAULT_MODEL, pull, resolve_model
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"GGUF path or alias (default {DEFAULT_MODEL})")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -37,7 +31,7 @@ def _sampling(args):
 def _load(args):
     from gpullama.llm import LLM
 
-    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def cmd_generate(args) -> int:
@@ -113,12 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpullama", description="LLM inference for GGUF models")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("generate", help="complete a prompt, streaming to stdout")
-    _add_model(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--prompt", "-p", required=True)
     _add_sampling(p, max_tokens=128)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="interactive chat")
-    _add_model(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     _add_sampling(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)

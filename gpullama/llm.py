@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from gpullama.engine.llm_engine import EngineConfig, LLMEngine
+from gpullama.engine.args import EngineArgs, EngineConfig
+from gpullama.engine.llm_engine import LLMEngine
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
@@ -24,8 +25,6 @@ from gpullama.tokenizer import Tokenizer
 log = logging.getLogger("gpullama")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on the CPU
-GPU_MEMORY_FRACTION = 0.85  # share of free GPU memory the KV pool may take after the weights
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -55,33 +54,34 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 class LLM:
-    """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``."""
+    """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``.
 
-    def __init__(
-        self,
-        model: str | os.PathLike = "smollm2-135m",
-        device: str | torch.device = "auto",
-        max_model_len: int | None = None,
-        dtype: str | torch.dtype = "auto",
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-    ):
+    Keyword arguments are the fields of `gpullama.engine.args.EngineArgs` (device, dtype, max_model_len,
+    kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, enforce_eager),
+    with its defaults.
+    """
+
+    def __init__(self, model: str | os.PathLike = EngineArgs.model, **engine_args):
+        self._load(EngineArgs(model=os.fspath(model), **engine_args))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """Load the model and build its engine as `args` say."""
+        llm = cls.__new__(cls)
+        llm._load(args)
+        return llm
+
+    def _load(self, args: EngineArgs) -> None:
         started = time.perf_counter()
-        self.model_name = str(model) if str(model) in ALIASES else Path(model).stem
-        self.path = resolve_model(str(model))
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.args = args
+        self.model_name = args.model if args.model in ALIASES else Path(args.model).stem
+        self.path = resolve_model(args.model)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
         gguf_model = read_gguf(self.path)
         self.config = gguf_model.config
         self.metadata = gguf_model.metadata
-        if max_model_len is None:
-            max_model_len = self.config.context_length
-        if not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        max_model_len = args.max_model_len or self.config.context_length
         if max_model_len > self.config.context_length:
             log.warning(
                 "max_model_len %d is beyond the model's trained context length %d: output past it may degrade",
@@ -91,51 +91,16 @@ class LLM:
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         ops = select_ops(self.device, self.dtype)
         self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len)
-        kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        num_blocks = self._num_kv_blocks(kv_cache_memory, kv_dtype, block_size, max_num_seqs)
-        self.engine = LLMEngine(
-            self.model,
-            self.tokenizer,
-            EngineConfig(
-                max_model_len=max_model_len,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching,
-                use_cuda_graphs=not enforce_eager,
-            ),
-            kv_dtype,
-        )
+        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig.from_args(args, max_model_len))
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        runner = self.engine.runner
         log.info(
-            "loaded %s (%s, %d layers) on %s in %s (ops: %s) in %.1fs; KV cache: %d tokens in %d blocks of %d",
+            "loaded %s (%s, %d layers) on %s in %s (ops: %s%s) in %.1fs; KV cache: %d tokens in %d blocks of %d",
             self.model_name, self.config.architecture, self.config.num_layers, self.device,
-            str(self.dtype).removeprefix("torch."), ops.name, time.perf_counter() - started,
-            self.engine.kv_capacity_tokens, num_blocks, block_size,
+            str(self.dtype).removeprefix("torch."), ops.name, ", CUDA graphs" if runner.uses_cuda_graphs else "",
+            time.perf_counter() - started, self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size,
         )
-
-    def _num_kv_blocks(self, memory: int | None, kv_dtype: torch.dtype, block_size: int, max_num_seqs: int) -> int:
-        c = self.config
-        per_block = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
-        useful = max_num_seqs * -(-self.max_model_len // block_size)  # more than this can never be used
-        if memory is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                memory = int(free * GPU_MEMORY_FRACTION)
-            else:
-                memory = CPU_KV_CACHE_BYTES
-            num_blocks = min(memory // per_block, useful)
-        else:
-            num_blocks = memory // per_block
-        needed = -(-self.max_model_len // block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"KV cache of {memory} bytes holds {num_blocks * block_size} tokens, fewer than max_model_len "
-                f"{self.max_model_len}: give more kv_cache_memory or a smaller max_model_len"
-            )
-        return int(num_blocks)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -153,17 +118,15 @@ class LLM:
         """Run every prompt as one continuous batch until all finish."""
         with self._lock:
             engine = self.engine
-            for ids in prompts:  # validate all before queueing any
-                engine.check_request(ids, params)
-            request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
-            seqs = [engine.add_request(rid, ids, params) for rid, ids in zip(request_ids, prompts)]
+            seqs = [engine.admit(f"llm-{next(self._ids)}", ids, params) for ids in prompts]  # all, before any runs
             try:
+                for seq in seqs:
+                    engine.add(seq)
                 while engine.has_work():
                     engine.step()
-            finally:
-                for rid in request_ids:
-                    engine.abort(rid)
-                engine.pending.clear()
+            finally:  # interrupted (KeyboardInterrupt, an error): leave nothing running
+                for seq in seqs:
+                    engine.abort(seq.request_id, notify=False)
         return [
             Completion(
                 text=seq.text,
@@ -204,9 +167,8 @@ class LLM:
                     for delta in engine.step():
                         if delta.request_id == request_id and delta.text:
                             yield delta.text
-            finally:
-                engine.abort(request_id)
-                engine.pending.clear()
+            finally:  # the caller stopped iterating early, or the step failed
+                engine.abort(request_id, notify=False)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass."""

@@ -15,7 +15,6 @@ import transformers.convert_slow_tokenizer
 from gpullama.tokenizer import Tokenizer
 from tests.fixtures.vocabs import KINDS, vocab_metadata, write_tokenizer_gguf
 
-
 BYTE_LEVEL_KINDS = [k for k in KINDS if k != "llama-spm"]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +215,7 @@ _SPECIALS = [
     "[INST]no spaces[/INST]",
     "<think>reasoning here</think>answer",
     "<|tool|> tool call",
-    "<|im_start", 
+    "<|im_start",
     "im_end|>",
     "< |im_start| >",
     "<repo_name>gpullama<file_sep>main.py",

@@ -1,6 +1,39 @@
-"""The continuous-batching engine: scheduler, paged KV blocks, step loop and its async front."""
+"""The continuous-batching engine: admission, scheduler, paged KV blocks, model runner, step loop and async front.
 
-from gpullama.engine.async_engine import AsyncEngine, EngineError
-from gpullama.engine.llm_engine import EngineConfig, LLMEngine
+The names below load on first use, so that `gpullama.engine.args` (the engine's defaults, read by the command
+lines) imports without torch.
+"""
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineError", "LLMEngine"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpullama.engine.admission import RequestError
+    from gpullama.engine.args import EngineArgs, EngineConfig
+    from gpullama.engine.async_engine import AsyncEngine, EngineError
+    from gpullama.engine.llm_engine import LLMEngine
+
+_EXPORTS = {
+    "AsyncEngine": "gpullama.engine.async_engine",
+    "EngineError": "gpullama.engine.async_engine",
+    "EngineArgs": "gpullama.engine.args",
+    "EngineConfig": "gpullama.engine.args",
+    "LLMEngine": "gpullama.engine.llm_engine",
+    "RequestError": "gpullama.engine.admission",
+}
+__all__ = [
+    "AsyncEngine",
+    "EngineArgs",
+    "EngineConfig",
+    "EngineError",
+    "LLMEngine",
+    "RequestError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gpullama.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

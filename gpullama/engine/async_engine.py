@@ -7,8 +7,10 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from gpullama.engine.llm_engine import LLMEngine
+from gpullama.engine.sequence import Sequence
 from gpullama.outputs import StreamDelta
 from gpullama.sampling_params import SamplingParams
 
@@ -30,12 +32,27 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+@dataclass
+class _Add:
+    """Queue an admitted sequence; its deltas go to `stream`."""
+
+    seq: Sequence
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    """Drop a request (its stream gets a last delta with finish_reason "abort")."""
+
+    request_id: str
+
+
 class AsyncEngine:
     """Owns a thread that runs `LLMEngine.step()` while there is work; `generate` streams one request's deltas."""
 
-    def __init__(self, engine: LLMEngine | object):
-        self.engine: LLMEngine = getattr(engine, "engine", engine)  # an LLM or its engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -47,12 +64,12 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StreamDelta]:
         """Submit a request (call from the event loop) and return its stream of deltas; the last has a finish_reason.
-        Raises ValueError at once when the request can never fit the context or the KV pool."""
+        Raises RequestError (a ValueError) at once when the request can never run (see `LLMEngine.admit`)."""
         if not self.is_alive:
             raise EngineError("the engine is not running")
-        self.engine.check_request(prompt_token_ids, params)
+        seq = self.engine.admit(request_id, list(prompt_token_ids), params)
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream))
+        self._commands.put(_Add(seq, stream))
         self._wake.set()
         return self._iterate(request_id, stream)
 
@@ -75,7 +92,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; thread-safe. Its blocks are freed within one step."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
         self._wake.set()
 
     @property
@@ -106,16 +123,15 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, request_id, prompt, params, stream = command
+            if isinstance(command, _Add):
                 try:
-                    self.engine.add_request(request_id, prompt, params)
-                except Exception as exc:  # checked up front, so only a race (duplicate id) lands here
-                    stream.put(ValueError(str(exc)))
+                    self.engine.add(command.seq)
+                except ValueError as exc:  # admitted up front, so only a duplicate request id lands here
+                    command.stream.put(exc)
                     continue
-                self._streams[request_id] = stream
+                self._streams[command.seq.request_id] = command.stream
             else:
-                self.engine.abort(command[1])
+                self.engine.abort(command.request_id)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -129,11 +145,10 @@ class AsyncEngine:
             except Exception as exc:  # a failed step fails the requests it carried; the engine goes on
                 log.exception("engine step failed")
                 for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
+                    self.engine.abort(request_id, notify=False)  # its stream gets the error instead
                     stream = self._streams.pop(request_id, None)
                     if stream is not None:
                         stream.put(EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
-                self.engine.pending.clear()
                 continue
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)

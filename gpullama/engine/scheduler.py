@@ -3,9 +3,43 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: the whole contract between the scheduler and the model runner.
+
+    Each sequence computes ``num_new_tokens[i]`` tokens from its ``num_computed_tokens`` on (its KV blocks are
+    already allocated); the ones in `sampling` reach their last token in this step and sample the next one.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    sampling: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        """Schedule `n` new tokens of `seq`."""
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            self.sampling.append(seq)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly one token, its last, and samples: the uniform shape decode graphs take."""
+        return len(self.sampling) == len(self.seqs) == self.num_tokens
+
+    def __len__(self) -> int:
+        return len(self.seqs)
 
 
 class Scheduler:
@@ -36,10 +70,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """The next step: (sequence, number of new tokens to compute) pairs, with their KV slots allocated."""
+    def schedule(self) -> ScheduledBatch:
+        """The next step: which sequences compute how many new tokens, with their KV slots allocated."""
         budget = self.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
+        batch = ScheduledBatch()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -54,7 +88,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.block_manager.append(seq, n)
-            batch.append((seq, n))
+            batch.add(seq, n)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -66,7 +100,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.append((seq, n))
+            batch.add(seq, n)
             budget -= n
         return batch
 

@@ -9,7 +9,8 @@ Grid ``(B,)``: one program per row of ``[B, V]`` logits walks the vocab in BLOCK
    which is vLLM's order (min-p, top-k, then top-p on what is left);
 4. one pass that draws the first token whose running sum of kept e exceeds ``uniform * total``.
 Ties at a threshold are all kept. The caller gives per-row parameters and per-row uniforms in [0, 1), so a
-batch samples with one launch and the result is reproducible. Torch reference: `sample_reference` (sorts).
+batch samples with one launch and the result is reproducible. Its reference, by sorting, is in the tests
+(`tests/kernels/sampling_reference.py`); `TorchOps.sample` is the CPU path.
 """
 
 from __future__ import annotations
@@ -146,40 +147,4 @@ def sample(
             min_p.float().contiguous(), uniform.float().contiguous(),
             v, logits.stride(0), BLOCK_V=block_v, num_warps=8,
         )
-    return out
-
-
-def sample_reference(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    uniform: torch.Tensor,
-) -> torch.Tensor:
-    """Torch reference of `sample`, by sorting, in float64 (same filters, ties kept, same inverse-CDF draw)."""
-    _check(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, uniform=uniform)
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    for i, row in enumerate(logits.detach().double().cpu()):
-        temp = float(temperature[i])
-        if temp <= 0:
-            out[i] = int(torch.argmax(row))
-            continue
-        e = torch.exp((row - row.max()) / temp)
-        sorted_e, _ = torch.sort(e, descending=True)
-        k = int(top_k[i])
-        t_k = float(sorted_e[k - 1]) if 0 < k < e.numel() else 0.0
-        floor = max(t_k, float(min_p[i]))
-        t_p = 0.0
-        if float(top_p[i]) < 1.0:
-            kept = sorted_e[sorted_e >= floor]
-            cumulative = torch.cumsum(kept, 0)
-            n = int(torch.searchsorted(cumulative, float(top_p[i]) * float(kept.sum())))  # first prefix reaching p
-            t_p = float(kept[min(n, kept.numel() - 1)])
-        threshold = max(floor, t_p)
-        kept_e = torch.where(e >= threshold, e, torch.zeros_like(e))
-        cumulative = torch.cumsum(kept_e, 0)
-        target = float(uniform[i]) * float(cumulative[-1])
-        hits = torch.nonzero((cumulative > target) & (e >= threshold))
-        out[i] = int(hits[0]) if hits.numel() else int(torch.nonzero(e >= threshold)[-1])
     return out

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -22,7 +23,7 @@ from .generation import Generation, Job
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .middleware import AccessLogMiddleware, APIKeyMiddleware
 from .protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion, sampling_params
-from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion, usage
+from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
 
@@ -85,13 +86,6 @@ async def _off_loop_if_long(size: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
-    vocab = getattr(state.llm.tokenizer, "vocab_size", None)
-    if isinstance(vocab, int) and ids and max(ids) >= vocab:
-        raise APIError(400, f"'{param}' holds token id {max(ids)}, outside the vocabulary of {vocab} tokens",
-                       param=param)
-
-
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     arrival = time.perf_counter()
@@ -106,12 +100,11 @@ async def chat_completions(request: Request) -> Response:
     except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
     ids = await _off_loop_if_long(size, tok.encode, text, add_special_tokens=False)
-    _check_token_ids(state, list(req.options.kwargs["logit_bias"]), "logit_bias")
-    max_len = state.llm.max_model_len
-    jobs = [Job(i, "", ids, sampling_params(req.options, len(ids), max_len, "messages", seed_offset=i))
-            for i in range(req.n)]
-    return await _respond(request, state, True, new_id("chatcmpl"), jobs, [""], req.stream, req.include_usage,
-                          echo=False, arrival=arrival)
+    jobs = [Job(i, ids, sampling_params(req.options, seed_offset=i), prompt_param="messages",
+                max_tokens_param=req.options.max_tokens_param) for i in range(req.n)]
+    answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
+                    include_usage=req.include_usage, arrival=arrival)
+    return await _serve(request, state, answer, req.stream)
 
 
 async def completions(request: Request) -> Response:
@@ -122,95 +115,105 @@ async def completions(request: Request) -> Response:
     req: CompletionRequest = parse_completion(await _read_json(request, state.config.max_body_bytes))
     _check_model(state, req.model)
     tok = state.llm.tokenizer
-    max_len = state.llm.max_model_len
-    _check_token_ids(state, list(req.options.kwargs["logit_bias"]), "logit_bias")
     jobs: list[Job] = []
-    texts: list[str] = []
+    texts: list[str | None] = []
     for p, prompt in enumerate(req.prompts):
         if isinstance(prompt, str):
             ids = await _off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=True)
             texts.append(prompt)
         else:
-            _check_token_ids(state, prompt, "prompt")
             ids = list(prompt)
-            texts.append(tok.decode(ids) if req.echo else "")
+            texts.append(None if req.echo else "")  # echoed text is decoded once the engine accepted the ids
         for i in range(req.n):
-            params = sampling_params(req.options, len(ids), max_len, "prompt", seed_offset=i)
-            jobs.append(Job(p * req.n + i, "", ids, params, prompt_index=p))
-    return await _respond(request, state, False, new_id("cmpl"), jobs, texts, req.stream, req.include_usage,
-                          echo=req.echo, arrival=arrival)
+            jobs.append(Job(p * req.n + i, ids, sampling_params(req.options, seed_offset=i), prompt_index=p,
+                            max_tokens_param=req.options.max_tokens_param))
+    answer = Answer(chat=False, id=new_id("cmpl"), jobs=jobs, prompt_texts=texts, echo=req.echo,
+                    include_usage=req.include_usage, arrival=arrival)
+    return await _serve(request, state, answer, req.stream)
 
 
-async def _respond(request: Request, state: ServerState, chat: bool, rid: str, jobs: list[Job], prompt_texts: list[str],
-                   stream: bool, include_usage: bool, echo: bool, arrival: float) -> Response:
-    """Run the jobs on the engine and answer as one JSON object or as an SSE stream."""
-    for job in jobs:
-        job.request_id = f"{rid}-{job.index}"
-    prompt_lens = {job.prompt_index: len(job.prompt_ids) for job in jobs}
-    gen = Generation(state.engine, jobs, state.metrics, arrival)
+@dataclass
+class Answer:
+    """What one API request answers with: its kind and id, the engine jobs of its choices, the prompt texts to echo."""
+
+    chat: bool
+    id: str
+    jobs: list[Job]
+    prompt_texts: list[str | None]  # per prompt (None: token ids, decoded once accepted)
+    echo: bool
+    include_usage: bool
+    arrival: float
+
+
+async def _serve(request: Request, state: ServerState, answer: Answer, stream: bool) -> Response:
+    """Submit the answer's jobs (the engine's admission check turns a bad one into a 400), then answer with one
+    JSON object or an SSE stream."""
+    for job in answer.jobs:
+        job.request_id = f"{answer.id}-{job.index}"
+    gen = Generation(state.engine, answer.jobs, state.metrics, answer.arrival)
     try:
         await unless_disconnected(request.receive, gen.start)
     except ClientDisconnected:
         return Response(status_code=499)
-    state.metrics.prompt_tokens.inc(sum(prompt_lens.values()))
-    created, model = now(), state.model_name
-    cached: dict[int, int] = {}
-    generated = {job.index: 0 for job in jobs}
-    prompt_of = {job.index: job.prompt_index for job in jobs}
+    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
+    for job in answer.jobs:
+        if answer.prompt_texts[job.prompt_index] is None:
+            answer.prompt_texts[job.prompt_index] = state.llm.tokenizer.decode(job.prompt_ids)
+    if stream:
+        return _stream_response(answer, gen, state.model_name)
+    return await _full_response(request, answer, gen, state.model_name)
 
-    def account(index: int, delta) -> None:
-        generated[index] += len(delta.token_ids)
-        p = prompt_of[index]
-        cached[p] = max(cached.get(p, 0), delta.num_cached_tokens)
 
-    def usage_obj() -> dict:
-        return usage(sum(prompt_lens.values()), sum(generated.values()), sum(cached.values()))
+async def _full_response(request: Request, answer: Answer, gen: Generation, model: str) -> Response:
+    """Collect every choice and answer with one ``chat.completion`` or ``text_completion`` object."""
+    jobs = answer.jobs
 
-    if not stream:
-        async def collect() -> dict:
-            texts = {job.index: prompt_texts[job.prompt_index] if echo else "" for job in jobs}
-            logprobs = {job.index: ([] if job.params.logprobs is not None else None) for job in jobs}
-            finish: dict[int, str | None] = {}
-            try:
-                async for index, delta in gen.deltas():
-                    account(index, delta)
-                    texts[index] += delta.text
-                    if delta.logprobs and logprobs[index] is not None:
-                        logprobs[index].extend(delta.logprobs)
-                    if delta.finish_reason is not None:
-                        finish[index] = delta.finish_reason
-            finally:
-                await gen.close()
-            choices = [{"index": job.index, "text": texts[job.index], "logprobs": logprobs[job.index],
-                        "finish_reason": finish.get(job.index), "offset": 0} for job in jobs]
-            build = chat_completion if chat else text_completion
-            return build(rid, created, model, choices, usage_obj())
-
+    async def collect() -> dict:
+        texts = {job.index: answer.prompt_texts[job.prompt_index] if answer.echo else "" for job in jobs}
+        logprobs = {job.index: ([] if job.params.logprobs is not None else None) for job in jobs}
+        finish: dict[int, str | None] = {}
         try:
-            return JSONResponse(await unless_disconnected(request.receive, collect))
-        except ClientDisconnected:
-            log.info("client disconnected before %s finished; generation aborted", rid)
-            return Response(status_code=499)
+            async for index, delta in gen.deltas():
+                texts[index] += delta.text
+                if delta.logprobs and logprobs[index] is not None:
+                    logprobs[index].extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    finish[index] = delta.finish_reason
+        finally:
+            await gen.close()
+        choices = [{"index": job.index, "text": texts[job.index], "logprobs": logprobs[job.index],
+                    "finish_reason": finish.get(job.index), "offset": 0} for job in jobs]
+        build = chat_completion if answer.chat else text_completion
+        return build(answer.id, now(), model, choices, gen.usage())
 
-    chunks = ChunkBuilder(chat, rid, created, model, include_usage)
+    try:
+        return JSONResponse(await unless_disconnected(request.receive, collect))
+    except ClientDisconnected:
+        log.info("client disconnected before %s finished; generation aborted", answer.id)
+        return Response(status_code=499)
+
+
+def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse:
+    """Stream every choice's deltas as SSE chunks, then the usage chunk when asked, then ``[DONE]``."""
+    chunks = ChunkBuilder(answer.chat, answer.id, now(), model, answer.include_usage)
 
     async def events() -> AsyncIterator[bytes]:
-        offsets = {job.index: 0 for job in jobs}
+        offsets = {job.index: 0 for job in answer.jobs}
         try:
-            for job in jobs:
-                if chat:
+            for job in answer.jobs:
+                text = answer.prompt_texts[job.prompt_index]
+                if answer.chat:
                     yield event(chunks.role(job.index))
-                elif echo and prompt_texts[job.prompt_index]:
-                    yield event(chunks.content(job.index, prompt_texts[job.prompt_index], None))
+                elif answer.echo and text:
+                    yield event(chunks.content(job.index, text, None))
             async for index, delta in gen.deltas():
-                account(index, delta)
                 if delta.text or delta.logprobs:
                     yield event(chunks.content(index, delta.text, delta.logprobs, offsets[index]))
                     offsets[index] += len(delta.text)
                 if delta.finish_reason is not None:
                     yield event(chunks.finish(index, delta.finish_reason))
-            if include_usage:
-                yield event(chunks.usage(usage_obj()))
+            if answer.include_usage:
+                yield event(chunks.usage(gen.usage()))
         except APIError as exc:
             yield event(exc.body())
         finally:

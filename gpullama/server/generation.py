@@ -9,32 +9,40 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from gpullama.engine.admission import RequestError
 from gpullama.outputs import StreamDelta
 from gpullama.sampling_params import SamplingParams
 
 from .errors import APIError
 from .metrics import ServerMetrics
+from .responses import usage
 
 log = logging.getLogger("gpullama.server")
 
 
 @dataclass
 class Job:
-    """One choice: its engine request id, prompt ids, sampling params and which prompt it belongs to."""
+    """One choice: its prompt ids, sampling params, which prompt it belongs to, and the request's names of the
+    fields the engine's admission errors speak of."""
 
     index: int
-    request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     prompt_index: int = 0
+    prompt_param: str = "prompt"  # "messages" for chat
+    max_tokens_param: str = "max_tokens"  # or "max_completion_tokens"
+    request_id: str = ""  # the engine's id, set when the answer gets its id
 
 
-def _api_error(exc: Exception, request_id: str) -> APIError:
+def _api_error(exc: Exception, job: Job) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RequestError):
+        param = {"prompt": job.prompt_param, "max_tokens": job.max_tokens_param}.get(exc.param, exc.param)
+        return APIError(400, str(exc), param=param)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
-    log.exception("generation failed for request %s", request_id, exc_info=exc)
+    log.exception("generation failed for request %s", job.request_id, exc_info=exc)
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="generation_failed")
 
 
@@ -57,12 +65,23 @@ class Generation:
         self._tasks: list[asyncio.Task] = []
         self._last_time: dict[int, float] = {}
         self._closed = False
+        self._generated = 0
+        self._cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens of the request, each distinct prompt counted once (n choices share it)."""
+        return sum({job.prompt_index: len(job.prompt_ids) for job in self.jobs}.values())
+
+    def usage(self) -> dict:
+        """OpenAI's usage object for the tokens seen so far."""
+        return usage(self.num_prompt_tokens, self._generated, sum(self._cached.values()))
 
     def _submit(self, job: Job) -> None:
         try:
             self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params)
         except Exception as exc:
-            raise _api_error(exc, job.request_id) from exc
+            raise _api_error(exc, job) from exc
 
     async def _pump(self, job: Job) -> None:
         assert self._queue is not None
@@ -77,7 +96,7 @@ class Generation:
         assert self._queue is not None
         index, delta, exc = await self._queue.get()
         if exc is not None:
-            raise _api_error(exc, self.jobs[index].request_id)
+            raise _api_error(exc, self.jobs[index])
         return index, delta
 
     async def start(self) -> None:
@@ -89,9 +108,9 @@ class Generation:
                 try:
                     first = await anext(self._streams[0])
                 except StopAsyncIteration:
-                    raise APIError(500, "the engine ended the request without output", code="generation_failed")
+                    raise APIError(500, "the engine ended the request without output", code="generation_failed") from None
                 except Exception as exc:
-                    raise _api_error(exc, self.jobs[0].request_id) from exc
+                    raise _api_error(exc, self.jobs[0]) from exc
                 self._buffer.append((0, first))
                 return
             self._queue = asyncio.Queue()
@@ -131,6 +150,9 @@ class Generation:
 
     def _observe(self, index: int, delta: StreamDelta) -> None:
         count = len(delta.token_ids)
+        self._generated += count
+        p = self.jobs[index].prompt_index
+        self._cached[p] = max(self._cached.get(p, 0), delta.num_cached_tokens)
         if delta.finish_reason is not None:
             self.finished.add(index)
         if not count:

@@ -285,26 +285,14 @@ def parse_completion(body: Any) -> CompletionRequest:
     return CompletionRequest(model, prompts, opts, n, stream, include_usage, echo)
 
 
-def sampling_params(opts: SamplingOptions, prompt_len: int, max_model_len: int, prompt_param: str,
-                    seed_offset: int = 0) -> SamplingParams:
-    """Bind the options to one prompt: check the context limit, default max_tokens to the rest of it."""
-    if prompt_len == 0:
-        raise _bad(prompt_param, f"'{prompt_param}' is empty: it must encode to at least one token")
-    if prompt_len >= max_model_len:
-        raise _bad(prompt_param, f"This model's maximum context length is {max_model_len} tokens, but the prompt "
-                   f"has {prompt_len} tokens, leaving no room for the completion. Please shorten the prompt.")
-    max_tokens = opts.max_tokens
-    if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
-    elif prompt_len + max_tokens > max_model_len:
-        raise _bad(opts.max_tokens_param, f"This model's maximum context length is {max_model_len} tokens. However, "
-                   f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                   f"completion). Please reduce the prompt or '{opts.max_tokens_param}'.")
+def sampling_params(opts: SamplingOptions, seed_offset: int = 0) -> SamplingParams:
+    """The request's SamplingParams (choice `seed_offset` of n draws with seed + offset); max_tokens None means the
+    rest of the context, which the engine's admission check resolves along with every limit of the prompt."""
     kwargs = dict(opts.kwargs)
     if seed_offset and kwargs.get("seed") is not None:
         kwargs["seed"] = kwargs["seed"] + seed_offset
     try:
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
+        return SamplingParams(max_tokens=opts.max_tokens, **kwargs)
     except ValueError as exc:
         match = re.search(r"SamplingParams\.(\w+)", str(exc))
         name = match.group(1) if match else None

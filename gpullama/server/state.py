@@ -10,38 +10,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpullama.engine.args import EngineArgs
+
 from .metrics import ServerMetrics
 
 log = logging.getLogger("gpullama.server")
 
-DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
 class ServerConfig:
-    """Command-line settings of ``gpullama-serve``."""
+    """Settings of ``gpullama-serve``: the engine's arguments and the server's own."""
 
-    model: str = DEFAULT_MODEL
+    engine: EngineArgs = field(default_factory=EngineArgs)
     host: str = "127.0.0.1"
     port: int = 8080
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    engine_options: dict[str, Any] = field(default_factory=dict)  # more keyword arguments of gpullama.LLM
 
 
 def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
     """Load the model (blocking; run in a thread); return it with the engine factory to call on the event loop."""
-    from gpullama import LLM
-    from gpullama.engine import AsyncEngine
+    from gpullama.engine.async_engine import AsyncEngine
+    from gpullama.llm import LLM
 
-    llm = LLM(config.model, device=config.device, max_model_len=config.max_model_len, dtype=config.dtype,
-              **config.engine_options)
-    return llm, AsyncEngine
+    llm = LLM.from_engine_args(config.engine)
+    return llm, lambda loaded: AsyncEngine(loaded.engine)
 
 
 class ServerState:
@@ -63,15 +59,16 @@ class ServerState:
     async def load(self) -> None:
         """Load the model off the event loop, then start the engine; on failure record it and notify."""
         start = time.perf_counter()
-        log.info("loading model %s (device=%s, dtype=%s, max_model_len=%s)", self.config.model, self.config.device,
-                 self.config.dtype, self.config.max_model_len)
+        args = self.config.engine
+        log.info("loading model %s (device=%s, dtype=%s, max_model_len=%s)", args.model, args.device, args.dtype,
+                 args.max_model_len)
         try:
             llm, engine_cls = await self._load_in_thread()
             self.engine = engine_cls(llm)
             self.llm = llm
         except Exception as exc:  # noqa: BLE001 - any loading failure ends the server with a clear log line
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
-            log.error("loading model %s failed: %s", self.config.model, self.error)
+            log.error("loading model %s failed: %s", args.model, self.error)
             if self.on_load_failed is not None:
                 self.on_load_failed(exc)
             return

@@ -8,8 +8,9 @@ from collections.abc import Sequence as Seq
 import torch
 
 from gpullama import LLM
+from gpullama.engine.args import EngineConfig
 from gpullama.engine.block_manager import BlockManager
-from gpullama.engine.llm_engine import EngineConfig, LLMEngine
+from gpullama.engine.llm_engine import LLMEngine
 from gpullama.engine.sequence import Sequence
 from gpullama.sampling_params import SamplingParams
 
@@ -49,7 +50,7 @@ def make_engine(
     static_decode: bool = False,
 ) -> LLMEngine:
     """A fresh engine (its own KV pool and scheduler) over `llm`'s already loaded model and tokenizer;
-    `static_decode` runs decode steps on the step plan's padded static buffers (as CUDA graphs do)."""
+    `static_decode` runs decode steps on the model runner's padded static buffers (as CUDA graphs do)."""
     max_model_len = max_model_len or llm.max_model_len
     if num_blocks is None:
         num_blocks = max_num_seqs * -(-max_model_len // block_size)
@@ -62,7 +63,7 @@ def make_engine(
         enable_prefix_caching=enable_prefix_caching,
         static_decode=static_decode,
     )
-    return LLMEngine(llm.model, llm.tokenizer, config, llm.engine.k_caches[0].dtype)
+    return LLMEngine(llm.model, llm.tokenizer, config)
 
 
 def run_requests(

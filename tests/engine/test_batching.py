@@ -37,27 +37,21 @@ def mixed_params() -> list[SamplingParams]:
 
 
 class LogitsRecorder:
-    """Wraps an engine's step forward (its plan's `run`): keeps (sequence, position, logits row) for every row the
-    engine samples from."""
+    """Wraps an engine's step forward (its model runner's `execute`): keeps (sequence, position, logits row) for
+    every row the engine samples from."""
 
     def __init__(self, engine: LLMEngine):
         self.rows: list[tuple[object, int, torch.Tensor]] = []
-        self._pending: list[tuple[object, int]] = []
-        prepare, run = engine._prepare, engine.plan.run
+        execute = engine.runner.execute
 
-        def recording_prepare(batch):
-            token_ids, meta, sampling = prepare(batch)
-            self._pending = [(seq, seq.num_tokens - 1) for seq in sampling]
-            return token_ids, meta, sampling
-
-        def recording_run(token_ids, meta):
-            logits = run(token_ids, meta)
-            assert logits.shape[0] == len(self._pending)
-            self.rows.extend((seq, pos, row.float().clone()) for (seq, pos), row in zip(self._pending, logits))
+        def recording_execute(batch):
+            pending = [(seq, seq.num_tokens - 1) for seq in batch.sampling]
+            logits = execute(batch)
+            assert logits.shape[0] == len(pending)
+            self.rows.extend((seq, pos, row.float().clone()) for (seq, pos), row in zip(pending, logits))
             return logits
 
-        engine._prepare = recording_prepare
-        engine.plan.run = recording_run
+        engine.runner.execute = recording_execute
 
 
 def assert_same_outputs(got, want) -> None:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gpullama.engine.sampler import apply_penalties, sample_batch
-from gpullama.ops import TorchOps, keep_mask
 from gpullama.engine.sequence import Sequence
+from gpullama.ops import TorchOps, keep_mask
 from gpullama.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -170,7 +170,7 @@ def test_each_sequence_draws_from_its_own_generator() -> None:
 def test_torch_sample_matches_the_float64_reference() -> None:
     """TorchOps.sample (the CPU path) draws the same tokens as the Triton kernel's sorting float64 reference, for
     random mixes of greedy and filtered rows and the same uniforms."""
-    from gpullama.kernels.sampling import sample_reference
+    from tests.kernels.sampling_reference import sample_reference
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):

@@ -33,6 +33,7 @@ def make_batch(
         query_start_loc_cpu=starts,
         seq_lens_cpu=list(seq_lens),
         max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
     )
 
 

@@ -103,4 +103,5 @@ def batch_metadata(seq_lens: list[int], q_lens: list[int], block_size: int, devi
         query_start_loc_cpu=starts,
         seq_lens_cpu=list(seq_lens),
         max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
     )

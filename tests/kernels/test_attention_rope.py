@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpullama.kernels import TritonOps
 from gpullama.kernels.attention import paged_attention
 from gpullama.ops import TorchOps, rope_cos_sin
+from gpullama.ops.triton_ops import TritonOps
 from tests.kernels.batches import make_batch, meta_to
 
 CPU = torch.device("cpu")

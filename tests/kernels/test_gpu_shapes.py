@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from gpullama.kernels import TritonOps
 from gpullama.kernels.attention import paged_attention
 from gpullama.kernels.quant_matmul import quant_linear
-from gpullama.kernels.sampling import sample, sample_reference
+from gpullama.kernels.sampling import sample
 from gpullama.ops import TorchOps
+from gpullama.ops.triton_ops import TritonOps
 from gpullama.quants import QTensor
 from tests.fixtures.quant_blocks import random_blocks
 from tests.kernels.batches import make_batch, meta_to
+from tests.kernels.sampling_reference import sample_reference
 
 Q = gguf.GGMLQuantizationType
 CUDA = torch.device("cuda")
@@ -69,8 +70,8 @@ def test_decode_attention_long_context_bf16():
 
 def test_triton_ops_decode_step_captures_in_a_cuda_graph():
     """A TritonOps decode step (rope + paged write + attention + matmul) replays from a CUDA graph unchanged."""
-    from tests.kernels.random_model import batch_metadata, random_tensors, tiny_config
     from gpullama.model import Decoder
+    from tests.kernels.random_model import batch_metadata, random_tensors, tiny_config
 
     config = tiny_config(num_layers=2, vocab_size=1000)
     decoder = Decoder(config, random_tensors(config, Q.Q4_K, CUDA), TritonOps(CUDA, torch.bfloat16), max_positions=64)

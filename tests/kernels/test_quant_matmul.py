@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpullama.kernels.embedding import embedding
 from gpullama.kernels import quant_matmul
+from gpullama.kernels.embedding import embedding
 from gpullama.kernels.quant_matmul import GEMV_MAX_ROWS, quant_linear
 from gpullama.quants import QTensor
 from tests.fixtures.quant_blocks import random_blocks, random_float_tensor

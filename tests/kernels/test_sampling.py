@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpullama.kernels.sampling import sample, sample_reference
+from gpullama.kernels.sampling import sample
+from tests.kernels.sampling_reference import sample_reference
 
 
 def _params(b: int, seed: int) -> dict[str, torch.Tensor]:

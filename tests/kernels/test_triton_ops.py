@@ -6,9 +6,9 @@ import gguf
 import pytest
 import torch
 
-from gpullama.kernels import TritonOps
 from gpullama.model import Decoder
 from gpullama.ops import TorchOps
+from gpullama.ops.triton_ops import TritonOps
 from tests.kernels.random_model import batch_metadata, random_tensors, tiny_config
 
 Q = gguf.GGMLQuantizationType

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.server.helpers import API_KEY
+
 # A prompt (token ids) whose generation step is made to raise inside the engine thread, to check that a
 # generation failure answers 500 for that request alone. Only this launcher installs the fault; the server
 # code is the shipped one.

@@ -1,44 +1,19 @@
-"""The ops seam: one method per op, the same call on CPU and GPU.
-
-`TorchOps` is the plain torch implementation (the CPU path, and the oracle for the Triton kernels);
-`gpullama.kernels.TritonOps` overrides the methods with fused kernels. The backend is picked once at
-model load (`select_ops`), never per call.
-
-Shape contract (T tokens in a ragged batch of B sequences; Hq query heads, Hk kv heads, D head dim):
-- hidden states are ``[T, H]``; q is ``[T, Hq, D]``, k and v ``[T, Hk, D]``;
-- the paged KV pool of one layer is ``[num_blocks, block_size, Hk, D]`` for k and for v;
-- ``BatchMetadata`` says where each token sits (position, KV slot) and which sequence owns it.
-"""
+"""`TorchOps`: every op of the seam in plain torch: the CPU path, and the oracle the Triton kernels are tested against."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from gpullama.ops.metadata import BatchMetadata
 from gpullama.quants import QTensor
-
-
-@dataclass
-class BatchMetadata:
-    """Where each token of a ragged batch sits: positions, KV slots, per-sequence spans and block tables."""
-
-    positions: torch.Tensor  # [T] int64: absolute position of each token
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset where its k/v are written
-    query_start_loc: torch.Tensor  # [B + 1] int32: token span of each sequence in the batch
-    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32: block ids of each sequence, padded with 0
-    logits_indices: torch.Tensor  # [S] int64: rows whose logits are wanted
-    query_start_loc_cpu: list[int]  # host copies, for the torch path's per-sequence loop
-    seq_lens_cpu: list[int]
-    max_query_len: int = 1
 
 
 class TorchOps:
     """Reference implementation of every op in plain torch."""
 
-    name = "torch"
+    name = "torch"  # for logs and benchmark labels; code asks the capabilities below, never the name
+    supports_cuda_graphs = False  # whether a decode step of these ops can be captured and replayed as a CUDA graph
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32):
         self.device = device
@@ -116,7 +91,7 @@ class TorchOps:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its whole context in the paged pool: ``[T, Hq, D]``."""
-        if meta.max_query_len == 1:
+        if meta.is_decode:
             return self._decode_attention(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
@@ -148,7 +123,7 @@ class TorchOps:
     ) -> torch.Tensor:
         """One new token per sequence: gather every context into one padded batch and attend in a single call."""
         block_size, hk, d = k_cache.shape[1:]
-        n_blocks = -(-max(meta.seq_lens_cpu) // block_size)
+        n_blocks = -(-meta.max_seq_len // block_size)
         tables = meta.block_tables[:, :n_blocks].long()
         batch = tables.shape[0]
         keys = k_cache[tables].view(batch, n_blocks * block_size, hk, d).transpose(1, 2).float()
@@ -235,14 +210,3 @@ def rope_cos_sin(
         inv_freq = inv_freq / freq_factors.to(torch.float64)
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
-
-
-def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """The ops backend for a device, chosen once at load: Triton kernels on CUDA, torch elsewhere."""
-    if device.type == "cuda":
-        try:
-            from gpullama.kernels import TritonOps
-        except ImportError:  # kernels not available in this build: the torch path still runs on CUDA
-            return TorchOps(device, dtype)
-        return TritonOps(device, dtype)
-    return TorchOps(device, dtype)

@@ -1,9 +1,9 @@
-"""The step plan: built once per model load, it runs each engine step's forward.
+"""Decode steps on static buffers: padded to a ladder of batch sizes, captured as CUDA graphs where the ops allow.
 
-Decode steps (one new token per sequence, every row sampling) run on static buffers padded to the
-smallest of a ladder of batch sizes; on CUDA with the Triton ops each size is captured once as a CUDA
-graph and replayed, so a decode step launches no kernel from Python and allocates nothing. Prefill and
-mixed steps run eagerly. Padded rows write their k/v into a reserved scratch block and are dropped.
+A decode step (one new token per sequence, every row sampling) copies its inputs into buffers allocated once,
+padded up to the smallest size of the ladder that holds the batch; with graphs, each size was captured once and
+is replayed, so a decode step launches no kernel from Python and allocates nothing. Padded rows write their k/v
+into a reserved scratch block and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-class StepPlan:
-    """Static decode buffers (and CUDA graphs) for one model and its KV pool."""
+class DecodeGraphs:
+    """Static decode buffers (and, with `use_graphs`, one captured CUDA graph per batch size) over a KV pool."""
 
     def __init__(
         self,
@@ -36,22 +36,18 @@ class StepPlan:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         scratch_block: int,
-        use_static_decode: bool,
         use_graphs: bool,
     ):
         self.model = model
         self.k_caches = k_caches
         self.v_caches = v_caches
-        self.use_static_decode = use_static_decode or use_graphs
-        self.use_graphs = use_graphs
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
-        if not self.use_static_decode:
-            return
         device = model.ops.device
         n, block_size = max_num_seqs, k_caches[0].shape[1]
         self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
         self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -64,26 +60,29 @@ class StepPlan:
         if use_graphs:
             self._capture()
 
-    def _static_meta(self, size: int, seq_lens_cpu: list[int]) -> BatchMetadata:
-        """Views of the static buffers for a padded batch of `size` rows."""
+    def padded_size(self, batch: int) -> int | None:
+        """The ladder size a decode batch of `batch` rows runs at (None when it is larger than them all)."""
+        return next((s for s in self.batch_sizes if s >= batch), None)
+
+    def _meta(self, size: int, max_seq_len: int, width: int) -> BatchMetadata:
+        """Views of the static buffers for a padded batch of `size` rows whose block tables are `width` wide."""
         return BatchMetadata(
             positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            block_tables=self.block_tables[:size, :width],
             logits_indices=self.logits_indices[:size],
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=seq_lens_cpu,
             max_query_len=1,
+            max_seq_len=max_seq_len,
         )
 
     def _capture(self) -> None:
         """Capture one decode graph per batch size (largest first, sharing one memory pool)."""
         pool = None
-        max_len = self.block_tables.shape[1] * self.block_size
+        max_len = self.max_blocks_per_seq * self.block_size
         for size in reversed(self.batch_sizes):
-            meta = self._static_meta(size, [max_len] * size)
+            meta = self._meta(size, max_len, self.max_blocks_per_seq)
             for _ in range(2):  # compile the kernels and settle the allocator outside the capture
                 self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)
             torch.cuda.synchronize()
@@ -95,22 +94,29 @@ class StepPlan:
             self.graph_logits[size] = logits
         log.info("captured decode graphs for batch sizes %s", self.batch_sizes)
 
-    def _padded_size(self, batch: int) -> int | None:
-        return next((s for s in self.batch_sizes if s >= batch), None)
-
-    def run(self, token_ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        """Logits of `meta.logits_indices` for one step: a replayed graph for decode, an eager forward otherwise."""
-        batch = len(meta.seq_lens_cpu)
-        is_decode = meta.max_query_len == 1 and meta.logits_indices.shape[0] == token_ids.shape[0] == batch
-        size = self._padded_size(batch) if self.use_static_decode and is_decode else None
-        if size is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
-            return self.model.forward(token_ids, meta, self.k_caches, self.v_caches)
-        self.token_ids[:batch].copy_(token_ids)
-        self.positions[:batch].copy_(meta.positions)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping)
-        self.seq_lens[:batch].copy_(meta.seq_lens)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:batch, :width].copy_(meta.block_tables)
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of one decode step: row i adds `token_ids[i]` at `positions[i]` (its k/v go to
+        `slot_mapping[i]`) and attends over the blocks of `block_tables[i]`."""
+        batch = len(token_ids)
+        size = self.padded_size(batch)
+        assert size is not None, f"a decode batch of {batch} rows is larger than the static buffers"
+        width = max(len(t) for t in block_tables)
+        assert width <= self.max_blocks_per_seq
+        device = self.token_ids.device
+        host = torch.tensor([token_ids, positions, slot_mapping, [p + 1 for p in positions]], dtype=torch.long)
+        rows = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        host, rows = host.to(device, non_blocking=True), rows.to(device, non_blocking=True)
+        self.token_ids[:batch].copy_(host[0])
+        self.positions[:batch].copy_(host[1])
+        self.slot_mapping[:batch].copy_(host[2])
+        self.seq_lens[:batch].copy_(host[3])
+        self.block_tables[:batch, :width].copy_(rows)
         # padded rows: one token at position 0 of the scratch block
         self.positions[batch:size].zero_()
         self.slot_mapping[batch:size].fill_(self.scratch_slot)
@@ -119,6 +125,5 @@ class StepPlan:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.graph_logits[size][:batch]
-        static = self._static_meta(size, meta.seq_lens_cpu + [1] * (size - batch))
-        static.block_tables = self.block_tables[:size, :width]
-        return self.model.forward(self.token_ids[:size], static, self.k_caches, self.v_caches)[:batch]
+        meta = self._meta(size, max(positions) + 1, width)
+        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)[:batch]

@@ -1,0 +1,136 @@
+"""`EngineArgs`: the one source of defaults for the library, both command lines and the server.
+
+Every engine setting is a field here, with its default and its help text; `LLM(**kwargs)` builds one, and the
+CLIs generate their flags from the fields (`add_cli_args`) and read them back (`from_cli_args`). This module
+imports no torch, so ``--help`` and argument checks answer before any heavy import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpullama.hub import DEFAULT_MODEL
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a byte count such as 1073741824, 512M or 4G."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        value = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 1073741824, 512M or 4G, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _arg(default: Any, help: str, *, flag: str | None = None, short: str | None = None, **argparse_kwargs: Any):
+    """A field with its command-line flag: `flag` overrides ``--field-name``; the rest goes to add_argument."""
+    meta = {"help": help, "flag": flag, "short": short, "argparse": argparse_kwargs}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineArgs:
+    """Everything that shapes a loaded model and its engine (the names follow vLLM's engine arguments)."""
+
+    model: str = _arg(DEFAULT_MODEL, f"GGUF path or alias (default: {DEFAULT_MODEL})", short="-m")
+    device: str = _arg("auto", "auto, cpu, cuda or cuda:N (default: auto, CUDA when present)")
+    dtype: Any = _arg("auto", "compute dtype (default: auto: bfloat16 on CUDA, float32 on the CPU)",
+                      choices=list(DTYPE_NAMES))
+    max_model_len: int | None = _arg(None, "context limit in tokens (default: the model's trained context)",
+                                     type=positive_int)
+    kv_cache_memory: int | None = _arg(
+        None, "bytes for the paged KV cache, e.g. 512M or 4G (default: 1 GiB on the CPU, 85%% of free GPU memory, "
+        "capped at what max_num_seqs full-length sequences can use)", type=byte_size)
+    max_num_seqs: int = _arg(64, "sequences per batch (default: %(default)s)", type=positive_int)
+    max_num_batched_tokens: int = _arg(
+        512, "tokens per engine step; longer prompts are prefilled in chunks (default: %(default)s)",
+        type=positive_int)
+    block_size: int = _arg(16, "tokens per KV cache block (default: %(default)s)", type=positive_int)
+    enable_prefix_caching: bool = _arg(True, "do not reuse KV blocks of shared prefixes", flag="--no-prefix-caching")
+    enforce_eager: bool = _arg(False, "no CUDA graphs for decode steps")
+
+    def __post_init__(self) -> None:
+        self.model = str(self.model)
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            if not hasattr(self.device, "type"):  # a torch.device is fine as it is
+                raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """Add one flag per field (except `skip`), with the field's default and help."""
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            meta = f.metadata
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            names = [flag] + ([meta["short"]] if meta["short"] else [])
+            if f.default is True:
+                parser.add_argument(*names, dest=f.name, action="store_false", help=meta["help"])
+            elif f.default is False:
+                parser.add_argument(*names, dest=f.name, action="store_true", help=meta["help"])
+            else:
+                parser.add_argument(*names, dest=f.name, default=f.default, help=meta["help"], **meta["argparse"])
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine arguments parsed by a parser that `add_cli_args` set up (fields it skipped keep defaults)."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**given)
+
+
+@dataclass
+class EngineConfig:
+    """The engine's resolved limits: `EngineArgs` once the model's context is known (or set directly by tests)."""
+
+    max_model_len: int
+    num_blocks: int | None = None  # KV pool size in blocks; None: sized from kv_cache_memory and the device
+    kv_cache_memory: int | None = EngineArgs.kv_cache_memory
+    block_size: int = EngineArgs.block_size
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    use_cuda_graphs: bool = not EngineArgs.enforce_eager  # capture decode steps (when the ops support it)
+    static_decode: bool = False  # run decode on the padded static buffers even without graphs (tests)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, max_model_len: int) -> EngineConfig:
+        """The config of an engine built from `args` for a context of `max_model_len` tokens."""
+        return cls(max_model_len=max_model_len, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   enable_prefix_caching=args.enable_prefix_caching, use_cuda_graphs=not args.enforce_eager)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,151 @@
+"""The device side of the engine: the KV pool, each step's inputs, the decode graphs, and scoring.
+
+Built once per loaded model. The scheduler hands it a `ScheduledBatch` that says what it is; the runner turns
+it into token ids and `BatchMetadata` on the device and runs the forward: replayed from static buffers (CUDA
+graphs where the ops support them) when the batch is a uniform decode, eagerly otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpullama.config import ModelConfig
+from gpullama.engine.args import EngineConfig
+from gpullama.engine.decode_graphs import DecodeGraphs
+from gpullama.engine.scheduler import ScheduledBatch
+from gpullama.engine.sequence import Sequence
+from gpullama.model import Decoder
+from gpullama.ops import BatchMetadata
+
+log = logging.getLogger("gpullama")
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on the CPU
+GPU_MEMORY_FRACTION = 0.85  # share of free GPU memory the KV pool may take after the weights
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one KV block: k and v of `block_size` tokens in every layer."""
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * kv_dtype.itemsize
+
+
+def kv_pool_blocks(
+    model_config: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device
+) -> int:
+    """How many blocks the KV pool gets: `config.kv_cache_memory` bytes when given, else the device default
+    (1 GiB on the CPU, 85% of free GPU memory) capped at what `max_num_seqs` full-length sequences can use.
+    Raises ValueError when the pool cannot hold one sequence of `max_model_len` tokens."""
+    per_block = kv_block_bytes(model_config, config.block_size, kv_dtype)
+    per_seq = -(-config.max_model_len // config.block_size)
+    memory = config.kv_cache_memory
+    if memory is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            memory = int(free * GPU_MEMORY_FRACTION)
+        else:
+            memory = CPU_KV_CACHE_BYTES
+        num_blocks = min(memory // per_block, config.max_num_seqs * per_seq)  # more can never be used
+    else:
+        num_blocks = memory // per_block
+    if num_blocks < per_seq:
+        raise ValueError(
+            f"KV cache of {memory} bytes holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
+            f"{config.max_model_len}: give more kv_cache_memory or a smaller max_model_len"
+        )
+    return int(num_blocks)
+
+
+class ModelRunner:
+    """Owns the KV pool and the static decode buffers of one model; runs each scheduled batch's forward."""
+
+    def __init__(self, model: Decoder, config: EngineConfig):
+        self.model = model
+        self.config = config
+        ops = model.ops
+        self.device = ops.device
+        # the CPU keeps k/v in float32 (its attention computes in float32); devices keep them in the compute dtype
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" else ops.dtype
+        mc = model.config
+        self.num_blocks = config.num_blocks or kv_pool_blocks(mc, config, self.kv_dtype, self.device)
+        # one block past the managed ones: the scratch block that padded decode rows write into
+        shape = (self.num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
+        use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs
+        self.decode_graphs = None
+        if use_graphs or config.static_decode:
+            self.decode_graphs = DecodeGraphs(
+                model, self.k_caches, self.v_caches, max_num_seqs=config.max_num_seqs,
+                max_blocks_per_seq=-(-config.max_model_len // config.block_size),
+                scratch_block=self.num_blocks, use_graphs=use_graphs,
+            )
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs."""
+        return self.decode_graphs is not None and bool(self.decode_graphs.graphs)
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Write the batch's k/v into the pool and return the logits of `batch.sampling`, in that order."""
+        if batch.is_decode and self.decode_graphs is not None:
+            return self._decode(batch)
+        token_ids, meta = self._prepare(batch)
+        return self.model.forward(token_ids, meta, self.k_caches, self.v_caches)
+
+    def score(self, seq: Sequence) -> torch.Tensor:
+        """Logits after every token of `seq` (whose blocks are allocated, none computed): ``[num_tokens, vocab]``."""
+        batch = ScheduledBatch()
+        batch.add(seq, seq.num_tokens)
+        token_ids, meta = self._prepare(batch, every_row=True)
+        return self.model.forward(token_ids, meta, self.k_caches, self.v_caches)
+
+    def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        bs = self.config.block_size
+        positions = [seq.num_computed_tokens for seq in batch.seqs]
+        tables = [seq.block_table for seq in batch.seqs]
+        return self.decode_graphs.run(
+            [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)],
+            positions,
+            [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)],
+            tables,
+        )
+
+    def _prepare(self, batch: ScheduledBatch, every_row: bool = False) -> tuple[torch.Tensor, BatchMetadata]:
+        """Token ids and metadata of a ragged batch; logits rows: each sampling sequence's last token (or every
+        token with `every_row`)."""
+        bs = self.config.block_size
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            first = seq.num_computed_tokens
+            ids.extend(seq.token_ids[first : first + n])
+            positions.extend(range(first, first + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
+            starts.append(starts[-1] + n)
+            seq_lens.append(first + n)
+            if first + n == seq.num_tokens and not every_row:
+                logits_rows.append(starts[-1] - 1)
+        if every_row:
+            logits_rows = list(range(starts[-1]))
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        device = self.device
+        meta = BatchMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=device), meta

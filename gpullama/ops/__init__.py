@@ -1,0 +1,32 @@
+"""The ops seam: one method per op, the same call on CPU and GPU; the backend is picked once at load.
+
+`TorchOps` (`gpullama.ops.torch_ops`) is the plain torch implementation: the CPU path, and the oracle for the
+kernels. `TritonOps` (`gpullama.ops.triton_ops`) overrides each op with a fused Triton kernel from
+`gpullama.kernels`, which is leaf code that knows nothing of this package. `select_ops` picks one per device;
+callers then ask a backend's capabilities (``supports_cuda_graphs``), never its name.
+
+Shape contract (T tokens in a ragged batch of B sequences; Hq query heads, Hk kv heads, D head dim):
+- hidden states are ``[T, H]``; q is ``[T, Hq, D]``, k and v ``[T, Hk, D]``;
+- the paged KV pool of one layer is ``[num_blocks, block_size, Hk, D]`` for k and for v;
+- ``BatchMetadata`` says where each token sits (position, KV slot) and which sequence owns it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpullama.ops.metadata import BatchMetadata
+from gpullama.ops.torch_ops import TorchOps, keep_mask, rope_cos_sin
+
+__all__ = ["BatchMetadata", "TorchOps", "keep_mask", "rope_cos_sin", "select_ops"]
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """The ops backend for a device, chosen once at load: Triton kernels on CUDA, torch elsewhere."""
+    if device.type == "cuda":
+        try:
+            from gpullama.ops.triton_ops import TritonOps
+        except ImportError:  # triton is not installed: the torch path still runs on CUDA
+            return TorchOps(device, dtype)
+        return TritonOps(device, dtype)
+    return TorchOps(device, dtype)

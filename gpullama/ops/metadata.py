@@ -1,0 +1,30 @@
+"""Where each token of a ragged batch sits: the metadata every op of one step reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchMetadata:
+    """Positions, KV slots, per-sequence spans and block tables of one step's ragged batch (built by the model
+    runner, read by the ops; nothing below the runner derives more from it than it says)."""
+
+    positions: torch.Tensor  # [T] int64: absolute position of each token
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset where its k/v are written
+    query_start_loc: torch.Tensor  # [B + 1] int32: token span of each sequence in the batch
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32: block ids of each sequence, padded
+    logits_indices: torch.Tensor  # [S] int64: rows whose logits are wanted
+    max_query_len: int  # 1 for a decode batch (every sequence adds one token)
+    max_seq_len: int  # the longest context in the batch (an upper bound on a padded decode batch)
+    # host copies for the torch path's per-sequence prefill loop; None on decode batches, which never loop
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence of the batch computes exactly one new token."""
+        return self.max_query_len == 1
