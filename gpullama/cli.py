@@ -1,4 +1,8 @@
-"""The `gpullama` command: generate, chat, pull and info."""
+"""The `gpullama` command: generate, chat, serve, pull, list and info.
+
+Arguments that can be checked without the model are checked before it loads (one-line errors, exit status 2);
+torch is imported only by the commands that load a model, so ``--help``, ``info`` and ``list`` answer at once.
+"""
 
 from __future__ import annotations
 
@@ -6,66 +10,191 @@ import argparse
 import logging
 import math
 import sys
+import threading
+import time
 from collections import Counter
 
-from gpullama.engine.args import EngineArgs
-from gpullama.hub import ALIASES, DEFAULT_MODEL, pull, resolve_model
+from gpullama import __version__
+from gpullama.engine.args import EngineArgs, positive_int
+from gpullama.hub import ALIASES, DEFAULT_MODEL, cached_models, pull, resolve_model
+
+CHAT_HELP = """commands:
+  /help           this text
+  /system TEXT    set the system prompt (kept by /reset)
+  /reset          forget the conversation
+  /exit           leave (also Ctrl-D, or Ctrl-C at an empty prompt)
+Ctrl-C while the model answers stops that answer; the conversation is kept."""
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help=f"(default {max_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeat the flag for several)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", default=None, help="system prompt (generate: render the prompt as a chat)")
 
 
-def _sampling(args):
+def _checked(args: argparse.Namespace):
+    """The engine arguments and sampling parameters, checked before anything loads."""
     from gpullama.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    engine_args = EngineArgs.from_cli_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop, ignore_eos=args.ignore_eos,
+        seed=args.seed,
     )
+    if engine_args.max_model_len is not None and args.max_tokens >= engine_args.max_model_len:
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt within --max-model-len "
+                         f"{engine_args.max_model_len}")
+    return engine_args, params
 
 
-def _load(args):
+def _load(engine_args: EngineArgs):
+    """Load the model, saying so at once on a terminal (with the seconds counting while it loads)."""
     from gpullama.llm import LLM
 
-    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    if not sys.stderr.isatty():
+        return LLM.from_engine_args(engine_args)
+    done = threading.Event()
+    started = time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            sys.stderr.write(f"\rloading {engine_args.model} ... {time.perf_counter() - started:.0f}s")
+            sys.stderr.flush()
+
+    sys.stderr.write(f"loading {engine_args.model} ...")
+    sys.stderr.flush()
+    threading.Thread(target=tick, daemon=True).start()
+    try:
+        llm = LLM.from_engine_args(engine_args)
+    finally:
+        done.set()
+        sys.stderr.write("\r\033[K")
+    print(f"loaded {llm.model_name} on {llm.device} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return llm
+
+
+def _say_why_it_stopped(reason: str | None, max_tokens: int) -> None:
+    if reason == "length":
+        print(f"[cut at --max-tokens {max_tokens} or the context limit]", file=sys.stderr)
+
+
+def _stream(llm, prompt, params) -> str | None:
+    """Write one completion to stdout as it comes; returns its finish reason."""
+    pieces = llm.stream(prompt, params)
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as stop:
+            return stop.value
+        sys.stdout.write(piece)
+        sys.stdout.flush()
 
 
 def cmd_generate(args) -> int:
     """Stream one completion of --prompt to stdout."""
-    params = _sampling(args)
-    llm = _load(args)
-    for piece in llm.stream(args.prompt, params):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    engine_args, params = _checked(args)
+    llm = _load(engine_args)
+    prompt = args.prompt
+    if args.system is not None:
+        prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    reason = _stream(llm, prompt, params)
     sys.stdout.write("\n")
+    _say_why_it_stopped(reason, params.max_tokens)
     return 0
 
 
-def cmd_chat(args) -> int:
-    """Interactive chat through the model's template; an empty line or EOF ends it."""
-    params = _sampling(args)
-    llm = _load(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"chatting with {llm.model_name} (empty line or Ctrl-D to quit)", file=sys.stderr)
-    while True:
+class ChatSession:
+    """An interactive conversation: slash commands, Ctrl-C handling, and the messages sent to the model."""
+
+    def __init__(self, llm, params, system: str | None):
+        self.llm = llm
+        self.params = params
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+
+    def conversation(self) -> list[dict[str, str]]:
+        """What the model sees: the system prompt, then the turns so far."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False when it asks to leave."""
+        name, _, rest = line.partition(" ")
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name == "/reset":
+            self.messages = []
+            print("(conversation cleared)", file=sys.stderr)
+        elif name == "/system":
+            self.system = rest.strip() or None
+            print(f"(system prompt {'set' if self.system else 'cleared'})", file=sys.stderr)
+        elif name == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+        else:
+            print(f"unknown command {name}; /help lists them", file=sys.stderr)
+        return True
+
+    def answer(self, text: str) -> None:
+        """Send one user turn and stream the reply; Ctrl-C stops the reply and keeps what came so far."""
+        self.messages.append({"role": "user", "content": text})
+        reply: list[str] = []
+        reason = None
+        pieces = self.llm.stream(self.conversation(), self.params)
         try:
-            line = input("> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        reply = []
-        for piece in llm.stream(messages, params):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+            while True:
+                try:
+                    piece = next(pieces)
+                except StopIteration as stop:
+                    reason = stop.value
+                    break
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pieces.close()  # frees the request in the engine
+            reason = "interrupted"
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        if reason == "interrupted":
+            print("[stopped]", file=sys.stderr)
+        _say_why_it_stopped(reason, self.params.max_tokens)
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def run(self) -> None:
+        """Read lines until /exit, Ctrl-D, or Ctrl-C at the prompt."""
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+        print(f"chatting with {self.llm.model_name}; /help for commands, Ctrl-D to quit", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                sys.stdout.write("\n")
+                return
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if not self.command(text):
+                    return
+                continue
+            self.answer(text)
+
+
+def cmd_chat(args) -> int:
+    """Interactive chat through the model's template."""
+    engine_args, params = _checked(args)
+    ChatSession(_load(engine_args), params, args.system).run()
     return 0
 
 
@@ -75,26 +204,48 @@ def cmd_pull(args) -> int:
     return 0
 
 
-def cmd_info(args) -> int:
-    """Print what a GGUF model is: architecture, size, tensor types, context, template."""
-    from gpullama.gguf_file import read_gguf
+def cmd_list(args) -> int:
+    """The GGUF models in the local caches: name, size, main weight type, path."""
+    from gpullama.gguf_file import ModelFileError, read_header
 
-    m = read_gguf(resolve_model(args.model))
-    c = m.config
-    params = sum(math.prod(t.shape) for t in m.tensors.values())
-    types = Counter(t.qtype.name for t in m.tensors.values())
+    rows = []
+    for name, path in cached_models():
+        try:
+            header = read_header(str(path))
+            kind = Counter(t.qtype.name for t in header.tensors if len(t.shape) == 2).most_common(1)[0][0]
+        except (ModelFileError, IndexError):
+            kind = "?"
+        rows.append((name, f"{path.stat().st_size / 1e6:.0f} MB", kind, str(path)))
+    if not rows:
+        print("no models in the cache yet: `gpullama pull smollm2-135m`", file=sys.stderr)
+        return 0
+    widths = [max(len(r[i]) for r in rows + [("NAME", "SIZE", "TYPE", "PATH")]) for i in range(3)]
+    for row in [("NAME", "SIZE", "TYPE", "PATH"), *rows]:
+        print("  ".join(f"{v:<{w}}" for v, w in zip(row[:3], widths)) + "  " + row[3])
+    return 0
+
+
+def cmd_info(args) -> int:
+    """Print what a GGUF model is (from its header only): architecture, size, tensor types, context, template."""
+    from gpullama.gguf_file import read_header
+
+    h = read_header(resolve_model(args.model, download=False))
+    c, meta = h.config, h.metadata
+    params = sum(math.prod(t.shape) for t in h.tensors)
+    types = Counter(t.qtype.name for t in h.tensors)
+    vocab = f"{c.vocab_size} ({meta.get('tokenizer.ggml.model')}, pre {meta.get('tokenizer.ggml.pre')})"
     rows = [
-        ("file", m.path),
-        ("name", m.metadata.get("general.name", "")),
+        ("file", h.path),
+        ("name", meta.get("general.name", "")),
         ("architecture", c.architecture),
         ("parameters", f"{params / 1e6:.1f}M"),
         ("layers", c.num_layers),
         ("hidden size", c.hidden_size),
         ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}"),
-        ("vocabulary", f"{c.vocab_size} ({m.metadata.get('tokenizer.ggml.model')}, pre {m.metadata.get('tokenizer.ggml.pre')})"),
+        ("vocabulary", vocab),
         ("context length", c.context_length),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
-        ("chat template", "yes" if m.metadata.get("tokenizer.chat_template") else "no (ChatML fallback)"),
+        ("chat template", "yes" if meta.get("tokenizer.chat_template") else "no (ChatML fallback)"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -105,21 +256,25 @@ def cmd_info(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `gpullama`."""
     parser = argparse.ArgumentParser(prog="gpullama", description="LLM inference for GGUF models")
+    parser.add_argument("--version", action="version", version=f"gpullama {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("generate", help="complete a prompt, streaming to stdout")
     EngineArgs.add_cli_args(p)
     p.add_argument("--prompt", "-p", required=True)
     _add_sampling(p, max_tokens=128)
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("chat", help="interactive chat")
+    p = sub.add_parser("chat", help="interactive chat (/help inside for its commands)")
     EngineArgs.add_cli_args(p)
-    p.add_argument("--system", default=None, help="system prompt")
     _add_sampling(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("serve", help="the OpenAI-compatible server (gpullama-serve; `serve --help` for its flags)",
+                       add_help=False)
     p = sub.add_parser("pull", help="download an aliased model into the cache")
     p.add_argument("alias", choices=sorted(ALIASES))
     p.set_defaults(func=cmd_pull)
-    p = sub.add_parser("info", help="describe a GGUF model")
+    p = sub.add_parser("list", help="models in the local cache")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("info", help="describe a GGUF model (reads its header only)")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.set_defaults(func=cmd_info)
     return parser
@@ -127,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `gpullama` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # every flag after it is gpullama-serve's, --help included
+        from gpullama.server.cli import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -135,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpullama: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        sys.stderr.write("\n")
         return 130
 
 

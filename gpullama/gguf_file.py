@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 import gguf
 
 from gpullama.config import ModelConfig
-from gpullama.quants import QTensor
 
 
 class ModelFileError(ValueError):
@@ -23,12 +24,40 @@ class GGUFModel:
     path: str
     metadata: dict[str, Any]
     config: ModelConfig
-    tensors: dict[str, QTensor]
+    tensors: dict[str, Any]  # name -> gpullama.quants.QTensor
 
 
-def read_gguf(path: str) -> GGUFModel:
-    """Read metadata and tensors of a GGUF model file (memory-mapped, nothing dequantized)."""
-    path = os.fspath(path)
+@dataclass
+class TensorInfo:
+    """A tensor as the GGUF header describes it: logical shape (rows first) and type."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType
+
+
+@dataclass
+class GGUFHeader:
+    """The metadata and tensor list of a GGUF file, without its tensor data or its large arrays."""
+
+    path: str
+    metadata: dict[str, Any]  # arrays of more than `max_array` items are `ArraySummary`s
+    tensors: list[TensorInfo]
+    config: ModelConfig
+
+
+@dataclass
+class ArraySummary:
+    """A large metadata array read only for its length (e.g. the vocabulary's 49k tokens)."""
+
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _check_file(path: str) -> int:
+    """Raise ModelFileError unless `path` is a readable file starting with the GGUF magic; returns its size."""
     if not os.path.exists(path):
         raise ModelFileError(f"model file not found: {path}")
     if os.path.isdir(path):
@@ -37,7 +66,102 @@ def read_gguf(path: str) -> GGUFModel:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    size = os.path.getsize(path)
+    return os.path.getsize(path)
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: str, max_array: int = 4096) -> GGUFHeader:
+    """Read a GGUF file's metadata and tensor list only (what `gpullama info` shows), fast: the tensor data is
+    never touched and arrays longer than `max_array` are skipped over, kept as their length. gguf's own reader
+    builds a view of every array item (seconds for a 150k-token vocabulary), so this walks the header itself."""
+    path = os.fspath(path)
+    size = _check_file(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _parse_header(path, buf, max_array)
+        except (struct.error, UnicodeDecodeError, KeyError, ValueError) as exc:
+            if isinstance(exc, ModelFileError):
+                raise
+            raise ModelFileError(
+                f"{path}: corrupt or truncated GGUF file: its header and metadata do not parse within its {size} "
+                f"bytes ({type(exc).__name__}: {exc})"
+            ) from None
+
+
+def _parse_header(path: str, buf: mmap.mmap, max_array: int) -> GGUFHeader:
+    pos = 4
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        text = bytes(buf[pos : pos + n]).decode("utf-8")
+        pos += n
+        return text
+
+    def value(kind: int) -> Any:
+        nonlocal pos
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            item, count = take("<I"), take("<Q")
+            if count <= max_array:
+                return [value(item) for _ in range(count)]
+            if item == _STRING:
+                for _ in range(count):
+                    n = take("<Q")
+                    pos += n
+            elif item in _SCALARS:
+                pos += count * struct.calcsize(_SCALARS[item])
+            else:
+                for _ in range(count):
+                    value(item)
+            return ArraySummary(count)
+        return take(_SCALARS[kind])
+
+    version = take("<I")
+    if version not in (2, 3):
+        raise ModelFileError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        metadata[key] = value(take("<I"))
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("<Q") for _ in range(take("<I"))]
+        qtype = gguf.GGMLQuantizationType(take("<I"))
+        take("<Q")  # data offset
+        tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype))
+    config = ModelConfig.from_metadata(metadata, path)
+    _set_tensor_flags(config, {t.name: t.shape for t in tensors})
+    return GGUFHeader(path, metadata, tensors, config)
+
+
+def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Flags and sizes that the tensors present decide, not the metadata."""
+    config.attention_bias = "blk.0.attn_q.bias" in shapes
+    config.qk_norm = "blk.0.attn_q_norm.weight" in shapes
+    config.tied_embeddings = "output.weight" not in shapes
+    if "token_embd.weight" in shapes:
+        config.vocab_size = shapes["token_embd.weight"][0]
+
+
+def read_gguf(path: str) -> GGUFModel:
+    """Read metadata and tensors of a GGUF model file (memory-mapped, nothing dequantized)."""
+    from gpullama.quants import QTensor  # torch: only for a model that loads
+
+    path = os.fspath(path)
+    size = _check_file(path)
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as exc:  # the reader fails with numpy errors deep inside on a cut file
@@ -58,9 +182,5 @@ def read_gguf(path: str) -> GGUFModel:
         except ValueError as exc:
             raise ModelFileError(f"{path}: {exc}") from None
     config = ModelConfig.from_metadata(metadata, path)
-    config.attention_bias = "blk.0.attn_q.bias" in tensors
-    config.qk_norm = "blk.0.attn_q_norm.weight" in tensors
-    config.tied_embeddings = "output.weight" not in tensors
-    if "token_embd.weight" in tensors:
-        config.vocab_size = tensors["token_embd.weight"].shape[0]
+    _set_tensor_flags(config, {name: t.shape for name, t in tensors.items()})
     return GGUFModel(path=path, metadata=metadata, config=config, tensors=tensors)

