@@ -65,11 +65,12 @@ def _function(tool: Any, index: int) -> tuple[str, dict]:
     where = f"tools[{index}]"
     if not isinstance(tool, dict):
         raise StructuredOutputError(f"{where} must be an object", where)
-    if "function" in tool or tool.get("type") == "function":
+    if "type" in tool or "function" in tool:
         if tool.get("type", "function") != "function":
-            raise StructuredOutputError(f"{where}.type must be 'function'", f"{where}.type")
+            raise StructuredOutputError(f"{where}.type must be 'function', got {tool.get('type')!r}",
+                                        f"{where}.type")
         fn, where = tool.get("function"), f"{where}.function"
-    else:
+    else:  # a bare function object
         fn = tool
     if not isinstance(fn, dict):
         raise StructuredOutputError(f"{where} must be an object", where)

@@ -12,7 +12,7 @@ from gpullama.structured.backend import CompiledGrammar, GrammarBackend, Grammar
 from gpullama.structured.bitmask import _check, allow_only, apply_bitmask
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.vocab import grammar_vocab, stop_token_ids
-from gpullama.structured.xgrammar_tools import _reason, tool_calls_structural_tag
+from gpullama.structured.xgrammar_tools import _reason, json_schema_ebnf, tool_calls_structural_tag
 
 if TYPE_CHECKING:
     import xgrammar
@@ -91,7 +91,7 @@ class XGrammarBackend(GrammarBackend):
         param = spec.param or kind
         try:
             if kind == "json_schema":
-                return c.compile_json_schema(spec.schema_text(), any_whitespace=False, strict_mode=True)
+                return c.compile_grammar(json_schema_ebnf(spec.schema_text(), param))
             if kind == "json_object":
                 # Any object, compact. (The builtin JSON grammar also takes arrays and unbounded whitespace.)
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)

@@ -17,15 +17,21 @@ def _seq(*elements: dict) -> dict:
     return parts[0] if len(parts) == 1 else {"type": "sequence", "elements": parts}
 
 
-def arguments_ebnf(schema_json: str, param: str) -> str:
-    """EBNF of compact JSON valid against a parameters schema (as `compile_json_schema` would make it)."""
+# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this class, which takes raw
+# control characters (invalid in JSON: json.loads refuses them); the class of its other strings excludes them.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema_json: str, param: str) -> str:
+    """EBNF of compact, strict JSON valid against `schema_json` (xgrammar's conversion, string fix applied)."""
     import xgrammar
 
     try:
         grammar = xgrammar.Grammar.from_json_schema(schema_json, any_whitespace=False, strict_mode=True)
     except RuntimeError as e:
-        raise StructuredOutputError(f"{param}: unsupported JSON schema: {_reason(e)}", param) from None
-    return str(grammar)
+        raise StructuredOutputError(f"{param}: invalid JSON schema: {_reason(e)}", param) from None
+    return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _reason(error: BaseException) -> str:
@@ -40,7 +46,7 @@ def tool_calls_structural_tag(spec: ToolCallGrammar) -> dict[str, Any]:
     fmt = TOOL_CALL_FORMATS[spec.format]
     params = spec.params or tuple(f"tools[{i}].function.parameters" for i in range(len(spec.tools)))
     calls = [
-        _seq(_const(fmt.call_prefix(name)), {"type": "grammar", "grammar": arguments_ebnf(schema, param)},
+        _seq(_const(fmt.call_prefix(name)), {"type": "grammar", "grammar": json_schema_ebnf(schema, param)},
              _const(fmt.call_suffix()))
         for (name, schema), param in zip(spec.tools, params)
     ]
