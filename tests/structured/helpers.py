@@ -62,32 +62,42 @@ class Walk:
     steps: int
 
 
+def _bonus(backend: GrammarBackend, token_bytes) -> torch.Tensor:
+    key = (id(backend), backend.vocab_size)
+    if key not in _BONUS:
+        bonus = torch.zeros(backend.vocab_size)
+        for i in range(backend.vocab_size):
+            if i in backend.stop_token_ids:
+                bonus[i] = 40.0
+            elif token_bytes(i) in CLOSERS:
+                bonus[i] = 20.0
+        _BONUS[key] = bonus
+    return _BONUS[key]
+
+
+_BONUS: dict[tuple[int, int], torch.Tensor] = {}
+
+
 def random_walk(backend: GrammarBackend, spec: StructuredOutput, token_bytes, seed: int, max_steps: int = 600,
                 steer_after: int = 24) -> Walk:
     """Decode with random logits: mask them with the backend (fill + apply), sample, accept. After
     `steer_after` steps, closing tokens and EOS get a large bonus so that the walk ends."""
     gen = torch.Generator().manual_seed(seed)
-    compiled = backend.compile(spec)
-    matcher = backend.matcher(compiled)
+    matcher = backend.matcher(backend.compile(spec))
     bitmask = backend.allocate_bitmask(1)
     size = backend.vocab_size
-    bonus = torch.zeros(size)
-    for i in range(size):
-        if i in backend.stop_token_ids:
-            bonus[i] = 40.0
-        elif token_bytes(i) in CLOSERS:
-            bonus[i] = 20.0
+    bonus = _bonus(backend, token_bytes)
     tokens: list[int] = []
     for step in range(max_steps):
         backend.fill_bitmask([matcher], bitmask)
-        allowed = allowed_ids(bitmask, 0, size)
-        assert len(allowed), f"step {step}: the grammar allows no token after {b''.join(map(token_bytes, tokens))!r}"
+        allowed = allowed_matrix(bitmask, size)[0]
+        assert allowed.any(), f"step {step}: no token allowed after {b''.join(map(token_bytes, tokens))!r}"
         logits = torch.randn(1, size, generator=gen) * 3
         if step >= steer_after:
             logits += bonus
         backend.apply_bitmask(logits, bitmask)
         token = int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen))
-        assert token in set(allowed.tolist()), f"sampled token {token} is not in the grammar's mask"
+        assert allowed[token], f"sampled token {token} is not in the grammar's mask"
         assert matcher.accept_token(token), f"the matcher refused token {token}, which its mask allowed"
         if matcher.is_terminated():
             assert token in backend.stop_token_ids

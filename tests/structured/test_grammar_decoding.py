@@ -144,7 +144,7 @@ def test_tool_call_grammars(backends, vocabs, fmt, choice):
         spec = tool_call_grammar(TOOLS, "required", parallel_tool_calls=choice == "required", format=fmt)
     schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "properties": {}})
                for t in TOOLS}
-    for seed in range(8):
+    for seed in range(5):
         text = _decode(vocab, random_walk(backend, spec, vocab.__getitem__, seed, steer_after=40))
         calls = _calls(fmt, text)
         assert calls, text
