@@ -60,8 +60,9 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
 }
 
 
-def _function(tool: Any, index: int) -> tuple[str, dict]:
-    """(name, parameters) of one OpenAI tool (``{"type": "function", "function": {...}}``) or bare function."""
+def parse_tool(tool: Any, index: int) -> tuple[str, dict]:
+    """(name, parameters schema) of ``tools[index]``, an OpenAI tool (``{"type": "function", "function":
+    {...}}``) or a bare function object; StructuredOutputError naming the field when malformed."""
     where = f"tools[{index}]"
     if not isinstance(tool, dict):
         raise StructuredOutputError(f"{where} must be an object", where)
@@ -99,7 +100,7 @@ def tool_call_grammar(tools: Sequence[Any], tool_choice: Any = "required", *, pa
         return None
     if not isinstance(tools, (list, tuple)) or not tools:
         raise StructuredOutputError("tool_choice needs a non-empty tools list", "tools")
-    functions = [_function(t, i) for i, t in enumerate(tools)]
+    functions = [parse_tool(t, i) for i, t in enumerate(tools)]
     names = [n for n, _ in functions]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
