@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from gpullama.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, compile_pool
 from gpullama.structured.bitmask import allocate_bitmask, allow_only, apply_bitmask, bitmask_to_bool, bitmask_width
+from gpullama.structured.reasoning_gate import ReasoningGatedMatcher, reasoning_token_ids
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError, ToolCallGrammar, check_json_schema
 from gpullama.structured.tools import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_grammar
 
@@ -40,8 +41,9 @@ def get_backend(tokenizer: Tokenizer, vocab_size: int | None = None, name: str =
 
 
 __all__ = [
-    "BACKENDS", "TOOL_CALL_FORMATS", "CompiledGrammar", "GrammarBackend", "GrammarMatcher", "StructuredOutput",
+    "BACKENDS", "TOOL_CALL_FORMATS", "CompiledGrammar", "GrammarBackend", "GrammarMatcher", "ReasoningGatedMatcher",
+    "StructuredOutput",
     "StructuredOutputError", "ToolCallFormat", "ToolCallGrammar", "allocate_bitmask", "allow_only",
     "apply_bitmask", "bitmask_to_bool", "bitmask_width", "check_json_schema", "compile_pool", "get_backend",
-    "tool_call_grammar",
+    "reasoning_token_ids", "tool_call_grammar",
 ]
