@@ -187,6 +187,7 @@ class ToolParser:
         # this feed's output
         self._content: list[str] = []
         self._deltas: dict[int, ToolCallDelta] = {}
+        self._fragments: dict[int, list[str]] = {}  # argument text of this feed, by call index
         self._done = False
 
     # ---- public ----
@@ -231,8 +232,8 @@ class ToolParser:
     def _args(self, text: str) -> None:
         if text and self._open is not None:
             self._open_has_args = True
-            delta = self._deltas.setdefault(self._open, ToolCallDelta(self._open))
-            delta.arguments += text
+            self._deltas.setdefault(self._open, ToolCallDelta(self._open))
+            self._fragments.setdefault(self._open, []).append(text)
 
     def _end(self) -> None:
         if self._open is not None:
@@ -271,9 +272,9 @@ class ToolParser:
         if c is None:
             raise _EOF
         if c in '{["':
-            depth, in_string, escaped = 0, c == '"', False
-            emit(c)
+            in_string, escaped = c == '"', False
             depth = 0 if in_string else 1
+            emit(c)
             while True:
                 c = yield
                 if c is None:
@@ -479,8 +480,10 @@ class ToolParser:
         queue.extendleft(reversed(rest))
 
     def _take(self) -> ParsedDelta:
+        for index, delta in self._deltas.items():
+            delta.arguments = "".join(self._fragments.get(index, ()))
         out = ParsedDelta("".join(self._content), list(self._deltas.values()))
-        self._content, self._deltas = [], {}
+        self._content, self._deltas, self._fragments = [], {}, {}
         return out
 
 
