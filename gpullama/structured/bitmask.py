@@ -43,7 +43,8 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(*bitmask.shape[:-1], -1)[..., :vocab_size].bool()
 
 
-def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None) -> None:
+def check_apply_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None) -> None:
+    """ValueError unless `bitmask` can be applied to `logits` (2-D, int32, wide enough, rows given or equal)."""
     if logits.dim() != 2 or bitmask.dim() != 2:
         raise ValueError(f"logits and bitmask must be 2-D, got {tuple(logits.shape)} and {tuple(bitmask.shape)}")
     if bitmask.dtype != torch.int32:
@@ -61,7 +62,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
 
     Portable torch version (any device; the bitmask is moved to the logits' device). Other rows are untouched.
     """
-    _check(logits, bitmask, rows)
+    check_apply_args(logits, bitmask, rows)
     if rows is not None and len(rows) == 0:
         return
     mask = bitmask if rows is None else bitmask[list(rows)]

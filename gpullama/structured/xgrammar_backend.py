@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpullama.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
-from gpullama.structured.bitmask import _check, allow_only, apply_bitmask
+from gpullama.structured.bitmask import allow_only, apply_bitmask, check_apply_args
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.vocab import grammar_vocab, stop_token_ids
 from gpullama.structured.xgrammar_tools import _reason, json_schema_ebnf, tool_calls_structural_tag
@@ -136,7 +136,7 @@ class XGrammarBackend(GrammarBackend):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Mask disallowed logits to -inf in place: xgrammar's CPU kernel for CPU logits, torch elsewhere."""
-        _check(logits, bitmask, rows)
+        check_apply_args(logits, bitmask, rows)
         if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             apply_bitmask(logits, bitmask, rows)
             return
