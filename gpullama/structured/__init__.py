@@ -1,0 +1,49 @@
+"""Structured output: specs, a grammar-backend interface (xgrammar behind it), token bitmasks, tool-call grammars.
+
+Importing this package does not import xgrammar (about 5 s, and it pulls transformers); building a backend does.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from gpullama.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, compile_pool
+from gpullama.structured.bitmask import allocate_bitmask, allow_only, apply_bitmask, bitmask_to_bool, bitmask_width
+from gpullama.structured.reasoning_gate import ReasoningGatedMatcher, reasoning_token_ids
+from gpullama.structured.spec import StructuredOutput, StructuredOutputError, ToolCallGrammar, check_json_schema
+from gpullama.structured.tools import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_grammar
+
+if TYPE_CHECKING:
+    from gpullama.tokenizer import Tokenizer
+
+BACKENDS = ("xgrammar",)
+
+_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def get_backend(tokenizer: Tokenizer, vocab_size: int | None = None, name: str = "xgrammar") -> GrammarBackend:
+    """The grammar backend for `tokenizer` with logits `vocab_size` wide (default the tokenizer's size), built
+    once per (tokenizer, size, name) and shared; thread-safe. The first call imports the engine (seconds)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown grammar backend {name!r}; available: {BACKENDS}")
+    size = int(vocab_size or tokenizer.vocab_size)
+    with _lock:
+        per_tokenizer = _backends.setdefault(tokenizer, {})
+        backend = per_tokenizer.get((name, size))
+        if backend is None:
+            from gpullama.structured.xgrammar_backend import XGrammarBackend
+
+            backend = per_tokenizer[(name, size)] = XGrammarBackend(tokenizer, size)
+        return backend
+
+
+__all__ = [
+    "BACKENDS", "TOOL_CALL_FORMATS", "CompiledGrammar", "GrammarBackend", "GrammarMatcher", "ReasoningGatedMatcher",
+    "StructuredOutput",
+    "StructuredOutputError", "ToolCallFormat", "ToolCallGrammar", "allocate_bitmask", "allow_only",
+    "apply_bitmask", "bitmask_to_bool", "bitmask_width", "check_json_schema", "compile_pool", "get_backend",
+    "reasoning_token_ids", "tool_call_grammar",
+]

@@ -1,0 +1,136 @@
+"""Tool-call grammars: the text each model family writes for a call, and the spec forcing such calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpullama.structured.spec import (
+    StructuredOutput,
+    StructuredOutputError,
+    ToolCallGrammar,
+    canonical_json,
+    check_json_schema,
+)
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How one family writes calls: ``open + call (sep call)* + close``, each call
+    ``call_open + {"name": NAME, "<args_key>": ARGS} + call_close``. `single` is the form of exactly one call
+    when it differs (the generic format's lone object without the array brackets)."""
+
+    name: str
+    args_key: str
+    call_open: str = ""
+    call_close: str = ""
+    sep: str = ""
+    open: str = ""
+    close: str = ""
+    single_open: str | None = None
+    single_close: str | None = None
+
+    def call_prefix(self, function: str) -> str:
+        """Text of a call up to its arguments."""
+        return f'{self.call_open}{{"name": {json.dumps(function, ensure_ascii=False)}, "{self.args_key}": '
+
+    def call_suffix(self) -> str:
+        """Text of a call after its arguments."""
+        return "}" + self.call_close
+
+    def render(self, calls: Sequence[tuple[str, Any]], parallel: bool | None = None) -> str:
+        """The text of `calls` ((name, arguments object) pairs) in this format, as the grammar writes it."""
+        body = [self.call_prefix(n) + json.dumps(a, ensure_ascii=False) + self.call_suffix() for n, a in calls]
+        single = len(calls) == 1 and not parallel and self.single_open is not None
+        if single:
+            return self.single_open + body[0] + self.single_close
+        return self.open + self.sep.join(body) + self.close
+
+
+TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
+    # what the generic system prompt asks for: one object, or an array of them for several calls
+    "generic": ToolCallFormat("generic", "arguments", sep=", ", open="[", close="]", single_open="",
+                              single_close=""),
+    # Qwen2.5 / Qwen3 / Hermes 2 Pro
+    "hermes": ToolCallFormat("hermes", "arguments", call_open="<tool_call>\n", call_close="\n</tool_call>",
+                             sep="\n"),
+    # Llama 3.1 / 3.2 JSON tool calling (no <|python_tag|>: that token is a control token)
+    "llama3": ToolCallFormat("llama3", "parameters", sep="; "),
+    # Mistral v3 ([TOOL_CALLS] spelled out when it is a control token)
+    "mistral": ToolCallFormat("mistral", "arguments", sep=", ", open="[TOOL_CALLS][", close="]"),
+}
+
+
+def parse_tool(tool: Any, index: int) -> tuple[str, dict]:
+    """(name, parameters schema) of ``tools[index]``, an OpenAI tool (``{"type": "function", "function":
+    {...}}``) or a bare function object; StructuredOutputError naming the field when malformed."""
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict):
+        raise StructuredOutputError(f"{where} must be an object", where)
+    if "type" in tool or "function" in tool:
+        if tool.get("type", "function") != "function":
+            raise StructuredOutputError(f"{where}.type must be 'function', got {tool.get('type')!r}",
+                                        f"{where}.type")
+        fn, where = tool.get("function"), f"{where}.function"
+    else:  # a bare function object
+        fn = tool
+    if not isinstance(fn, dict):
+        raise StructuredOutputError(f"{where} must be an object", where)
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise StructuredOutputError(f"{where}.name must be a non-empty string", f"{where}.name")
+    params = fn.get("parameters")
+    if params is None:
+        params = EMPTY_PARAMETERS
+    return name, check_json_schema(params, f"{where}.parameters")
+
+
+def tool_call_grammar(tools: Sequence[Any], tool_choice: Any = "required", *, parallel_tool_calls: bool = True,
+                      format: str = "generic") -> StructuredOutput | None:
+    """The spec forcing calls of `tools` for an OpenAI `tool_choice`, or None when nothing is forced.
+
+    ``"required"``: one or more calls of any tool (exactly one unless `parallel_tool_calls`); a named choice
+    (``{"type": "function", "function": {"name": ...}}`` or the name) exactly one call of that tool; ``"auto"``
+    and ``"none"``: None. The arguments follow each tool's ``parameters`` schema. Errors name the field at fault.
+    """
+    if format not in TOOL_CALL_FORMATS:
+        raise ValueError(f"unknown tool-call format {format!r}; expected one of {sorted(TOOL_CALL_FORMATS)}")
+    if tool_choice is None:
+        tool_choice = "auto"
+    if tool_choice in ("none", "auto"):
+        return None
+    if not isinstance(tools, (list, tuple)) or not tools:
+        raise StructuredOutputError("tool_choice needs a non-empty tools list", "tools")
+    functions = [parse_tool(t, i) for i, t in enumerate(tools)]
+    names = [n for n, _ in functions]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise StructuredOutputError(f"tools has two functions named {dup!r}", "tools")
+    indices = list(range(len(functions)))
+    parallel = bool(parallel_tool_calls)
+    if tool_choice != "required":
+        wanted = tool_choice
+        if isinstance(tool_choice, dict):
+            fn = tool_choice.get("function")
+            wanted = fn.get("name") if isinstance(fn, dict) else None
+            if tool_choice.get("type", "function") != "function" or not isinstance(wanted, str):
+                raise StructuredOutputError(
+                    "tool_choice must be 'none', 'auto', 'required' or "
+                    "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        elif not isinstance(tool_choice, str):
+            raise StructuredOutputError("tool_choice must be a string or an object", "tool_choice")
+        if wanted not in names:
+            raise StructuredOutputError(f"tool_choice names function {wanted!r}, which is not in tools",
+                                        "tool_choice")
+        indices, parallel = [names.index(wanted)], False
+    grammar = ToolCallGrammar(
+        format=format,
+        tools=tuple((functions[i][0], canonical_json(functions[i][1])) for i in indices),
+        parallel=parallel,
+        params=tuple(f"tools[{i}].function.parameters" for i in indices),
+    )
+    return StructuredOutput(tool_calls=grammar, param="tools")
