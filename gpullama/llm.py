@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -57,6 +58,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantized: boo
 def has_quantized_matrices(tensors: dict[str, QTensor]) -> bool:
     """Whether any matrix of the model is stored in a quantized GGUF type (not F32, F16 or BF16)."""
     return any(len(t.shape) == 2 and t.qtype not in FLOAT_TYPES for t in tensors.values())
+
+
+def release_free_memory() -> None:
+    """Hand the load's freed scratch buffers back to the OS (glibc keeps them otherwise); a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def resident_bytes() -> int:
@@ -116,6 +125,7 @@ class LLM:
         self._ids = itertools.count()
         runner = self.engine.runner
         del gguf_model  # the file's memory map goes once nothing else holds a view of it
+        release_free_memory()
         log.info(
             "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; KV cache: %d tokens in %d blocks "
             "of %d (%.0f MiB); resident memory %.0f MiB",

@@ -52,7 +52,10 @@ class TorchOps:
         return torch.ops.mkldnn._reorder_linear_weight(dense) if self.packed else dense
 
     def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor:
-        """Embedding table as `embedding` consumes it (kept in GGUF blocks: rows are gathered, then dequantized)."""
+        """Embedding table as `embedding` consumes it (kept in GGUF blocks: rows are gathered, then dequantized);
+        on the CPU a copy, so that nothing keeps the file's memory map (and its pages) once the load is done."""
+        if self.device.type == "cpu":
+            return QTensor(weight.data.clone(), weight.qtype, weight.shape, weight.name)
         return weight.to(self.device)
 
     def prepare_step(self, meta: BatchMetadata, cos_sin: torch.Tensor, block_size: int) -> BatchMetadata:
@@ -94,12 +97,13 @@ class TorchOps:
         keeps the residual's dtype (float32 on the CPU), the norm comes in the dtype of the next matmul's input."""
         if residual is not None:
             x = x + residual
-        out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight  # F.rms_norm is slower on the CPU
         return (out.to(torch.bfloat16) if self.cpu_weights else out), x
 
     def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of ``[T, heads, D]`` (Qwen3's q/k norm), in the weight's dtype."""
-        return F.rms_norm(x.to(weight.dtype), (x.shape[-1],), weight, eps)
+        x = x.to(weight.dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
     def rope_and_cache(
         self,
