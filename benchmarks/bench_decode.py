@@ -1,9 +1,14 @@
-"""Prefill and decode speed in the style of llama.cpp's llama-bench: pp512 and tg128 rows, tokens/s, mean ± stddev.
+"""Prefill and decode speed in the style of llama.cpp's llama-bench: pp512 and tg128 rows, tokens/s, side by side.
 
-    python benchmarks/bench_decode.py --model smollm2-135m --dtypes float32,bfloat16 --transformers
+    python benchmarks/bench_decode.py --model smollm2-135m --dtypes bfloat16,float32 --threads 2 \\
+        --llama-cpp /work/venv-llamacpp/bin/python [--transformers]
 
-Runs gpullama (one row pair per dtype) and, with --transformers, the HF transformers reference loading the very
-same GGUF, in one process one after the other, and prints one markdown table.
+Every engine is loaded once, in this process (llama.cpp in a worker process, `llama_cpp_worker.py`, run by the
+Python given to --llama-cpp, a virtualenv with llama-cpp-python built from source; never a dependency of
+gpullama), then the rounds alternate the engines (engine A pp and tg, engine B pp and tg, ..., then again), so
+all see the same machine load; the table gives the median over the rounds, its min-max, and the ratio to
+llama.cpp. Prefix caching is off, greedy, EOS ignored; same prompt length and same thread count for all. The
+gpullama rows also give the resident memory their load added (RSS after minus before) and the KV pool size.
 """
 
 from __future__ import annotations
@@ -12,92 +17,151 @@ import argparse
 import datetime
 import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 from machine import cpu_name  # benchmarks/machine.py
 
 from gpullama import LLM, SamplingParams
 from gpullama.hub import resolve_model
+from gpullama.llm import resident_bytes
+
+WORKER = Path(__file__).resolve().parent / "llama_cpp_worker.py"
 
 
-def timed(fn, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` runs after one warm-up run."""
-    fn()
-    out = []
-    for _ in range(repeats):
+class Gpullama:
+    """gpullama through its public API at one dtype."""
+
+    def __init__(self, path: str, dtype: str, device: str, n_prompt: int, n_gen: int, threads: int | None):
+        before = resident_bytes()
+        self.llm = LLM(path, device=device, dtype=dtype, threads=threads, max_model_len=n_prompt + n_gen + 16,
+                       max_num_seqs=1, max_num_batched_tokens=max(512, n_prompt), enable_prefix_caching=False)
+        self.loaded_bytes = resident_bytes() - before
+        ops = self.llm.model.ops
+        self.label = f"gpullama {dtype} ({ops.mode})"
+        vocab = self.llm.config.vocab_size
+        self.prompt = torch.randint(100, vocab, (n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def pp(self, n: int) -> float:
+        """Seconds to prefill `n` prompt tokens (and sample one)."""
         start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
+        self.llm.generate([self.prompt[:n]], SamplingParams(max_tokens=1, temperature=0))
+        return time.perf_counter() - start
+
+    def tg(self, n: int) -> float:
+        """Seconds to generate `n` tokens after a one-token prompt."""
+        start = time.perf_counter()
+        self.llm.generate([self.prompt[:1]], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return time.perf_counter() - start
 
 
-def rate(tokens: int, seconds: list[float]) -> str:
-    """tokens/s as mean ± stddev over the runs."""
-    speeds = [tokens / s for s in seconds]
-    std = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
-    return f"{statistics.mean(speeds):.2f} ± {std:.2f}"
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) in a worker process run by another Python."""
+
+    def __init__(self, python: str, path: str, threads: int, n_ctx: int):
+        self.proc = subprocess.Popen([python, str(WORKER), path, str(threads), str(n_ctx)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        if not ready.startswith("ready"):
+            raise SystemExit(f"llama.cpp worker did not start (got {ready!r})")
+        version = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                                 capture_output=True, text=True).stdout.strip()
+        self.label = f"llama.cpp (llama-cpp-python {version})"
+
+    def _ask(self, test: str, n: int) -> float:
+        self.proc.stdin.write(f"{test} {n}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def pp(self, n: int) -> float:
+        """Seconds to evaluate `n` prompt tokens in one batch."""
+        return self._ask("pp", n)
+
+    def tg(self, n: int) -> float:
+        """Seconds to generate `n` tokens after a one-token prompt."""
+        return self._ask("tg", n)
 
 
-def bench_gpullama(path: str, dtype: str, device: str, n_prompt: int, n_gen: int, repeats: int) -> list[tuple]:
-    """pp and tg rows for gpullama at one dtype."""
-    llm = LLM(path, device=device, dtype=dtype, max_num_batched_tokens=max(512, n_prompt), enable_prefix_caching=False)
-    prompt = torch.randint(100, llm.config.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    pp = timed(lambda: llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0)), repeats)
-    tg_params = SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True)
-    tg = timed(lambda: llm.generate([prompt[:1]], tg_params), repeats)
-    name = f"gpullama {dtype} ({llm.model.ops.name} ops)"
-    return [(name, f"pp{n_prompt}", rate(n_prompt, pp)), (name, f"tg{n_gen}", rate(n_gen, tg))]
+class Transformers:
+    """HF transformers (float32) loading the same GGUF."""
 
+    def __init__(self, path: str, n_prompt: int):
+        from transformers import AutoModelForCausalLM
 
-def bench_transformers(path: str, n_prompt: int, n_gen: int, repeats: int) -> list[tuple]:
-    """pp and tg rows for HF transformers (float32) loading the same GGUF."""
-    from transformers import AutoModelForCausalLM
+        folder, name = os.path.split(path)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        vocab = self.model.config.vocab_size
+        self.prompt = torch.randint(100, vocab, (1, n_prompt), generator=torch.Generator().manual_seed(0))
+        self.label = "transformers float32"
 
-    folder, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    vocab = model.config.vocab_size
-    prompt = torch.randint(100, vocab, (1, n_prompt), generator=torch.Generator().manual_seed(0))
-
-    def prefill():
+    def pp(self, n: int) -> float:
+        """Seconds of one forward over `n` prompt tokens."""
+        start = time.perf_counter()
         with torch.inference_mode():
-            model(prompt)
+            self.model(self.prompt[:, :n])
+        return time.perf_counter() - start
 
-    def decode():
+    def tg(self, n: int) -> float:
+        """Seconds to generate `n` tokens greedily after a one-token prompt."""
+        start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(prompt[:, :1], max_new_tokens=n_gen, min_new_tokens=n_gen, do_sample=False)
-
-    label = "transformers float32"
-    return [(label, f"pp{n_prompt}", rate(n_prompt, timed(prefill, repeats))),
-            (label, f"tg{n_gen}", rate(n_gen, timed(decode, repeats)))]
+            self.model.generate(self.prompt[:, :1], max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
 
 
 def main() -> None:
-    """Parse arguments, run every engine asked for, print the table."""
+    """Parse arguments, load every engine, alternate them over the rounds, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="gpullama dtypes, one row pair each")
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--n-gen", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (each engine once per round)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-cpp", metavar="PYTHON", help="a Python with llama-cpp-python: add llama.cpp's rows")
     parser.add_argument("--transformers", action="store_true", help="also run the HF transformers reference")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    rows = []
-    for dtype in args.dtypes.split(","):
-        rows += bench_gpullama(path, dtype, args.device, args.n_prompt, args.n_gen, args.repeats)
+    engines: list = [Gpullama(path, d, args.device, args.n_prompt, args.n_gen, args.threads)
+                     for d in args.dtypes.split(",") if d]
+    if args.llama_cpp:
+        engines.append(LlamaCpp(args.llama_cpp, path, args.threads, args.n_prompt + args.n_gen + 16))
     if args.transformers:
-        rows += bench_transformers(path, args.n_prompt, args.n_gen, args.repeats)
-    print(f"\nmodel: {os.path.basename(path)}; device: {args.device} ({cpu_name()}), torch threads "
-          f"{torch.get_num_threads()}, torch {torch.__version__}; {datetime.date.today()}; repeats {args.repeats}\n")
-    print("| engine | test | tokens/s |")
-    print("| --- | --- | ---: |")
-    for engine, test, value in rows:
-        print(f"| {engine} | {test} | {value} |")
+        engines.append(Transformers(path, args.n_prompt))
+    tests = [("pp", args.n_prompt), ("tg", args.n_gen)]
+    times: dict[tuple[int, str], list[float]] = {(i, t): [] for i in range(len(engines)) for t, _ in tests}
+    for engine in engines:  # warm-up
+        engine.pp(args.n_prompt)
+        engine.tg(8)
+    for _ in range(args.repeats):
+        for i, engine in enumerate(engines):
+            for test, n in tests:
+                times[i, test].append(getattr(engine, test)(n))
+    tokens = dict(tests)
+    speeds = {key: sorted(tokens[key[1]] / s for s in seconds) for key, seconds in times.items()}
+    reference = next((i for i, e in enumerate(engines) if isinstance(e, LlamaCpp)), None)
+    print(f"\nmodel: {os.path.basename(path)}; device: {args.device} ({cpu_name()}, {os.cpu_count()} logical cores), "
+          f"{args.threads} threads, torch {torch.__version__}; {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+          f"{args.repeats} alternating rounds\n")
+    ratio = " | vs llama.cpp" if reference is not None else ""
+    print(f"| engine | test | tokens/s (median) | min-max{ratio} |")
+    print("| --- | --- | ---: | ---:" + (" | ---:" if ratio else "") + " |")
+    for i, engine in enumerate(engines):
+        for test, n in tests:
+            s = speeds[i, test]
+            cell = f" | {statistics.median(s) / statistics.median(speeds[reference, test]):.2f}x" if ratio else ""
+            print(f"| {engine.label} | {test}{n} | {statistics.median(s):.1f} | {s[0]:.1f}-{s[-1]:.1f}{cell} |")
+    for engine in engines:
+        if isinstance(engine, Gpullama):
+            runner = engine.llm.engine.runner
+            print(f"\n{engine.label}: load added {engine.loaded_bytes / 2**20:.0f} MiB resident "
+                  f"(file {os.path.getsize(path) / 2**20:.0f} MiB; KV pool {runner.kv_cache_bytes / 2**20:.0f} MiB)",
+                  end="")
+    print()
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def run_level(
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = sum(len(c.token_ids) for c in completions)
-    described = f"{llm.device} {str(llm.dtype).removeprefix('torch.')} ({llm.model.ops.name} ops)"
+    described = f"{llm.device} {str(llm.dtype).removeprefix('torch.')} ({llm.model.ops.mode})"
     del llm, completions
     gc.collect()
     return generated, seconds, described

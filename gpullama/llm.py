@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -42,8 +43,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA, float32 on the CPU (where a sequence then gives the same tokens alone or
-    batched; bfloat16 rounding of the activations lets near-ties flip with the batch)."""
+    """``"auto"``: bfloat16 on CUDA, float32 (the exact path) on the CPU. ``"bfloat16"`` on the CPU is the fast path
+    (quantized matrices stay 4-bit): about twice the exact path's decode speed for one stream, but slower prefill and
+    batches today, so it is a choice rather than the default (docs/usage.md, "CPU modes")."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -53,10 +55,30 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+def release_free_memory() -> None:
+    """Hand the load's freed scratch buffers back to the OS (glibc keeps them otherwise); a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS) in bytes; 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class LLM:
     """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``.
 
-    Keyword arguments are the fields of `gpullama.engine.args.EngineArgs` (device, dtype, max_model_len,
+    Keyword arguments are the fields of `gpullama.engine.args.EngineArgs` (device, dtype, threads, max_model_len,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, enforce_eager),
     with its defaults.
     """
@@ -77,8 +99,10 @@ class LLM:
         self.model_name = args.model if args.model in ALIASES else Path(args.model).stem
         self.path = resolve_model(args.model)
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
         gguf_model = read_gguf(self.path)
+        self.dtype = resolve_dtype(args.dtype, self.device)
         self.config = gguf_model.config
         self.metadata = gguf_model.metadata
         max_model_len = args.max_model_len or self.config.context_length
@@ -95,11 +119,15 @@ class LLM:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         runner = self.engine.runner
+        del gguf_model  # the file's memory map goes once nothing else holds a view of it
+        release_free_memory()
         log.info(
-            "loaded %s (%s, %d layers) on %s in %s (ops: %s%s) in %.1fs; KV cache: %d tokens in %d blocks of %d",
-            self.model_name, self.config.architecture, self.config.num_layers, self.device,
-            str(self.dtype).removeprefix("torch."), ops.name, ", CUDA graphs" if runner.uses_cuda_graphs else "",
-            time.perf_counter() - started, self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size,
+            "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; KV cache: %d tokens in %d blocks "
+            "of %d (%.0f MiB); resident memory %.0f MiB",
+            self.model_name, self.config.architecture, self.config.num_layers, self.device, ops.name, ops.mode,
+            ", CUDA graphs" if runner.uses_cuda_graphs else "", torch.get_num_threads(), time.perf_counter() - started,
+            self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
+            resident_bytes() / 2**20,
         )
 
     # -- helpers -------------------------------------------------------------------------------------

@@ -135,4 +135,4 @@ class Decoder:
             x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual)
             hidden = ops.linear(ops.silu_mul(self._linear_parts(x, layer.gate_up)), layer.down)
         x, _ = ops.rms_norm(hidden[meta.logits_indices], self.output_norm, c.rms_eps, residual[meta.logits_indices])
-        return ops.linear(x, self.output)
+        return ops.linear(x, self.output).float()

@@ -55,8 +55,12 @@ class EngineArgs:
 
     model: str = _arg(DEFAULT_MODEL, f"GGUF path or alias (default: {DEFAULT_MODEL})", short="-m")
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N (default: auto, CUDA when present)")
-    dtype: Any = _arg("auto", "compute dtype (default: auto: bfloat16 on CUDA, float32 on the CPU)",
-                      choices=list(DTYPE_NAMES))
+    dtype: Any = _arg(
+        "auto", "compute dtype (default: auto: bfloat16 on CUDA; on the CPU, bfloat16 (the fast path: quantized "
+        "weights stay 4-bit) for a quantized file, float32 for an unquantized one; float32 is the exact path)",
+        choices=list(DTYPE_NAMES))
+    threads: int | None = _arg(None, "torch intra-op threads (default: torch's choice, one per core)",
+                               type=positive_int)
     max_model_len: int | None = _arg(None, "context limit in tokens (default: the model's trained context)",
                                      type=positive_int)
     kv_cache_memory: int | None = _arg(
@@ -81,6 +85,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:

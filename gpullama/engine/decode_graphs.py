@@ -125,5 +125,5 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.graph_logits[size][:batch]
-        meta = self._meta(size, max(positions) + 1, width)
+        meta = self.model.ops.prepare_step(self._meta(size, max(positions) + 1, width), self.model.cos_sin, self.block_size)
         return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)[:batch]

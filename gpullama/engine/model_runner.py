@@ -82,6 +82,11 @@ class ModelRunner:
             )
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV pool (k and v of every layer, the scratch block included)."""
+        return sum(c.nbytes for c in self.k_caches) + sum(c.nbytes for c in self.v_caches)
+
+    @property
     def uses_cuda_graphs(self) -> bool:
         """Whether decode steps replay captured CUDA graphs."""
         return self.decode_graphs is not None and bool(self.decode_graphs.graphs)
@@ -148,4 +153,6 @@ class ModelRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
+        # per-step tensors the ops read (rotary rows, decode context slots), derived here once, not per layer
+        meta = self.model.ops.prepare_step(meta, self.model.cos_sin, bs)
         return torch.tensor(ids, dtype=torch.long, device=device), meta

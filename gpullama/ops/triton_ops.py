@@ -32,6 +32,10 @@ class TritonOps(TorchOps):
             return weight.to(self.device)
         return super().prepare_weight(weight)
 
+    def prepare_step(self, meta: BatchMetadata, cos_sin: torch.Tensor, block_size: int) -> BatchMetadata:
+        """The kernels read the metadata as it is (rotary rows and context spans are looked up inside them)."""
+        return meta
+
     def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor) -> torch.Tensor:
         """Rows of the table for `ids`, dequantized in the kernel: float32 ``[T, H]``."""
         if isinstance(table, QTensor) and table.qtype not in QUANTIZED_KERNEL_TYPES and table.qtype.name not in _DENSE_TYPES:

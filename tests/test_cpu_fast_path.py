@@ -1,0 +1,103 @@
+"""The CPU fast path (int4 CPU weights, bfloat16 activations: the CPU default for quantized files) against
+transformers and the exact float32 path, its batch invariance, and how the mode is chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpullama import LLM, SamplingParams
+from gpullama.ops import cpu_weights
+from tests.engine.helpers import PASSAGE, make_engine, run_requests, solo_runs
+from tests.engine.test_batching import assert_as_solo, assert_same_outputs, mixed_params, mixed_prompts
+from tests.test_model_parity import hf_logits, token_ids
+
+# max |fast - reference| / max |reference| over the logits. Measured: 0.4-2% on the tiny models against
+# transformers, 2.8% on SmolLM2 against the float32 path (bfloat16 activations and matmul outputs).
+FAST_TOLERANCE = 0.05
+
+CASES = [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("mistral", "Q4_0"), ("qwen3", "Q4_K"), ("llama", "Q6_K")]
+
+pytestmark = pytest.mark.skipif(not cpu_weights.has_int4_kernel(), reason="this torch has no int4 CPU matmul")
+
+
+def assert_close_and_same_top1(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Logits within FAST_TOLERANCE of the reference, and the same top token at every position where the
+    reference's top two are further apart than twice that position's largest error (closer ties may go either
+    way; those are at most a quarter of the positions)."""
+    err = (got - want).abs().amax(dim=-1)
+    rel = err.max().item() / want.abs().max().item()
+    assert rel < FAST_TOLERANCE, f"{what}: max rel error {rel:.3g}"
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
+    assert clear.sum() >= 3 * len(want) // 4, f"{what}: only {int(clear.sum())} of {len(want)} positions are clear"
+    agree = got.argmax(-1) == want.argmax(-1)
+    assert agree[clear].all(), f"{what}: top-1 differs at clear positions {(~agree & clear).nonzero().flatten().tolist()}"
+
+
+@pytest.fixture(scope="module")
+def fast_llm():
+    """Factory: one fast-path LLM (dtype bfloat16 on the CPU) per tiny model file, reused within the module."""
+    loaded: dict[str, LLM] = {}
+
+    def get(path, **kwargs) -> LLM:
+        key = str(path) + repr(sorted(kwargs.items()))
+        if key not in loaded:
+            loaded[key] = LLM(str(path), device="cpu", **{"dtype": "bfloat16", **kwargs})
+        return loaded[key]
+
+    return get
+
+
+def test_bfloat16_picks_the_fast_path_and_auto_the_exact_one(tiny_model, fast_llm) -> None:
+    quantized = fast_llm(tiny_model("llama", "Q4_0").path)
+    assert quantized.dtype == torch.bfloat16 and "int4" in quantized.model.ops.mode
+    exact = fast_llm(tiny_model("llama", "Q4_0").path, dtype="auto")
+    assert exact.dtype == torch.float32 and exact.model.ops.mode == "dense float32"
+
+
+def test_threads_sets_torch_threads(tiny_model) -> None:
+    before = torch.get_num_threads()
+    try:
+        LLM(str(tiny_model("llama", "Q4_0").path), device="cpu", threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("arch", "weight_type"), CASES)
+def test_fast_logits_close_to_transformers(tiny_model, fast_llm, arch: str, weight_type: str) -> None:
+    """The fast path's logits at every position against transformers on the same (dequantized) weights."""
+    tiny = tiny_model(arch, weight_type)
+    llm = fast_llm(tiny.path)
+    ids = token_ids(tiny.config.vocab_size, n=40)
+    assert_close_and_same_top1(llm.logits(ids), hf_logits(tiny.hf_model, ids), f"{arch} {weight_type}")
+
+
+def test_smollm2_fast_logits_close_to_float32(default_llm: LLM, short_bf16_llm: LLM) -> None:
+    """SmolLM2 on the fast path against the exact float32 path (itself within 1e-4 of transformers)."""
+    ids = default_llm.tokenizer.encode(" ".join(PASSAGE.split()[:40]), add_special_tokens=True)[:60]
+    assert_close_and_same_top1(short_bf16_llm.logits(ids), default_llm.logits(ids), "SmolLM2 fast vs float32")
+
+
+@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static"])
+def test_fast_path_batch_equals_solo(tiny_model, fast_llm, static_decode: bool) -> None:
+    """16 mixed prompts (chunked prefill, shared prefixes, requests joining as others leave) give each prompt
+    exactly the greedy tokens it gets alone."""
+    llm = fast_llm(tiny_model("llama", "Q4_0").path)
+    solo = solo_runs(llm, mixed_prompts(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine = make_engine(llm, max_num_seqs=5, max_num_batched_tokens=64, static_decode=static_decode)
+    seqs = run_requests(engine, mixed_prompts(), mixed_params())
+    assert_as_solo(seqs, solo, mixed_params(), llm.tokenizer.eos_token_ids)
+
+
+def test_smollm2_fast_path_batch_equals_solo(short_bf16_llm: LLM) -> None:
+    """SmolLM2 on the fast path: real-text prompts batched with chunked prefill get their solo greedy tokens."""
+    tok = short_bf16_llm.tokenizer
+    words = PASSAGE.split()
+    texts = ["The capital of France is", " ".join(words[:30]), " ".join(words[:30]) + " The keepers",
+             " ".join(words[60:80]), "Water boils at"]
+    prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = make_engine(short_bf16_llm, max_num_seqs=8, max_num_batched_tokens=16)
+    assert_same_outputs(run_requests(engine, prompts, params), solo_runs(short_bf16_llm, prompts, params))
