@@ -88,6 +88,11 @@ class ModelConfig:
         def opt(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
 
+        if opt("expert_count"):  # e.g. Mixtral, stored as architecture llama with expert tensors
+            raise ValueError(
+                f"{path}: '{arch}.expert_count' = {opt('expert_count')}: mixture-of-experts models are not supported"
+            )
+
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         kv_heads = get("attention.head_count_kv", heads)

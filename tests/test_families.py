@@ -129,13 +129,15 @@ def test_longrope_factors_need_the_original_context(tiny_model) -> None:
         Decoder(model.config, model.tensors, TorchOps(torch.device("cpu")), max_positions=64)
 
 
-@pytest.mark.parametrize(("meta", "match"), [
-    ({"general.architecture": "qwen3moe"}, "mixture-of-experts"),
-    ({"general.architecture": "gemma"}, "Gemma 1 is not supported"),
-    ({"general.architecture": "granitehybrid"}, "Granite 4 hybrid"),
-    ({"general.architecture": "gemma3", "gemma3.rope.scaling.type": "yarn"}, "'gemma3.rope.scaling.type' = 'yarn'"),
+@pytest.mark.parametrize(("base", "meta", "match"), [
+    (None, {"general.architecture": "qwen3moe"}, "mixture-of-experts"),
+    ("llama", {"llama.expert_count": 8}, "'llama.expert_count' = 8: mixture-of-experts"),  # Mixtral
+    (None, {"general.architecture": "gemma"}, "Gemma 1 is not supported"),
+    (None, {"general.architecture": "granitehybrid"}, "Granite 4 hybrid"),
+    ("gemma3", {"gemma3.rope.scaling.type": "yarn"}, "'gemma3.rope.scaling.type' = 'yarn'"),
+    ("granite", {"granite.rope.scaling.finetuned": False}, "without rotary embedding"),
 ])
-def test_unsupported_files_are_refused_with_the_reason(tiny_model, meta: dict, match: str) -> None:
-    base = read_header(tiny_model("gemma3").path).metadata if meta["general.architecture"] == "gemma3" else {}
+def test_unsupported_files_are_refused_with_the_reason(tiny_model, base: str | None, meta: dict, match: str) -> None:
+    base_meta = read_header(tiny_model(base).path).metadata if base else {}
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_metadata({**base, **meta}, "model.gguf")
+        ModelConfig.from_metadata({**base_meta, **meta}, "model.gguf")
