@@ -12,8 +12,9 @@ kernel gathers its k/v rows per token through the block table, so any block_size
 - Prefill / mixed batches: grid ``(cdiv(max_query_len, BLOCK_M), B, Hq)``; a program takes BLOCK_M queries of
   one head, the bottom-right aligned causal mask (query j of a sequence of q_len new tokens sits at position
   ``seq_len - q_len + j``), and walks keys from 0 (cached prefix included) up to its last query's position.
-Sliding-window layers (WINDOW > 0): a query at position p sees keys above ``p - WINDOW`` only; decode splits the
-window's span instead of the whole context, prefill starts its key walk at the first key its first query sees.
+Sliding window: a query at position p sees keys above ``p - WINDOW`` only (full-attention layers pass WINDOW =
+NO_WINDOW, beyond any context, so one code path serves both); decode splits the window's span instead of the
+whole context, prefill starts its key walk at the first key its first query sees.
 Soft-capping (HAS_SOFTCAP, Gemma 2): scores become ``SOFTCAP * tanh(scores / SOFTCAP)`` before the mask.
 Scores and softmax are float32; 16-bit pools multiply in their dtype. Torch reference: `TorchOps.attention`.
 """
@@ -25,6 +26,9 @@ import triton
 import triton.language as tl
 
 from gpullama.kernels.common import dot, interpreting, pow2, sm_count, tanh, tl_dtype
+
+NO_WINDOW = 1 << 30
+"""The WINDOW of a full-attention layer: larger than any context (and far from int32 overflow)."""
 
 
 @triton.jit
@@ -59,7 +63,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     token = tl.load(query_start_ptr + b).to(tl.int64)
-    lo = tl.where(WINDOW > 0, tl.maximum(seq_len - WINDOW, 0), 0)  # the first key the new token sees
+    lo = tl.maximum(seq_len - WINDOW, 0)  # the first key the new token sees
     split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -141,7 +145,7 @@ def _prefill_kernel(
     q_pos = seq_len - q_len + offs  # context position of each query
     end = tl.where(pid_m * BLOCK_M < q_len, tl.minimum(seq_len, seq_len - q_len + (pid_m + 1) * BLOCK_M), 0)
     # a sliding layer: keys from the first one the block's first query sees
-    start = tl.where(WINDOW > 0, tl.maximum(seq_len - q_len + pid_m * BLOCK_M - WINDOW + 1, 0), 0)
+    start = tl.maximum(seq_len - q_len + pid_m * BLOCK_M - WINDOW + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -152,7 +156,7 @@ def _prefill_kernel(
         k = _load_kv(k_cache_ptr, table_row, pos, valid, kvh, block_size, stride_cb, stride_cs, stride_ch, dims, D)
         s = _capped(dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE, EMULATE) * scale,
                     SOFTCAP, HAS_SOFTCAP)
-        seen = (pos[None, :] <= q_pos[:, None]) & ((WINDOW == 0) | (pos[None, :] > q_pos[:, None] - WINDOW))
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(valid[None, :] & seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -203,6 +207,7 @@ def paged_attention(
     if window < 0 or softcap < 0:
         raise ValueError(f"attention: window and softcap must be >= 0 (0: off), got {window}, {softcap}")
     common = dict(DOT_DTYPE=dot_dtype, EMULATE=interpreting(), HAS_SOFTCAP=softcap > 0)
+    span = int(window) if window else NO_WINDOW
     if max_query_len == 1:
         splits = num_splits or decode_splits(b, hk, q.device)
         block_n = block_n or 64
@@ -210,7 +215,7 @@ def paged_attention(
         part_lse = torch.empty((b, hq, splits), device=q.device, dtype=torch.float32)
         _decode_kernel[(b, hk, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
-            scale, group, d, block_size, splits, int(window), float(softcap or 1.0),
+            scale, group, d, block_size, splits, span, float(softcap or 1.0),
             q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             BLOCK_G=pow2(group, 16), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **common,
         )
@@ -223,7 +228,7 @@ def paged_attention(
     block_n = block_n or 64
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), b, hq)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale, group, d, block_size, int(window), float(softcap or 1.0),
+        scale, group, d, block_size, span, float(softcap or 1.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **common,

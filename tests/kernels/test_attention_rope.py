@@ -112,7 +112,8 @@ def test_decode_attention_window_softcap(window, softcap, device):
     assert rel_err(got, want) < 1e-5
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (0, 2.0), (6, 2.0)], ids=["window", "softcap", "both"])
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (0, 2.0), (6, 2.0), (1, 0.0)],
+                         ids=["window", "softcap", "both", "window1"])
 def test_prefill_attention_window_softcap(window, softcap, device):
     """Windowed and soft-capped prefill: fresh prompts, a chunk after a cached prefix, a decode row."""
     got, want = _attention_case([5, 21, 30], [5, 9, 1], 4, 2, 16, 4, torch.float32, device, window=window,
