@@ -3,6 +3,7 @@ gemma3 through config flags."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,8 @@ import torch
 from gpullama.config import ModelConfig
 from gpullama.ops import BatchMetadata, TorchOps, rope_cos_sin
 from gpullama.quants import QTensor
+
+log = logging.getLogger("gpullama")
 
 
 @dataclass
@@ -143,7 +146,10 @@ class Decoder:
                     f"{c.architecture} model has LongRoPE factors but no metadata key "
                     f"'{c.architecture}.rope.scaling.original_context_length'"
                 )
-            name = "rope_factors_long.weight" if max_positions > c.rope_original_context else "rope_factors_short.weight"
+            kind = "long" if max_positions > c.rope_original_context else "short"
+            name = f"rope_factors_{kind}.weight"
+            log.info("LongRoPE: %s factors for a context of %d tokens (original context %d)", kind, max_positions,
+                     c.rope_original_context)
             if name not in tensors:
                 raise ValueError(f"{c.architecture} model file has no tensor {name!r}")
             factors = tensors[name]

@@ -24,7 +24,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, I, stride_xt, BLOCK: tl.constexpr, GELU: tl
     up = tl.load(x_ptr + t * stride_xt + I + cols, mask=mask, other=0.0).to(tl.float32)
     if GELU:
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (g + 0.044715 g^3)
-        act = gate / (1.0 + tl.exp(-2.0 * z))
+        act = gate / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))  # (capped: exp overflows past 88; g * 1e-35 is 0)
     else:
         act = gate / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + t * I + cols, act * up, mask=mask)
