@@ -146,11 +146,13 @@ def _read_rope_scaling(config: ModelConfig, arch: str, opt, path: str) -> None:
     config.rope_original_context = int(opt("rope.scaling.original_context_length") or 0)
 
 
-def _layer_pattern(num_layers: int, pattern: Any) -> tuple[bool, ...]:
+def _layer_pattern(num_layers: int, pattern: Any, key: str) -> tuple[bool, ...]:
     """Which layers slide, as llama.cpp's `set_swa_pattern`: with period n every n-th layer (the last of each
     group of n) has full attention; a list gives each layer's flag itself."""
     if isinstance(pattern, list):
-        return tuple(bool(p) for p in pattern[:num_layers])
+        if len(pattern) != num_layers:
+            raise ValueError(f"'{key}' has {len(pattern)} entries for {num_layers} layers")
+        return tuple(bool(p) for p in pattern)
     n = int(pattern)
     return tuple(n == 0 or i % n < n - 1 for i in range(num_layers))
 
@@ -186,7 +188,9 @@ def _gemma(config: ModelConfig, opt, default_window: int, default_pattern: int) 
     if window > 0:
         config.sliding_window = window
         pattern = opt("attention.sliding_window_pattern", default_pattern)
-        config.swa_layers = _layer_pattern(config.num_layers, pattern)
+        config.swa_layers = _layer_pattern(
+            config.num_layers, pattern, f"{config.architecture}.attention.sliding_window_pattern"
+        )
     # llama.cpp: 1 / sqrt(head_dim), except the 27B models (by layer count), which use hidden / heads
     big = {"gemma2": 46, "gemma3": 62}[config.architecture] == config.num_layers
     config.attention_scale = 1.0 / math.sqrt(config.hidden_size // config.num_heads if big else config.head_dim)
