@@ -81,7 +81,7 @@ def read_header(path: str, max_array: int = 4096) -> GGUFHeader:
     size = _check_file(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            return _parse_header(path, buf, max_array)
+            metadata, tensors = _parse_header(path, buf, max_array)
         except (struct.error, UnicodeDecodeError, KeyError, ValueError) as exc:
             if isinstance(exc, ModelFileError):
                 raise
@@ -89,9 +89,13 @@ def read_header(path: str, max_array: int = 4096) -> GGUFHeader:
                 f"{path}: corrupt or truncated GGUF file: its header and metadata do not parse within its {size} "
                 f"bytes ({type(exc).__name__}: {exc})"
             ) from None
+    # outside the parse: an unsupported architecture or a missing key is not a corrupt file
+    config = ModelConfig.from_metadata(metadata, path)
+    _set_tensor_flags(config, {t.name: t.shape for t in tensors})
+    return GGUFHeader(path, metadata, tensors, config)
 
 
-def _parse_header(path: str, buf: mmap.mmap, max_array: int) -> GGUFHeader:
+def _parse_header(path: str, buf: mmap.mmap, max_array: int) -> tuple[dict[str, Any], list[TensorInfo]]:
     pos = 4
 
     def take(fmt: str) -> Any:
@@ -142,9 +146,7 @@ def _parse_header(path: str, buf: mmap.mmap, max_array: int) -> GGUFHeader:
         qtype = gguf.GGMLQuantizationType(take("<I"))
         take("<Q")  # data offset
         tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype))
-    config = ModelConfig.from_metadata(metadata, path)
-    _set_tensor_flags(config, {t.name: t.shape for t in tensors})
-    return GGUFHeader(path, metadata, tensors, config)
+    return metadata, tensors
 
 
 def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:

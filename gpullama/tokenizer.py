@@ -34,6 +34,12 @@ _TEKKEN_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o; Phi-4-mini): tekken's case-aware words with English contractions attached, digits in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # tokenizer.ggml.pre -> (pre-tokenizer kind, ignore_merges, default add_bos). ignore_merges and the BOS default
 # follow llama.cpp: for the Llama 3 family and tekken a word that is itself a token is emitted whole.
@@ -43,6 +49,7 @@ _PRE: dict[str, tuple[str, bool, bool]] = {
     **{name: ("llama3", False, False) for name in ("dbrx", "smaug-bpe")},
     **{name: ("qwen2", False, False) for name in ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez")},
     "tekken": ("tekken", True, True),
+    **{name: ("gpt-4o", False, False) for name in ("gpt-4o", "llama4")},
     # llama.cpp (and SmolLM2's own tokenizer.json) isolate every \p{N} character before the GPT-2 regex for
     # "smollm"; transformers' GGUF loader does not. SmolLM2's merges hold no digit, so the two differ only where a
     # space or a second numeric character precedes a non-ASCII numeric one (" ½", " ²"). The project requires
@@ -99,7 +106,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
             split(r"[\p{P}\$\+<=>\^~\|]+"), split(_GPT2_SPLIT), split(r"\p{N}+"), split(r"[0-9][0-9][0-9]"),
             byte_level,
         ])
-    regex = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}[kind]
+    regex = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT, "gpt-4o": _GPT4O_SPLIT}[kind]
     return pre_tokenizers.Sequence([split(regex), byte_level])
 
 

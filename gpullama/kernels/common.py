@@ -74,3 +74,16 @@ def dot(a, b, acc, DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+
+
+@triton.jit
+def tanh(x):
+    """tanh of float32 `x` from `tl.exp` (no libdevice call, so any Triton version has it): an odd Taylor
+    polynomial below |x| = 1/4, ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` above; within a few float32 ulps."""
+    a = tl.abs(x)
+    a2 = a * a
+    # tanh a = a - a^3/3 + 2a^5/15 - 17a^7/315 + 62a^9/2835 - ...; the next term is below 1e-8 * a at a = 1/4
+    poly = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    e = tl.exp(-2.0 * a)
+    t = tl.where(a < 0.25, poly, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)

@@ -52,8 +52,32 @@ def random_weight(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, device
     return QTensor(blocks.view(rows, -1), qtype, (rows, cols))
 
 
-def random_tensors(config: ModelConfig, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0) -> dict[str, QTensor]:
-    """GGUF-named tensors of a random decoder: matmul weights (and the embedding) in `qtype`, norms in F32."""
+def gemma_like_config(vocab_size: int = 72) -> ModelConfig:
+    """Every Gemma flag at once on a tiny shape: q/k norms, post-norms, GeGLU, embedding scale, a sliding layer
+    (window 4, its own rope base) beside a full one (linear rope scaling), attention and final soft-capping."""
+    return ModelConfig(
+        "gemma3", 2, 256, 256, 4, 2, 64, vocab_size, 512, 1e6, 1e-6, qk_norm=True, tied_embeddings=True,
+        rope_scale=8.0, rope_base_swa=1e4, sliding_window=4, swa_layers=(True, False), attention_scale=0.1,
+        attn_softcap=20.0, embedding_scale=16.0, final_softcap=15.0, post_norms=True, activation="gelu_tanh",
+    )
+
+
+def phi_granite_like_config(vocab_size: int = 72) -> ModelConfig:
+    """Phi-3's partial rotary (32 of 64 dims) with a LongRoPE attention factor and a window on every layer, and
+    Granite's four multipliers (embedding, residual, attention, logits), on a tiny shape."""
+    return ModelConfig(
+        "phi3", 2, 256, 256, 4, 2, 64, vocab_size, 512, 1e4, 1e-5, rotary_dim=32, rope_attn_factor=1.2,
+        sliding_window=5, swa_layers=(True, True), attention_scale=0.05, embedding_scale=3.0, residual_scale=0.5,
+        logit_scale=4.0,
+    )
+
+
+def random_tensors(
+    config: ModelConfig, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0, fused: bool = False
+) -> dict[str, QTensor]:
+    """GGUF-named tensors of a random decoder: matmul weights (and the embedding) in `qtype`, norms in F32; the
+    config's q/k norms and post-norms when it has them, no output.weight when tied, and with `fused` phi3's
+    stored attn_qkv and gate|up ffn_up instead of the separate matrices."""
     g = torch.Generator(device=device).manual_seed(seed)
     c = config
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -63,24 +87,36 @@ def random_tensors(config: ModelConfig, qtype: gguf.GGMLQuantizationType, device
 
     tensors = {
         "token_embd.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
-        "output.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
         "output_norm.weight": norm(c.hidden_size),
     }
+    if not c.tied_embeddings:
+        tensors["output.weight"] = random_weight(qtype, c.vocab_size, c.hidden_size, device, g)
     for i in range(c.num_layers):
         p = f"blk.{i}."
-        shapes = {
-            "attn_q.weight": (q_rows, c.hidden_size),
-            "attn_k.weight": (kv_rows, c.hidden_size),
-            "attn_v.weight": (kv_rows, c.hidden_size),
-            "attn_output.weight": (c.hidden_size, q_rows),
-            "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
-            "ffn_up.weight": (c.intermediate_size, c.hidden_size),
-            "ffn_down.weight": (c.hidden_size, c.intermediate_size),
-        }
+        if fused:
+            shapes = {
+                "attn_qkv.weight": (q_rows + 2 * kv_rows, c.hidden_size),
+                "ffn_up.weight": (2 * c.intermediate_size, c.hidden_size),
+            }
+        else:
+            shapes = {
+                "attn_q.weight": (q_rows, c.hidden_size),
+                "attn_k.weight": (kv_rows, c.hidden_size),
+                "attn_v.weight": (kv_rows, c.hidden_size),
+                "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
+                "ffn_up.weight": (c.intermediate_size, c.hidden_size),
+            }
+        shapes["attn_output.weight"] = (c.hidden_size, q_rows)
+        shapes["ffn_down.weight"] = (c.hidden_size, c.intermediate_size)
         for name, (rows, cols) in shapes.items():
             tensors[p + name] = random_weight(qtype, rows, cols, device, g)
-        tensors[p + "attn_norm.weight"] = norm(c.hidden_size)
-        tensors[p + "ffn_norm.weight"] = norm(c.hidden_size)
+        names = ["attn_norm.weight", "ffn_norm.weight"]
+        names += ["post_attention_norm.weight", "post_ffw_norm.weight"] if c.post_norms else []
+        for name in names:
+            tensors[p + name] = norm(c.hidden_size)
+        if c.qk_norm:
+            tensors[p + "attn_q_norm.weight"] = norm(c.head_dim)
+            tensors[p + "attn_k_norm.weight"] = norm(c.head_dim)
     return tensors
 
 
