@@ -45,10 +45,11 @@ class Row:
     ms: float
     weight_gb: float
     floor_ms: float
+    tok_s: float | None = None  # measured throughput where it is not batch / step time (the served rows)
 
     def markdown(self) -> str:
         """The row as a markdown table line."""
-        tok_s = self.batch / (self.ms / 1e3)
+        tok_s = self.tok_s if self.tok_s is not None else self.batch / (self.ms / 1e3)
         return (f"| {self.fmt} | {self.batch} | {self.path} | {self.ms:.3f} | {tok_s:,.0f} | "
                 f"{self.weight_gb:.2f} | {100 * self.floor_ms / self.ms:.0f}% |")
 
@@ -137,9 +138,8 @@ def compare_logits(config, tensors, device, block_size: int) -> dict[str, float]
     return errors
 
 
-def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
-    """Time one decode step per batch size with each path; rows of the table."""
-    rows: list[Row] = []
+def decode_timings(args, config, tensors, fmt: str, device, dtype, rows: list[Row]) -> None:
+    """Time one decode step per batch size with each path; appends rows of the table to `rows` as they come."""
     paths = [("triton", TritonOps(device, dtype))]
     if not args.no_torch_timing:
         paths.append(("torch eager", TorchOps(device, dtype)))
@@ -166,7 +166,6 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
             del k, v
             gc.collect()
         del decoder
-    return rows
 
 
 def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tuple[str, float]:
@@ -183,9 +182,24 @@ def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tu
     return label, time_step(lambda: graphs.run(*host), device, iters)
 
 
+def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtype, checks: list[str],
+                 rows: list[Row]) -> None:
+    """Logits check (a line appended to `checks`) and timing rows (appended to `rows`) of one format."""
+    t0 = time.perf_counter()
+    tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
+    log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
+    errors = compare_logits(config, tensors, device, args.block_size)
+    # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
+    ok = errors["triton f32"] < 1e-3 and errors["triton bf16"] <= max(2e-2, 1.5 * errors["torch bf16"])
+    checks.append(f"| {fmt} | {errors['triton f32']:.1e} | {errors['triton bf16']:.1e} | "
+                  f"{errors['torch bf16']:.1e} | {'ok' if ok else 'FAIL'} |")
+    log.info("%s: logits errors vs torch float32 %s (%s)", fmt, errors, "ok" if ok else "FAIL")
+    decode_timings(args, config, tensors, fmt, device, dtype, rows)
+
+
 def _nbytes(weight) -> int:
     """Bytes a prepared weight occupies."""
-    return weight.nbytes if hasattr(weight, "qtype") else weight.numel() * weight.element_size()
+    return weight.nbytes  # a tensor, a QTensor of GGUF blocks, or a CPU path weight (cpu_weights): all have it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,24 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)  # `timeout` in gpu_check.sh: still print what was measured
     try:
         for fmt in args.formats:
-            t0 = time.perf_counter()
-            tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
-            log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
-            errors = compare_logits(config, tensors, device, args.block_size)
-            # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
-            ok = errors["triton f32"] < 1e-3 and errors["triton bf16"] <= max(2e-2, 1.5 * errors["torch bf16"])
-            failed |= not ok
-            checks.append(f"| {fmt} | {errors['triton f32']:.1e} | {errors['triton bf16']:.1e} | "
-                          f"{errors['torch bf16']:.1e} | {'ok' if ok else 'FAIL'} |")
-            log.info("%s: logits errors vs torch float32 %s (%s)", fmt, errors, "ok" if ok else "FAIL")
-            rows += decode_timings(args, config, tensors, fmt, device, dtype)
-            del tensors
+            try:
+                check_format(args, config, fmt, device, dtype, checks, rows)
+            except Exception as exc:  # a kernel or capture error in one format: log it, go on with the next
+                log.exception("%s: failed", fmt)
+                checks.append(f"| {fmt} | error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''} | | | FAIL |")
+                failed = True
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     except (KeyboardInterrupt, SystemExit) as stop:
         log.error("stopped early (%s): the table holds what was measured", stop)
         failed = True
+    failed |= any(line.endswith("FAIL |") for line in checks)
     shape = "tiny" if args.tiny else "Llama-3.2-1B shapes"
     print(f"\n### gpu_check: {card}, {shape}, bf16 compute, context {args.context}\n")
     print("Logits of a prefill + decode step, max |error| / max |value| against the torch float32 path:\n")
