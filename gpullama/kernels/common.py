@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -19,6 +20,30 @@ TL_DTYPES: dict[torch.dtype, tl.dtype] = {
 def interpreting() -> bool:
     """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Let triton 3.6's interpreter take runtime scalars as loop bounds under NumPy >= 2.4.
+
+    Its tensors' ``__index__`` (what ``range(0, K, BLOCK_K)`` calls on a scalar argument) is ``int(data)`` of a
+    shape-(1,) array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted"); later Tritons
+    squeeze the array first. Applied only where the installed interpreter still has the old line.
+    """
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or "int(self.handle.data)" not in inspect.getsource(patch):
+        return
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreting():
+    _fix_interpreter_scalar_index()
 
 
 def tl_dtype(dtype: torch.dtype, what: str = "tensor") -> tl.dtype:

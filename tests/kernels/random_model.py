@@ -15,8 +15,7 @@ from gpullama.quants import QTensor
 
 Q = gguf.GGMLQuantizationType
 
-# f16 fields of each block type: (byte offset, low, high), drawn uniformly.
-_SCALE_FIELDS = {
+SCALE_FIELDS = {
     Q.Q8_0: ((0, -3e-4, 3e-4),),
     Q.Q4_0: ((0, -5e-3, 5e-3),),
     Q.Q4_1: ((0, -5e-3, 5e-3), (2, -0.04, 0.0)),
@@ -25,6 +24,7 @@ _SCALE_FIELDS = {
     Q.Q4_K: ((0, 2e-5, 6e-5), (2, 2e-5, 6e-5)),
     Q.Q6_K: ((208, 1e-5, 3e-5),),
 }
+"""f16 fields of each block type: (byte offset, low, high), drawn uniformly (weights of a trained model's spread)."""
 
 
 def llama_1b_config(num_layers: int = 16) -> ModelConfig:
@@ -46,7 +46,7 @@ def random_weight(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, device
     block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
     n_blocks = rows * cols // block
     blocks = torch.randint(0, 256, (n_blocks, size), device=device, dtype=torch.uint8, generator=g)
-    for offset, low, high in _SCALE_FIELDS[qtype]:
+    for offset, low, high in SCALE_FIELDS[qtype]:
         field = torch.rand(n_blocks, 1, device=device, generator=g) * (high - low) + low
         blocks[:, offset : offset + 2] = field.half().view(torch.uint8)
     return QTensor(blocks.view(rows, -1), qtype, (rows, cols))
