@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpullama.engine.admission import RequestError
     from gpullama.engine.args import EngineArgs, EngineConfig
-    from gpullama.engine.async_engine import AsyncEngine, EngineError
+    from gpullama.engine.async_engine import AsyncEngine, EngineError, EngineStopped
     from gpullama.engine.llm_engine import LLMEngine
 
 _EXPORTS = {
     "AsyncEngine": "gpullama.engine.async_engine",
     "EngineError": "gpullama.engine.async_engine",
+    "EngineStopped": "gpullama.engine.async_engine",
     "EngineArgs": "gpullama.engine.args",
     "EngineConfig": "gpullama.engine.args",
     "LLMEngine": "gpullama.engine.llm_engine",
@@ -28,6 +29,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "EngineError",
+    "EngineStopped",
     "LLMEngine",
     "RequestError",
 ]
