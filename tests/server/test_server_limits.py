@@ -204,3 +204,23 @@ def test_sigterm_ends_every_open_stream_and_exits_at_once(limited: Server) -> No
     log = limited.log()
     assert "Traceback" not in log and "CancelledError" not in log
     assert "gpullama-serve stopped (SIGTERM)" in log
+
+
+def test_sigint_ends_a_stream_and_exits_cleanly(default_model_path: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) is the same clean stop: no KeyboardInterrupt, no traceback, exit status 0."""
+    srv = start_server(default_model_path, tmp_path / "server.log", ["--max-model-len", "512"])
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60, headers=AUTH) as c, \
+                c.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 400, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            start = time.monotonic()
+            srv.process.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert orjson.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_stopped"
+        assert srv.process.wait(timeout=10) == 0 and time.monotonic() - start < 3
+        log = srv.log()
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log and "stopped (SIGINT)" in log
+    finally:
+        stop_server(srv)
