@@ -15,7 +15,7 @@ import torch
 
 from gpullama.engine.admission import check_messages
 from gpullama.engine.args import EngineArgs, EngineConfig
-from gpullama.engine.async_engine import EngineError
+from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model

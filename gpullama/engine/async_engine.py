@@ -9,20 +9,16 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from gpullama.engine.errors import EngineError, EngineStopped
 from gpullama.engine.llm_engine import LLMEngine
 from gpullama.engine.sequence import Sequence
 from gpullama.outputs import StreamDelta
 from gpullama.sampling_params import SamplingParams
 
 log = logging.getLogger("gpullama")
+__all__ = ["AsyncEngine", "EngineError", "EngineStopped"]
 
 
-class EngineError(RuntimeError):
-    """Generation failed inside the engine for this request."""
-
-
-class EngineStopped(EngineError):
-    """The engine has stopped (shut down): the request was ended, or cannot start."""
 
 
 class _Stream:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpullama.engine.admission import RequestError
-from gpullama.engine.async_engine import EngineStopped
+from gpullama.engine.errors import EngineStopped
 from gpullama.outputs import StreamDelta
 from gpullama.sampling_params import SamplingParams
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpullama.engine.args import EngineArgs
+from gpullama.engine.errors import EngineStopped
 
 from .metrics import ServerMetrics
 
@@ -140,8 +141,6 @@ class ServerState:
         if self.status in ("loading", "ready"):
             self.status = "stopping"
         if self.engine is not None:
-            from gpullama.engine.async_engine import EngineStopped
-
             self.engine.stop(EngineStopped("the server is shutting down"))
 
     def shutdown(self) -> None:

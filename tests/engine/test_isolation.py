@@ -67,19 +67,25 @@ def test_a_fault_in_one_sequences_sampling_fails_it_alone(tiny_llm: LLM, monkeyp
     _check_isolated(tiny_llm, make_engine(tiny_llm, max_num_seqs=16, max_num_batched_tokens=48), after_tokens)
 
 
-def test_a_fault_in_the_sampling_kernel_fails_that_row_alone(tiny_llm: LLM, monkeypatch) -> None:
-    """The kernel runs after every row drew its random number: the re-runs must rewind the seeded generators."""
-    engine = make_engine(tiny_llm, max_num_seqs=16, max_num_batched_tokens=48)
+@pytest.mark.parametrize("static_decode", [False, True])
+def test_a_fault_in_the_sampling_kernel_fails_that_row_alone(tiny_llm: LLM, monkeypatch, static_decode: bool) -> None:
+    """The kernel runs after every row drew its random number: the re-runs must rewind the seeded generators. With
+    `static_decode` (the CUDA-graph path) each re-run's logits come from the runner's static buffers."""
+    engine = make_engine(tiny_llm, max_num_seqs=16, max_num_batched_tokens=48, static_decode=static_decode)
     ops = engine.model.ops
     real = ops.sample
+    poisoned_calls = []
 
-    def sample(logits, temperature, *rest):
+    def sample(logits, temperature, *rest):  # from the poisoned row's 7th token on (decode steps by then)
         if bool((temperature == POISON_TEMPERATURE).any()):
-            raise RuntimeError("injected fault in the sampling kernel")
+            poisoned_calls.append(len(temperature))
+            if len(poisoned_calls) > 6:
+                raise RuntimeError("injected fault in the sampling kernel")
         return real(logits, temperature, *rest)
 
     monkeypatch.setattr(ops, "sample", sample)
-    _check_isolated(tiny_llm, engine, after_tokens=0)
+    _check_isolated(tiny_llm, engine, after_tokens=6)
+    assert poisoned_calls[6] > 1  # the first failing call held other rows too
 
 
 def test_a_fault_in_the_forward_of_one_sequence_fails_it_alone(tiny_llm: LLM, monkeypatch) -> None:
