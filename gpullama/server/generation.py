@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpullama.engine.admission import RequestError
-from gpullama.engine.errors import EngineStopped
+from gpullama.engine.errors import EngineError, EngineStopped
 from gpullama.outputs import StreamDelta
 from gpullama.sampling_params import SamplingParams
 
@@ -45,8 +45,9 @@ def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError
         return APIError(400, str(exc))
     if isinstance(exc, EngineStopped):
         return APIError(503, str(exc), code="engine_stopped")
-    # the engine logged the failing step with its traceback; the client gets the request id, not the detail
-    log.error("generation failed for %s (request id %s): %s", job.request_id, http_request_id, exc)
+    # the client gets the request id, not the detail; the engine already logged a failed step with its traceback
+    log.error("generation failed for %s (request id %s): %s", job.request_id, http_request_id, exc,
+              exc_info=None if isinstance(exc, EngineError) else exc)
     return internal_error(http_request_id, code="generation_failed")
 
 
