@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from gpullama.engine.admission import check_messages
 from gpullama.engine.args import EngineArgs, EngineConfig
+from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
@@ -139,6 +141,7 @@ class LLM:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
+        check_messages(messages)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -163,13 +166,15 @@ class LLM:
                 finish_reason=seq.finish_reason,
                 logprobs=seq.logprobs,
                 num_cached_tokens=seq.num_cached_tokens,
+                error=seq.error,
             )
             for seq in seqs
         ]
 
     # -- public API ------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[Completion]:
-        """Complete one prompt or many (run together as one continuous batch); one Completion per prompt."""
+        """Complete one prompt or many (run together as one continuous batch); one Completion per prompt. A request
+        whose step fails ends with finish_reason "error" (its `error` says why) while the others finish."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([self._encode_prompt(p) for p in prompts], params or SamplingParams())
@@ -183,7 +188,7 @@ class LLM:
         self, prompt_or_messages: str | list[dict], params: SamplingParams | None = None
     ) -> Generator[str, None, str | None]:
         """Yield the text of one completion piece by piece (never half a UTF-8 character); the generator's return
-        value (``StopIteration.value``) is the finish reason ("stop", "length")."""
+        value (``StopIteration.value``) is the finish reason ("stop", "length"); raises EngineError if it fails."""
         if isinstance(prompt_or_messages, list) and prompt_or_messages and isinstance(prompt_or_messages[0], dict):
             ids = self._encode_chat(prompt_or_messages)
         else:
@@ -195,6 +200,8 @@ class LLM:
             try:
                 while engine.has_work():
                     for delta in engine.step():
+                        if delta.request_id == seq.request_id and delta.finish_reason == "error":
+                            raise EngineError(f"generation failed: {delta.error}")
                         if delta.request_id == seq.request_id and delta.text:
                             yield delta.text
             finally:  # the caller stopped iterating early, or the step failed

@@ -31,9 +31,10 @@ class Completion:
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (then `error` says why)
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -48,3 +49,4 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": why this request failed (the others go on)

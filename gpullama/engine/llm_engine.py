@@ -12,7 +12,7 @@ from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.detokenizer import Detokenizer
 from gpullama.engine.model_runner import ModelRunner
 from gpullama.engine.sampler import sample_batch
-from gpullama.engine.scheduler import Scheduler
+from gpullama.engine.scheduler import ScheduledBatch, Scheduler
 from gpullama.engine.sequence import Sequence
 from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
@@ -78,21 +78,89 @@ class LLMEngine:
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one batched forward for the scheduled tokens and return each request's delta."""
+        """Run one batched forward for the scheduled tokens and return each request's delta.
+
+        If the step fails, only the request that caused it fails: its rows are found by running the step's halves
+        again (their k/v are rewritten with the same values, the seeded generators are rewound), the request gets
+        a last delta with finish reason "error", and every other request goes on with the tokens it would have had.
+        """
         deltas, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
             return deltas
-        logits = self.runner.execute(batch)
+        sampled, failed = self._run_isolated(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            old = seq.num_computed_tokens
-            seq.num_computed_tokens += n
-            self.block_manager.commit_full_blocks(seq, old)
-        if batch.sampling:
-            tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
-            for row, (seq, token) in enumerate(zip(batch.sampling, tokens)):
-                deltas.append(self._advance(seq, token, logprobs[row] if logprobs is not None else None))
+            if seq not in failed:
+                old = seq.num_computed_tokens
+                seq.num_computed_tokens += n
+                self.block_manager.commit_full_blocks(seq, old)
+        for seq in batch.sampling:
+            if seq in failed:
+                continue
+            token, logprobs = sampled[seq]
+            try:
+                deltas.append(self._advance(seq, token, logprobs))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails (detokenizer, logprobs)
+                log.exception("request %s failed after its token was sampled", seq.request_id)
+                failed[seq] = exc
+        for seq, exc in failed.items():
+            deltas.append(self._fail(seq, exc))
         return deltas
+
+    def _forward_and_sample(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, torch.Tensor | None]]:
+        """One forward over `batch`, then the next token (and log-probabilities when asked) of each sampling row;
+        changes nothing but the rows' k/v and their generators."""
+        logits = self.runner.execute(batch)
+        if not batch.sampling:
+            return {}
+        tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
+        return {seq: (token, logprobs[row] if logprobs is not None else None)
+                for row, (seq, token) in enumerate(zip(batch.sampling, tokens))}
+
+    def _run_isolated(self, batch: ScheduledBatch):
+        """`_forward_and_sample` over the batch; when it raises, over halves of it, down to the rows at fault.
+        Returns (sampled rows, {failed sequence: exception})."""
+        rng = {seq: seq.generator.get_state() for seq in batch.sampling if seq.generator is not None}
+        try:
+            return self._forward_and_sample(batch), {}
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(batch) == 1:
+                log.error("step failed for request %s: %s: %s", batch.seqs[0].request_id, type(exc).__name__, exc,
+                          exc_info=exc)
+                return {}, {batch.seqs[0]: exc}
+            log.warning("a step of %d requests failed (%s: %s); running its rows again to find the request at fault",
+                        len(batch), type(exc).__name__, exc)
+        sampled: dict[Sequence, tuple[int, torch.Tensor | None]] = {}
+        failed: dict[Sequence, Exception] = {}
+        pending = [list(range(len(batch)))]
+        while pending:
+            rows = pending.pop()
+            part = ScheduledBatch()
+            for i in rows:
+                part.add(batch.seqs[i], batch.num_new_tokens[i])
+            for seq in part.sampling:
+                if seq in rng:
+                    seq.generator.set_state(rng[seq])  # the same draws as in the full step
+            try:
+                sampled.update(self._forward_and_sample(part))
+            except Exception as exc:  # noqa: BLE001 - narrowed further, or this row's request fails
+                if len(rows) == 1:
+                    log.error("step failed for request %s: %s: %s", part.seqs[0].request_id, type(exc).__name__, exc,
+                              exc_info=exc)
+                    failed[part.seqs[0]] = exc
+                else:
+                    half = len(rows) // 2
+                    pending += [rows[half:], rows[:half]]
+        return sampled, failed
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> StreamDelta:
+        """End a request whose step failed: free its blocks; its last delta has finish reason "error"."""
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq, "error")
+        seq.error = f"{type(exc).__name__}: {exc}"
+        delta = self._delta(seq, "", [], "error")
+        delta.error = seq.error
+        return delta
 
     def _advance(self, seq: Sequence, token: int, logprobs: torch.Tensor | None) -> StreamDelta:
         """Append a sampled token, check the finish conditions and produce the request's delta."""

@@ -32,16 +32,24 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose k/v sit in the pool
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why the request failed (finish_reason "error")
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.output_counts: dict[int, int] = {}  # token id -> times generated (presence/frequency penalties)
         self.sent_text_len = 0  # characters of output text already handed out
-        self.text = ""  # output text so far (stop strings removed at the end)
-        self.decoded_text = ""  # all output text decoded so far (complete characters only)
+        self.text_parts: list[str] = []  # the output text handed out, piece by piece (joined by `text`)
+        self.held_text = ""  # decoded text not handed out yet: a tail that may begin a stop string
         self.prefix_offset = 0  # detokenizer window: ids before read_offset were already turned into text
         self.read_offset = -1
+
+    @property
+    def text(self) -> str:
+        """The output text handed out so far (without any stop string)."""
+        if len(self.text_parts) > 1:  # join once, so reading it again costs nothing
+            self.text_parts = ["".join(self.text_parts)]
+        return self.text_parts[0] if self.text_parts else ""
 
     @property
     def num_tokens(self) -> int:

@@ -10,18 +10,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import APIError, error_body
+from .errors import APIError, error_body, internal_error
 from .generation import Generation, Job
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .middleware import AccessLogMiddleware, APIKeyMiddleware
+from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware
 from .protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion, sampling_params
 from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
@@ -29,6 +32,10 @@ from .state import ServerConfig, ServerState
 
 log = logging.getLogger("gpullama.server")
 _THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
+# Bodies past this many bytes are parsed, validated, rendered and tokenized off the event loop: every one of those
+# costs at least time linear in the body's bytes (130,000 empty messages are small text but 4 MB of JSON).
+_OFF_LOOP_BODY_BYTES = 8192
+_JSON_TYPES = ("application/json",)
 
 
 class JSONResponse(Response):
@@ -44,30 +51,67 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON; 413 past ``limit`` bytes, 400 when malformed."""
+_CLOSE = {"connection": "close"}  # answered before the whole body was read: the connection cannot be reused
+
+
+def _is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in _JSON_TYPES or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def _read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The raw request body: 415 unless it is JSON, 413 past ``limit`` bytes, 408 when it does not arrive within
+    ``timeout`` seconds, 400 when empty. Only ``application/json`` is accepted, so a web page cannot send a request
+    without a CORS preflight (forms and ``text/plain`` need none); a body without a Content-Type is read first, so
+    an empty one is still a 400 and an oversized one a 413."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _is_json_type(content_type):
+        raise APIError(415, f"the request body must be JSON with 'Content-Type: application/json', "
+                       f"got {content_type[:100]!r}", code="unsupported_media_type", headers=_CLOSE)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes, over the limit of {limit} bytes",
-                       code="request_too_large")
+                       code="request_too_large", headers=_CLOSE)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout or None):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large",
+                                   headers=_CLOSE)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds (--body-timeout)",
+                       code="request_timeout", headers=_CLOSE) from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+    if content_type is None:
+        raise APIError(415, "the request body must be JSON with 'Content-Type: application/json', "
+                       "got no Content-Type", code="unsupported_media_type")
+    return raw
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The body parsed as JSON; 400 when malformed."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from exc
 
 
+async def _read_json(request: Request, limit: int) -> Any:
+    """The request body parsed as JSON (off the event loop when large); see `_read_body` for the refusals."""
+    raw = await _read_body(request, limit, _state(request).config.body_timeout)
+    return await _off_loop_if_large(len(raw), _parse_json, raw)
+
+
 def _require_ready(state: ServerState) -> None:
     if state.status == "loading":
         raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
+    if state.status == "stopping":
+        raise APIError(503, "the server is shutting down", code="engine_stopped")
     if state.status != "ready" or state.engine is None:
         raise APIError(503, f"the model is not available ({state.status}: {state.error})", code="model_unavailable")
     if not getattr(state.engine, "is_alive", True):
@@ -86,20 +130,44 @@ async def _off_loop_if_long(size: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+async def _off_loop_if_large(body_bytes: int, fn, *args, **kwargs):
+    """Run ``fn`` in a worker thread when the body it works through is large (by bytes, hence by any count)."""
+    if body_bytes > _OFF_LOOP_BODY_BYTES:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+async def _read_body_of(request: Request, state: ServerState) -> bytes:
+    return await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+
+
+def _prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, list[int]]:
+    """Parse and validate a chat body, render the chat template and tokenize (a worker thread may run it)."""
+    req = parse_chat(_parse_json(raw))
+    _check_model(state, req.model)
+    tok = state.llm.tokenizer
+    try:
+        text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
+        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
+    return req, tok.encode(text, add_special_tokens=False)
+
+
+def _prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+    """Parse and validate a completions body and tokenize its prompts (a worker thread may run it)."""
+    req = parse_completion(_parse_json(raw))
+    _check_model(state, req.model)
+    tok = state.llm.tokenizer
+    return req, [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in req.prompts]
+
+
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    req: ChatRequest = parse_chat(await _read_json(request, state.config.max_body_bytes))
-    _check_model(state, req.model)
-    tok = state.llm.tokenizer
-    size = sum(len(m["content"]) for m in req.messages)
-    try:
-        text = await _off_loop_if_long(size, tok.apply_chat_template, req.messages, add_generation_prompt=True)
-    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
-        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-    ids = await _off_loop_if_long(size, tok.encode, text, add_special_tokens=False)
+    raw = await _read_body_of(request, state)
+    req, ids = await _off_loop_if_large(len(raw), _prepare_chat, state, raw)
     jobs = [Job(i, ids, sampling_params(req.options, seed_offset=i), prompt_param="messages",
                 max_tokens_param=req.options.max_tokens_param) for i in range(req.n)]
     answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
@@ -112,17 +180,14 @@ async def completions(request: Request) -> Response:
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    req: CompletionRequest = parse_completion(await _read_json(request, state.config.max_body_bytes))
-    _check_model(state, req.model)
-    tok = state.llm.tokenizer
+    raw = await _read_body_of(request, state)
+    req, prompt_ids = await _off_loop_if_large(len(raw), _prepare_completion, state, raw)
     jobs: list[Job] = []
     texts: list[str | None] = []
-    for p, prompt in enumerate(req.prompts):
+    for p, (prompt, ids) in enumerate(zip(req.prompts, prompt_ids)):
         if isinstance(prompt, str):
-            ids = await _off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=True)
             texts.append(prompt)
         else:
-            ids = list(prompt)
             texts.append(None if req.echo else "")  # echoed text is decoded once the engine accepted the ids
         for i in range(req.n):
             jobs.append(Job(p * req.n + i, ids, sampling_params(req.options, seed_offset=i), prompt_index=p,
@@ -150,7 +215,17 @@ async def _serve(request: Request, state: ServerState, answer: Answer, stream: b
     JSON object or an SSE stream."""
     for job in answer.jobs:
         job.request_id = f"{answer.id}-{job.index}"
-    gen = Generation(state.engine, answer.jobs, state.metrics, answer.arrival)
+    config = state.config
+    queued = state.engine.num_queued
+    if queued >= config.max_queue:
+        raise APIError(429, f"the server is busy: {queued} requests are waiting for a place in the batch, the limit "
+                       f"is {config.max_queue} (--max-queue); retry later", code="queue_full",
+                       headers={"retry-after": "1"})
+    gen = Generation(state.engine, answer.jobs, state.metrics, answer.arrival, _request_id(request))
+    if config.request_timeout:
+        gen.set_deadline(config.request_timeout - (time.perf_counter() - answer.arrival),
+                         APIError(504, f"the request took longer than {config.request_timeout:g} seconds "
+                                  "(--request-timeout)", code="request_timeout"))
     try:
         await unless_disconnected(request.receive, gen.start)
     except ClientDisconnected:
@@ -198,6 +273,7 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse
     chunks = ChunkBuilder(answer.chat, answer.id, now(), model, answer.include_usage)
 
     async def events() -> AsyncIterator[bytes]:
+        # every stream ends with [DONE]: after the finish reasons (and usage), or after one error event
         offsets = {job.index: 0 for job in answer.jobs}
         try:
             for job in answer.jobs:
@@ -216,6 +292,9 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse
                 yield event(chunks.usage(gen.usage()))
         except APIError as exc:
             yield event(exc.body())
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: the client gets an error event, the log the detail
+            log.error("streaming %s failed (request id %s)", answer.id, gen.http_request_id, exc_info=exc)
+            yield event(internal_error(gen.http_request_id).body())
         finally:
             await gen.close()
         yield DONE
@@ -246,8 +325,8 @@ def _model_card(state: ServerState) -> dict:
 async def health(request: Request) -> Response:
     """``GET /health``: 200 ``{"status": "ok"}`` when ready, 503 while loading or when the engine is gone."""
     state = _state(request)
-    if state.status == "loading":
-        return JSONResponse({"status": "loading"}, status_code=503)
+    if state.status in ("loading", "stopping"):
+        return JSONResponse({"status": state.status}, status_code=503)
     if state.status != "ready" or state.engine is None:
         return JSONResponse({"status": "error", "message": f"{state.status}: {state.error}"}, status_code=503)
     if not getattr(state.engine, "is_alive", True):
@@ -278,10 +357,26 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                         headers=exc.headers)
 
 
-async def _server_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"),
-                        status_code=500)
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client hung up while sending its body: one quiet line, status 499 (nginx's "client closed request")."""
+    log.info("client disconnected during the upload of %s %s (request id %s)", request.method, request.url.path,
+             _request_id(request))
+    return Response(status_code=499)
+
+
+def _request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", "-")
+
+
+def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:
+    """Outermost first: access log, request id and 500s, Host allow-list, CORS (when configured), API key."""
+    stack = [Middleware(AccessLogMiddleware, metrics=state.metrics), Middleware(RequestIdMiddleware),
+             Middleware(TrustedHostMiddleware, allowed_hosts=config.host_patterns(), www_redirect=False)]
+    if config.allowed_origins:  # before the key check: a browser's preflight carries no Authorization
+        stack.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                                allow_headers=["*"], expose_headers=["x-request-id"]))
+    stack.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+    return stack
 
 
 def create_app(config: ServerConfig, state: ServerState | None = None) -> Starlette:
@@ -290,6 +385,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         app.state.loader_task = asyncio.create_task(state.load())
         try:
             yield
@@ -305,9 +401,9 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
-        middleware=[Middleware(AccessLogMiddleware, metrics=state.metrics),
-                    Middleware(APIKeyMiddleware, api_key=config.api_key)],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
+        middleware=_middleware(config, state),
+        # unexpected exceptions are answered by RequestIdMiddleware (a 500 with only the request id)
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone},
         lifespan=lifespan,
     )
     app.state.server = state

@@ -30,13 +30,22 @@ class ServerMetrics:
                              buckets=_TTFT_BUCKETS, registry=r)
         self.running = Gauge("gpullama_requests_running", "Requests in the engine's running batch.", registry=r)
         self.waiting = Gauge("gpullama_requests_waiting", "Requests queued in the engine.", registry=r)
+        self.kv_blocks_used = Gauge("gpullama_kv_blocks_used", "KV-cache blocks held by requests.", registry=r)
+        self.kv_blocks_total = Gauge("gpullama_kv_blocks_total", "KV-cache blocks in the pool.", registry=r)
+        self.kv_usage = Gauge("gpullama_kv_cache_usage_ratio", "Share of the KV-cache blocks held by requests (0 to 1).",
+                              registry=r)
 
     def observe_request(self, path: str, status: int) -> None:
         """Count one finished HTTP request (unknown paths share one label)."""
         self.requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()
 
     def render(self, engine: Any | None) -> bytes:
-        """The Prometheus text exposition, with the queue gauges read from ``engine`` now."""
+        """The Prometheus text exposition, with the queue and KV-pool gauges read from ``engine`` now."""
         self.running.set(engine.num_running if engine is not None else 0)
         self.waiting.set(engine.num_waiting if engine is not None else 0)
+        used = engine.kv_blocks_used if engine is not None else 0
+        total = engine.kv_blocks_total if engine is not None else 0
+        self.kv_blocks_used.set(used)
+        self.kv_blocks_total.set(total)
+        self.kv_usage.set(used / total if total else 0.0)
         return generate_latest(self.registry)

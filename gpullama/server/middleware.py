@@ -1,17 +1,20 @@
-"""Pure-ASGI middleware: bearer-key authentication and one access-log line (plus a metric) per request."""
+"""Pure-ASGI middleware: request ids and the 500 answer, bearer-key authentication, and one access-log line (plus a
+metric) per request."""
 
 from __future__ import annotations
 
 import hmac
 import logging
 import time
+import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_bytes
+from .errors import error_bytes, internal_error
 from .metrics import ServerMetrics
 
 access_log = logging.getLogger("gpullama.server.access")
+log = logging.getLogger("gpullama.server")
 
 
 async def send_json_error(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -20,6 +23,39 @@ async def send_json_error(send: Send, status: int, body: bytes, headers: list[tu
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 + (headers or [])})
     await send({"type": "http.response.body", "body": body})
+
+
+class RequestIdMiddleware:
+    """Give each request an id (``request.state.request_id`` and the ``x-request-id`` response header) and answer
+    any exception that escapes the app with a 500 saying only "internal error" and that id; the detail and the
+    traceback go to the log, once (Starlette's own handler would log it and re-raise it to uvicorn, which logs it
+    again)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 - every unexpected failure ends here, logged once
+            log.error("internal error on %s %s (request id %s)", scope["method"], scope["path"], request_id,
+                      exc_info=exc)
+            if not started:
+                body = error_bytes(500, internal_error(request_id).message, code="internal_error")
+                await send_json_error(send_with_id, 500, body, [(b"connection", b"close")])
 
 
 class APIKeyMiddleware:
