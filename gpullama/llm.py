@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
-from gpullama.outputs import Completion
+from gpullama.outputs import Completion, CompletionOutput
 from gpullama.sampling_params import SamplingParams
 from gpullama.tokenizer import Tokenizer
 
@@ -73,6 +74,15 @@ def resident_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def _samples(params: SamplingParams) -> list[SamplingParams]:
+    """The per-sample params of ``params.n`` samples: sample i of a seeded request draws with seed + i (as the
+    server's choices do), so the samples differ yet repeat."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
 
 
 class LLM:
@@ -143,29 +153,37 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Run every prompt as one continuous batch until all finish."""
+        """Run every prompt (`params.n` samples of each) as one continuous batch until all finish."""
+        samples = _samples(params)
         with self._lock:
             engine = self.engine
-            seqs = [engine.admit(f"llm-{next(self._ids)}", ids, params) for ids in prompts]  # all, before any runs
+            # all admitted before any runs, so a bad prompt fails the call before anything is queued
+            seqs = [[engine.admit(f"llm-{next(self._ids)}", ids, p) for p in samples] for ids in prompts]
             try:
-                for seq in seqs:
-                    engine.add(seq)
+                for group in seqs:
+                    for seq in group:
+                        engine.add(seq)
                 while engine.has_work():
                     engine.step()
             finally:  # interrupted (KeyboardInterrupt, an error): leave nothing running
-                for seq in seqs:
-                    engine.abort(seq.request_id, notify=False)
-        return [
-            Completion(
-                text=seq.text,
-                token_ids=seq.output_token_ids,
-                prompt_token_ids=seq.prompt_token_ids,
-                finish_reason=seq.finish_reason,
-                logprobs=seq.logprobs,
-                num_cached_tokens=seq.num_cached_tokens,
-            )
-            for seq in seqs
-        ]
+                for group in seqs:
+                    for seq in group:
+                        engine.abort(seq.request_id, notify=False)
+        completions = []
+        for group in seqs:
+            outputs = [CompletionOutput(i, seq.text, seq.output_token_ids, seq.finish_reason, seq.logprobs)
+                       for i, seq in enumerate(group)]
+            first = group[0]
+            completions.append(Completion(
+                text=first.text,
+                token_ids=first.output_token_ids,
+                prompt_token_ids=first.prompt_token_ids,
+                finish_reason=first.finish_reason,
+                logprobs=first.logprobs,
+                num_cached_tokens=first.num_cached_tokens,
+                outputs=outputs,
+            ))
+        return completions
 
     # -- public API ------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[Completion]:
@@ -189,6 +207,8 @@ class LLM:
         else:
             ids = self._encode_prompt(prompt_or_messages)
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream yields one completion: SamplingParams.n must be 1, got {params.n}")
         with self._lock:
             engine = self.engine
             seq = engine.add_request(f"llm-{next(self._ids)}", ids, params)

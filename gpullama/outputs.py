@@ -25,8 +25,19 @@ class TokenLogprob:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt (``SamplingParams.n`` of them per prompt), as vLLM's ``CompletionOutput``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
 class Completion:
-    """The finished output of one prompt."""
+    """The finished output of one prompt: its first sample's fields, and every sample in `outputs`."""
 
     text: str
     token_ids: list[int]
@@ -34,6 +45,7 @@ class Completion:
     finish_reason: str | None  # "stop", "length" or "abort"
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)  # all n samples, index order
 
 
 @dataclass

@@ -30,6 +30,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
     n = len(prompt_token_ids)
     limit = limits.max_model_len
     vocab = limits.vocab_size
+    if params.n != 1:
+        raise RequestError(f"one engine request is one sample, got n={params.n}: LLM.generate/chat and the server "
+                           "run n samples as n requests", "n")
     if n == 0:
         raise RequestError("the prompt is empty: it needs at least one token", "prompt")
     bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
