@@ -132,12 +132,16 @@ class LLM:
         del gguf_model  # the file's memory map goes once nothing else holds a view of it
         release_free_memory()
         log.info(
-            "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; KV cache: %d tokens in %d blocks "
-            "of %d (%.0f MiB); resident memory %.0f MiB",
+            "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; resident memory %.0f MiB",
             self.model_name, self.config.architecture, self.config.num_layers, self.device, ops.name, ops.mode,
             ", CUDA graphs" if runner.uses_cuda_graphs else "", torch.get_num_threads(), time.perf_counter() - started,
-            self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
             resident_bytes() / 2**20,
+        )
+        log.info(
+            "KV cache: %d tokens reserved (%d blocks of %d, %.0f MiB %s, sized by %s)%s",
+            self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
+            str(runner.kv_dtype).removeprefix("torch."), runner.kv_pool_limit,
+            "; resident only as requests fill it" if self.device.type == "cpu" else "",
         )
 
     # -- helpers -------------------------------------------------------------------------------------
