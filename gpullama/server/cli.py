@@ -12,6 +12,7 @@ import uvicorn
 from gpullama.engine.args import EngineArgs, positive_int
 
 from .app import create_app
+from .engine_log import DEFAULT_INTERVAL_S
 from .state import DEFAULT_MAX_BODY_BYTES, ServerConfig, ServerState
 
 
@@ -38,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-stats-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+                   help="log the engine's status line this often while it has work; 0 turns it off "
+                   f"(default: {DEFAULT_INTERVAL_S:g})")
     return p.parse_args(argv)
 
 
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = ServerConfig(engine=engine_args, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, api_key=args.api_key,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, log_stats_interval=args.log_stats_interval)
     state = ServerState(config)
     app = create_app(config, state)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

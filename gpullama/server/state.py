@@ -12,6 +12,7 @@ from typing import Any
 
 from gpullama.engine.args import EngineArgs
 
+from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
 from .metrics import ServerMetrics
 
 log = logging.getLogger("gpullama.server")
@@ -29,6 +30,7 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between engine status lines; 0: none
 
 
 def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
@@ -55,6 +57,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.on_load_failed: Callable[[BaseException], None] | None = None
+        self._status_task: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Load the model off the event loop, then start the engine; on failure record it and notify."""
@@ -74,6 +77,8 @@ class ServerState:
             return
         self.model_name = self.config.served_model_name or llm.model_name
         self.status = "ready"
+        if self.config.log_stats_interval > 0 and hasattr(llm, "engine"):
+            self._status_task = asyncio.create_task(log_engine_status(llm.engine, self.config.log_stats_interval))
         log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
                  self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
                  self.config.host, self.config.port)
@@ -103,6 +108,8 @@ class ServerState:
 
     def shutdown(self) -> None:
         """Stop the engine's step loop."""
+        if self._status_task is not None:
+            self._status_task.cancel()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

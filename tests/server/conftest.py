@@ -75,7 +75,7 @@ def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
     # between a request served alone and the same request in a batch of 8 (seen in the library itself, not only
     # here); the server tests check that concurrent requests do not interfere, which needs batch-invariant numbers.
     args = ["--model", str(default_model_path), "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-            "--dtype", "float32"]
+            "--dtype", "float32", "--log-stats-interval", "1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     repo = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
