@@ -8,9 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -18,6 +16,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .common import JSONResponse
+from .common import check_model as _check_model
+from .common import off_loop_if_long as _off_loop_if_long
+from .common import read_json as _read_json
+from .common import require_ready as _require_ready
+from .common import server_state as _state
 from .errors import APIError, error_body
 from .generation import Generation, Job
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -26,64 +30,9 @@ from .protocol import ChatRequest, CompletionRequest, parse_chat, parse_completi
 from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
+from .tokenization import detokenize, tokenize, version
 
 log = logging.getLogger("gpullama.server")
-_THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
-
-
-class JSONResponse(Response):
-    """A JSON response serialised with orjson."""
-
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON; 413 past ``limit`` bytes, 400 when malformed."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit} bytes",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from exc
-
-
-def _require_ready(state: ServerState) -> None:
-    if state.status == "loading":
-        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
-    if state.status != "ready" or state.engine is None:
-        raise APIError(503, f"the model is not available ({state.status}: {state.error})", code="model_unavailable")
-    if not getattr(state.engine, "is_alive", True):
-        raise APIError(503, "the generation engine has stopped; restart the server", code="engine_dead")
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
-                       param="model", code="model_not_found")
-
-
-async def _off_loop_if_long(size: int, fn, *args, **kwargs):
-    if size > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -304,6 +253,9 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
         ],
         middleware=[Middleware(AccessLogMiddleware, metrics=state.metrics),
                     Middleware(APIKeyMiddleware, api_key=config.api_key)],
