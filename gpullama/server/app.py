@@ -28,6 +28,7 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .middleware import AccessLogMiddleware, APIKeyMiddleware
 from .protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion, sampling_params
 from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion
+from .responses_api import create_response
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
 from .tokenization import detokenize, tokenize, version
@@ -249,6 +250,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
