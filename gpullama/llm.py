@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import torch
@@ -97,20 +97,25 @@ class LLM:
         self._load(EngineArgs(model=os.fspath(model), **engine_args))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLM:
-        """Load the model and build its engine as `args` say."""
+    def from_engine_args(cls, args: EngineArgs, on_progress: Callable[[str], None] | None = None) -> LLM:
+        """Load the model and build its engine as `args` say; `on_progress` hears each loading step as it starts
+        (such as ``"reading model.gguf (98 MB)"``), for a front end to show."""
         llm = cls.__new__(cls)
-        llm._load(args)
+        llm._load(args, on_progress)
         return llm
 
-    def _load(self, args: EngineArgs) -> None:
+    def _load(self, args: EngineArgs, on_progress: Callable[[str], None] | None = None) -> None:
         started = time.perf_counter()
+        step = on_progress or (lambda _: None)
         self.args = args
         self.model_name = args.model if args.model in ALIASES else Path(args.model).stem
+        step(f"finding {args.model}")
         self.path = resolve_model(args.model)
         self.device = resolve_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
+        size = f" ({os.path.getsize(self.path) / 1e6:.0f} MB)" if os.path.isfile(self.path) else ""
+        step(f"reading {Path(self.path).name}{size}")
         gguf_model = read_gguf(self.path)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.config = gguf_model.config
@@ -122,9 +127,12 @@ class LLM:
                 max_model_len, self.config.context_length,
             )
         self.max_model_len = max_model_len
+        step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         ops = select_ops(self.device, self.dtype)
+        step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")
         self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len)
+        step("reserving the KV cache")
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig.from_args(args, max_model_len))
         self._lock = threading.Lock()
         self._ids = itertools.count()

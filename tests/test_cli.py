@@ -96,3 +96,23 @@ def test_pull_of_an_unknown_alias_fails_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert "no-such-model" in result.stderr and DEFAULT_MODEL in result.stderr  # names it and what is known
     assert not any(tmp_path.iterdir())  # nothing was downloaded
+
+
+def test_bench_prints_the_llama_bench_table(tiny_model) -> None:
+    import gguf
+
+    path = tiny_model("llama", "F32").path
+    result = gpullama("bench", "-m", str(path), "-p", "16", "-n", "4,8", "-r", "2", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in result.stdout.splitlines()
+            if line.startswith("|")]
+    assert rows[0] == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    body = rows[2:]
+    assert [r[5] for r in body] == ["pp16", "tg4", "tg8"]
+    params = sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)  # gguf's own reading of the file
+    for row in body:
+        assert row[1] == f"{os.path.getsize(path) / 2**20:.2f} MiB" and row[2] == f"{params / 1e6:.2f} M"
+        assert row[4] == "1"  # --threads reached torch
+        mean, sd = (float(v) for v in row[6].split(" ± "))
+        assert mean > 0 and sd >= 0
+    assert_one_line_error(gpullama("bench", "-m", str(path), "-p", "0", "-n", "0"), "nothing to time")

@@ -171,3 +171,14 @@ def test_hugging_face_references_resolve_from_the_cache_offline(hf_cache: Path, 
     assert "hf://someone/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf" in listed.stdout
     assert_one_line_error(gpullama("info", "someone/SmolLM2-135M-Instruct-GGUF:Q8_0", env=env), "Q8_0")
     assert_one_line_error(gpullama("info", "hf://nobody/nothing/x.gguf", env=env), "nobody/nothing", "cache")
+
+
+def test_loading_shows_each_step_at_a_terminal_and_ctrl_c_at_the_prompt_leaves(tiny_model) -> None:
+    term = Terminal("chat", "--model", str(tiny_model("llama", "F32").path), "--device", "cpu", "--threads", "1")
+    shown = term.read_until("> ")
+    for step in ("loading ", "reading ", "preparing 2 layers of weights", "reserving the KV cache", "loaded "):
+        assert step in shown, (step, shown)
+    assert shown.index("reading ") < shown.index("preparing ") < shown.index("reserving ") < shown.index("loaded ")
+    term.type("\x03")  # Ctrl-C at an empty prompt: leave, with a newline, status 0
+    assert term.wait() == 0
+    assert term.output.startswith("\r\n") or term.output.startswith("^C\r\n"), repr(term.output)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpullama.engine.scheduler import ScheduledBatch
+if TYPE_CHECKING:  # the server imports this module, and its --help must not import torch (the scheduler does)
+    from gpullama.engine.scheduler import ScheduledBatch
 
 
 @dataclass
