@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request is not news to a person
     try:
         return args.func(args)
     except (ValueError, RuntimeError) as exc:  # bad input: one clear line, no traceback

@@ -137,8 +137,10 @@ def test_arguments_are_checked_before_the_model_loads(default_model_path: Path) 
 
 def test_generate_takes_the_library_sampling_flags(default_model_path: Path) -> None:
     result = gpullama("generate", "--model", str(default_model_path), "--prompt", "The capital of France is",
-                      "--max-tokens", "8", "--stop", "Paris", "--min-p", "0.05", "--repetition-penalty", "1.1")
+                      "--max-tokens", "8", "--stop", "Paris", "--min-p", "0.05", "--repetition-penalty", "1.1",
+                      "--threads", "1")
     assert result.returncode == 0, result.stderr
+    assert ", 1 threads)" in result.stderr  # the load log line: --threads reached torch
     assert "Paris" not in result.stdout  # stopped before it
     chat_like = gpullama("generate", "--model", str(default_model_path), "--system", "Answer with one word.",
                          "--prompt", "What is the capital of France?", "--max-tokens", "8")
