@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpullama.engine.args import EngineArgs
     from gpullama.llm import LLM
-    from gpullama.outputs import Completion, StreamDelta, TokenLogprob, TopLogprob
+    from gpullama.outputs import Completion, CompletionOutput, StreamDelta, TokenLogprob, TopLogprob
     from gpullama.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -21,12 +21,14 @@ _EXPORTS = {
     "EngineArgs": "gpullama.engine.args",
     "SamplingParams": "gpullama.sampling_params",
     "Completion": "gpullama.outputs",
+    "CompletionOutput": "gpullama.outputs",
     "StreamDelta": "gpullama.outputs",
     "TokenLogprob": "gpullama.outputs",
     "TopLogprob": "gpullama.outputs",
 }
 __all__ = [
     "Completion",
+    "CompletionOutput",
     "EngineArgs",
     "LLM",
     "SamplingParams",

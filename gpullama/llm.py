@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
-from gpullama.outputs import Completion
+from gpullama.outputs import Completion, CompletionOutput
 from gpullama.sampling_params import SamplingParams
 from gpullama.tokenizer import Tokenizer
 
@@ -77,6 +78,15 @@ def resident_bytes() -> int:
     return 0
 
 
+def _samples(params: SamplingParams) -> list[SamplingParams]:
+    """The per-sample params of ``params.n`` samples: sample i of a seeded request draws with seed + i (as the
+    server's choices do), so the samples differ yet repeat."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+
+
 class LLM:
     """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``.
 
@@ -89,20 +99,25 @@ class LLM:
         self._load(EngineArgs(model=os.fspath(model), **engine_args))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLM:
-        """Load the model and build its engine as `args` say."""
+    def from_engine_args(cls, args: EngineArgs, on_progress: Callable[[str], None] | None = None) -> LLM:
+        """Load the model and build its engine as `args` say; `on_progress` hears each loading step as it starts
+        (such as ``"reading model.gguf (98 MB)"``), for a front end to show."""
         llm = cls.__new__(cls)
-        llm._load(args)
+        llm._load(args, on_progress)
         return llm
 
-    def _load(self, args: EngineArgs) -> None:
+    def _load(self, args: EngineArgs, on_progress: Callable[[str], None] | None = None) -> None:
         started = time.perf_counter()
+        step = on_progress or (lambda _: None)
         self.args = args
         self.model_name = args.model if args.model in ALIASES else Path(args.model).stem
+        step(f"finding {args.model}")
         self.path = resolve_model(args.model)
         self.device = resolve_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
+        size = f" ({os.path.getsize(self.path) / 1e6:.0f} MB)" if os.path.isfile(self.path) else ""
+        step(f"reading {Path(self.path).name}{size}")
         gguf_model = read_gguf(self.path)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.config = gguf_model.config
@@ -114,9 +129,12 @@ class LLM:
                 max_model_len, self.config.context_length,
             )
         self.max_model_len = max_model_len
+        step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         ops = select_ops(self.device, self.dtype)
+        step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")
         self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len)
+        step("reserving the KV cache")
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig.from_args(args, max_model_len))
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -124,12 +142,16 @@ class LLM:
         del gguf_model  # the file's memory map goes once nothing else holds a view of it
         release_free_memory()
         log.info(
-            "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; KV cache: %d tokens in %d blocks "
-            "of %d (%.0f MiB); resident memory %.0f MiB",
+            "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; resident memory %.0f MiB",
             self.model_name, self.config.architecture, self.config.num_layers, self.device, ops.name, ops.mode,
             ", CUDA graphs" if runner.uses_cuda_graphs else "", torch.get_num_threads(), time.perf_counter() - started,
-            self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
             resident_bytes() / 2**20,
+        )
+        log.info(
+            "KV cache: %d tokens reserved (%d blocks of %d, %.0f MiB %s, sized by %s)%s",
+            self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
+            str(runner.kv_dtype).removeprefix("torch."), runner.kv_pool_limit,
+            "; resident only as requests fill it" if self.device.type == "cpu" else "",
         )
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -146,30 +168,38 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Run every prompt as one continuous batch until all finish."""
+        """Run every prompt (`params.n` samples of each) as one continuous batch until all finish."""
+        samples = _samples(params)
         with self._lock:
             engine = self.engine
-            seqs = [engine.admit(f"llm-{next(self._ids)}", ids, params) for ids in prompts]  # all, before any runs
+            # all admitted before any runs, so a bad prompt fails the call before anything is queued
+            seqs = [[engine.admit(f"llm-{next(self._ids)}", ids, p) for p in samples] for ids in prompts]
             try:
-                for seq in seqs:
-                    engine.add(seq)
+                for group in seqs:
+                    for seq in group:
+                        engine.add(seq)
                 while engine.has_work():
                     engine.step()
             finally:  # interrupted (KeyboardInterrupt, an error): leave nothing running
-                for seq in seqs:
-                    engine.abort(seq.request_id, notify=False)
-        return [
-            Completion(
-                text=seq.text,
-                token_ids=seq.output_token_ids,
-                prompt_token_ids=seq.prompt_token_ids,
-                finish_reason=seq.finish_reason,
-                logprobs=seq.logprobs,
-                num_cached_tokens=seq.num_cached_tokens,
-                error=seq.error,
-            )
-            for seq in seqs
-        ]
+                for group in seqs:
+                    for seq in group:
+                        engine.abort(seq.request_id, notify=False)
+        completions = []
+        for group in seqs:
+            outputs = [CompletionOutput(i, seq.text, seq.output_token_ids, seq.finish_reason, seq.logprobs, seq.error)
+                       for i, seq in enumerate(group)]
+            first = group[0]
+            completions.append(Completion(
+                text=first.text,
+                token_ids=first.output_token_ids,
+                prompt_token_ids=first.prompt_token_ids,
+                finish_reason=first.finish_reason,
+                logprobs=first.logprobs,
+                num_cached_tokens=first.num_cached_tokens,
+                error=first.error,
+                outputs=outputs,
+            ))
+        return completions
 
     # -- public API ------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[Completion]:
@@ -194,6 +224,8 @@ class LLM:
         else:
             ids = self._encode_prompt(prompt_or_messages)
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream yields one completion: SamplingParams.n must be 1, got {params.n}")
         with self._lock:
             engine = self.engine
             seq = engine.add_request(f"llm-{next(self._ids)}", ids, params)

@@ -13,6 +13,7 @@ class SamplingParams:
     ``temperature == 0`` means greedy decoding. Invalid values raise ``ValueError`` naming the field.
     """
 
+    n: int = 1  # samples per prompt (LLM.generate/chat return them in Completion.outputs)
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -53,6 +54,8 @@ class SamplingParams:
         def is_num(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v)
 
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 (or None for the rest of the context)")
         if not is_num(self.temperature) or self.temperature < 0:

@@ -214,6 +214,10 @@ class Tokenizer:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD); optionally without control tokens."""
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """The vocabulary's own strings of `ids` (such as ``Ġthe``), as transformers' method of that name."""
+        return [self._tokens[i] for i in ids]
+
     def token_bytes(self, id: int) -> bytes:
         """Raw bytes of one token (byte-level map undone, `<0xNN>` as its byte, `▁` as a space)."""
         if self._token_bytes is None:

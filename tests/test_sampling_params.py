@@ -9,6 +9,8 @@ import pytest
 from gpullama import SamplingParams
 
 INVALID: list[tuple[str, object]] = [
+    ("n", 0),
+    ("n", 1.5),
     ("max_tokens", 0),
     ("max_tokens", -5),
     ("max_tokens", 2.5),

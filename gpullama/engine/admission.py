@@ -107,6 +107,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
     n = len(prompt_token_ids)
     limit = limits.max_model_len
     vocab = limits.vocab_size
+    if params.n != 1:
+        raise RequestError(f"one engine request is one sample, got n={params.n}: LLM.generate/chat and the server "
+                           "run n samples as n requests", "n")
     if n == 0:
         raise RequestError("the prompt is empty: it needs at least one token", "prompt")
     if n >= limit:  # before looking at each id: a prompt of millions of ids is refused by its length alone

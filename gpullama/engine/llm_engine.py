@@ -14,6 +14,7 @@ from gpullama.engine.model_runner import ModelRunner
 from gpullama.engine.sampler import sample_batch
 from gpullama.engine.scheduler import ScheduledBatch, Scheduler
 from gpullama.engine.sequence import Sequence
+from gpullama.engine.stats import EngineStats
 from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
 from gpullama.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.stats = EngineStats()  # token counters for the status line
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -88,6 +90,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return deltas
+        self.stats.observe(batch)
         sampled, failed = self._run_isolated(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq not in failed:

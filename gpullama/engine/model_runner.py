@@ -8,6 +8,8 @@ graphs where the ops support them) when the batch is a uniform decode, eagerly o
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
@@ -36,6 +38,13 @@ def kv_pool_blocks(
     """How many blocks the KV pool gets: `config.kv_cache_memory` bytes when given, else the device default
     (1 GiB on the CPU, 85% of free GPU memory) capped at what `max_num_seqs` full-length sequences can use.
     Raises ValueError when the pool cannot hold one sequence of `max_model_len` tokens."""
+    return kv_pool_size(model_config, config, kv_dtype, device)[0]
+
+
+def kv_pool_size(
+    model_config: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device
+) -> tuple[int, str]:
+    """`kv_pool_blocks` with the limit that decided it, in words for the load log."""
     per_block = kv_block_bytes(model_config, config.block_size, kv_dtype)
     per_seq = -(-config.max_model_len // config.block_size)
     memory = config.kv_cache_memory
@@ -43,17 +52,36 @@ def kv_pool_blocks(
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             memory = int(free * GPU_MEMORY_FRACTION)
+            why = f"{GPU_MEMORY_FRACTION:.0%} of free GPU memory"
         else:
             memory = CPU_KV_CACHE_BYTES
-        num_blocks = min(memory // per_block, config.max_num_seqs * per_seq)  # more can never be used
+            why = f"the CPU default of {CPU_KV_CACHE_BYTES / 2**30:g} GiB"
+        usable = config.max_num_seqs * per_seq  # more can never be used
+        if usable <= memory // per_block:
+            num_blocks = usable
+            why = f"max_num_seqs {config.max_num_seqs} x max_model_len {config.max_model_len}"
+        else:
+            num_blocks = memory // per_block
     else:
         num_blocks = memory // per_block
+        why = "kv_cache_memory"
     if num_blocks < per_seq:
         raise ValueError(
             f"KV cache of {memory} bytes holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
             f"{config.max_model_len}: give more kv_cache_memory or a smaller max_model_len"
         )
-    return int(num_blocks)
+    return int(num_blocks), why
+
+
+def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor. On the CPU it lies in anonymous mapped memory, which the OS hands out as zero pages
+    when first written: the pool costs resident memory only as far as requests fill it (`torch.zeros` would write
+    every page at load)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 class ModelRunner:
@@ -67,11 +95,14 @@ class ModelRunner:
         # the CPU keeps k/v in float32 (its attention computes in float32); devices keep them in the compute dtype
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else ops.dtype
         mc = model.config
-        self.num_blocks = config.num_blocks or kv_pool_blocks(mc, config, self.kv_dtype, self.device)
+        if config.num_blocks:
+            self.num_blocks, self.kv_pool_limit = config.num_blocks, "num_blocks"
+        else:
+            self.num_blocks, self.kv_pool_limit = kv_pool_size(mc, config, self.kv_dtype, self.device)
         # one block past the managed ones: the scratch block that padded decode rows write into
         shape = (self.num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.k_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
+        self.v_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs
         self.decode_graphs = None
         if use_graphs or config.static_decode:

@@ -8,10 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-import anyio
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -21,124 +18,24 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .common import JSONResponse, read_request_body
+from .common import check_model as _check_model
+from .common import off_loop_if_large as _off_loop_if_large
+from .common import parse_json as _parse_json
+from .common import require_ready as _require_ready
+from .common import server_state as _state
 from .errors import APIError, error_body, internal_error
 from .generation import Generation, Job
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware
 from .protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion, sampling_params
 from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion
+from .responses_api import create_response
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
+from .tokenization import detokenize, tokenize, version
 
 log = logging.getLogger("gpullama.server")
-_THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
-# Bodies past this many bytes are parsed, validated, rendered and tokenized off the event loop: every one of those
-# costs at least time linear in the body's bytes (130,000 empty messages are small text but 4 MB of JSON).
-_OFF_LOOP_BODY_BYTES = 8192
-_JSON_TYPES = ("application/json",)
-
-
-class JSONResponse(Response):
-    """A JSON response serialised with orjson."""
-
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-_CLOSE = {"connection": "close"}  # answered before the whole body was read: the connection cannot be reused
-
-
-def _is_json_type(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media in _JSON_TYPES or (media.startswith("application/") and media.endswith("+json"))
-
-
-async def _read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
-    """The raw request body: 415 unless it is JSON, 413 past ``limit`` bytes, 408 when it does not arrive within
-    ``timeout`` seconds, 400 when empty. Only ``application/json`` is accepted, so a web page cannot send a request
-    without a CORS preflight (forms and ``text/plain`` need none); a body without a Content-Type is read first, so
-    an empty one is still a 400 and an oversized one a 413."""
-    content_type = request.headers.get("content-type")
-    if content_type is not None and not _is_json_type(content_type):
-        raise APIError(415, f"the request body must be JSON with 'Content-Type: application/json', "
-                       f"got {content_type[:100]!r}", code="unsupported_media_type", headers=_CLOSE)
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit} bytes",
-                       code="request_too_large", headers=_CLOSE)
-    chunks, size = [], 0
-    try:
-        with anyio.fail_after(timeout or None):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large",
-                                   headers=_CLOSE)
-                chunks.append(chunk)
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds (--body-timeout)",
-                       code="request_timeout", headers=_CLOSE) from None
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
-    if content_type is None:
-        raise APIError(415, "the request body must be JSON with 'Content-Type: application/json', "
-                       "got no Content-Type", code="unsupported_media_type")
-    return raw
-
-
-def _parse_json(raw: bytes) -> Any:
-    """The body parsed as JSON; 400 when malformed."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from exc
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON (off the event loop when large); see `_read_body` for the refusals."""
-    raw = await _read_body(request, limit, _state(request).config.body_timeout)
-    return await _off_loop_if_large(len(raw), _parse_json, raw)
-
-
-def _require_ready(state: ServerState) -> None:
-    if state.status == "loading":
-        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
-    if state.status == "stopping":
-        raise APIError(503, "the server is shutting down", code="engine_stopped")
-    if state.status != "ready" or state.engine is None:
-        raise APIError(503, f"the model is not available ({state.status}: {state.error})", code="model_unavailable")
-    if not getattr(state.engine, "is_alive", True):
-        raise APIError(503, "the generation engine has stopped; restart the server", code="engine_dead")
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
-                       param="model", code="model_not_found")
-
-
-async def _off_loop_if_long(size: int, fn, *args, **kwargs):
-    if size > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
-
-
-async def _off_loop_if_large(body_bytes: int, fn, *args, **kwargs):
-    """Run ``fn`` in a worker thread when the body it works through is large (by bytes, hence by any count)."""
-    if body_bytes > _OFF_LOOP_BODY_BYTES:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
-
-
-async def _read_body_of(request: Request, state: ServerState) -> bytes:
-    return await _read_body(request, state.config.max_body_bytes, state.config.body_timeout)
 
 
 def _prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, list[int]]:
@@ -166,7 +63,7 @@ async def chat_completions(request: Request) -> Response:
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    raw = await _read_body_of(request, state)
+    raw = await read_request_body(request)
     req, ids = await _off_loop_if_large(len(raw), _prepare_chat, state, raw)
     jobs = [Job(i, ids, sampling_params(req.options, seed_offset=i), prompt_param="messages",
                 max_tokens_param=req.options.max_tokens_param) for i in range(req.n)]
@@ -180,7 +77,7 @@ async def completions(request: Request) -> Response:
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    raw = await _read_body_of(request, state)
+    raw = await read_request_body(request)
     req, prompt_ids = await _off_loop_if_large(len(raw), _prepare_completion, state, raw)
     jobs: list[Job] = []
     texts: list[str | None] = []
@@ -396,10 +293,14 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
         ],
         middleware=_middleware(config, state),
         # unexpected exceptions are answered by RequestIdMiddleware (a 500 with only the request id)

@@ -17,6 +17,7 @@ from gpullama.engine.args import EngineArgs, positive_int
 
 from .app import create_app
 from .connection import head_timeout_protocol
+from .engine_log import DEFAULT_INTERVAL_S
 from .state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -113,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="comma-separated browser origins allowed by CORS, such as http://localhost:3000, or "
                           "'*' (default: none, CORS off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-stats-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+                   help="log the engine's status line this often while it has work; 0 turns it off "
+                   f"(default: {DEFAULT_INTERVAL_S:g})")
     return p.parse_args(argv)
 
 
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_connections=args.max_connections, request_timeout=args.request_timeout or None,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
-                          allowed_origins=args.allowed_origins)
+                          allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval)
     state = ServerState(config)
     app = create_app(config, state)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

@@ -16,6 +16,7 @@ from gpullama.sampling_params import SamplingParams
 
 from .errors import APIError, internal_error
 from .metrics import ServerMetrics
+from .request_log import current_request
 from .responses import usage
 
 log = logging.getLogger("gpullama.server")
@@ -76,6 +77,22 @@ class Generation:
         self._closed = False
         self._generated = 0
         self._cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
+        self.first_token_at: float | None = None  # perf_counter() of the request's first and last token
+        self.last_token_at: float | None = None
+        self.finish_reasons: dict[int, str] = {}  # choice index -> finish reason
+        record = current_request.get()
+        if record is not None:  # the access log line reports this request's tokens
+            record.generations.append(self)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated so far, over all choices."""
+        return self._generated
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache."""
+        return sum(self._cached.values())
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -193,9 +210,13 @@ class Generation:
         self._cached[p] = max(self._cached.get(p, 0), delta.num_cached_tokens)
         if delta.finish_reason is not None:
             self.finished.add(index)
+            self.finish_reasons[index] = delta.finish_reason
         if not count:
             return
         now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
         last = self._last_time.get(index)
         if last is None:
             self.metrics.ttft.observe(now - self.arrival)

@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_bytes, internal_error
 from .metrics import ServerMetrics
+from .request_log import RequestRecord, current_request
 
 access_log = logging.getLogger("gpullama.server.access")
 log = logging.getLogger("gpullama.server")
@@ -77,7 +78,11 @@ class APIKeyMiddleware:
 
 
 class AccessLogMiddleware:
-    """Log ``client "METHOD path HTTP/v" status duration`` once the response is complete; count it by status."""
+    """Log ``client "METHOD path HTTP/v" status duration: details`` once the response is complete (details: a
+    generation's tokens, time to first token, speed and finish reason, or an error's message; see `request_log`);
+    health and metrics polls at debug level. Count each request by status."""
+
+    QUIET_PATHS = ("/health", "/metrics")
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -88,18 +93,25 @@ class AccessLogMiddleware:
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = 500
+        record = RequestRecord()
+        token = current_request.set(record)
 
         async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400:
+                record.keep_error_body(message.get("body", b""))
             await send(message)
 
         try:
             await self.app(scope, receive, send_status)
         finally:
+            current_request.reset(token)
             client = scope.get("client")
             where = f"{client[0]}:{client[1]}" if client else "-"
-            access_log.info('%s "%s %s HTTP/%s" %d %.1fms', where, scope["method"], scope["path"],
-                            scope.get("http_version", "1.1"), status, (time.perf_counter() - start) * 1000)
+            quiet = scope["path"] in self.QUIET_PATHS  # polled every few seconds (503 while loading included)
+            access_log.log(logging.DEBUG if quiet else logging.INFO, '%s "%s %s HTTP/%s" %d %s', where,
+                           scope["method"], scope["path"], scope.get("http_version", "1.1"), status,
+                           record.describe(status, time.perf_counter() - start))
             self.metrics.observe_request(scope["path"], status)

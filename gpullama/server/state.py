@@ -14,6 +14,7 @@ from typing import Any
 from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineStopped
 
+from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
 from .metrics import ServerMetrics
 
 log = logging.getLogger("gpullama.server")
@@ -46,6 +47,7 @@ class ServerConfig:
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
     allowed_hosts: list[str] | None = None  # None: loopback names when bound to a loopback address, else any
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: off
+    log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between engine status lines; 0: none
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
@@ -89,6 +91,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
+        self._status_task: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Load the model off the event loop, then start the engine; on failure record it and notify."""
@@ -108,6 +111,8 @@ class ServerState:
             return
         self.model_name = self.config.served_model_name or llm.model_name
         self.status = "ready"
+        if self.config.log_stats_interval > 0 and hasattr(llm, "engine"):
+            self._status_task = asyncio.create_task(log_engine_status(llm.engine, self.config.log_stats_interval))
         log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
                  self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
                  self.config.host, self.config.port)
@@ -145,6 +150,8 @@ class ServerState:
 
     def shutdown(self) -> None:
         """Stop the engine's step loop."""
+        if self._status_task is not None:
+            self._status_task.cancel()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -124,7 +124,8 @@ def stop_server(srv: Server) -> None:
 @pytest.fixture(scope="session")
 def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
     """The shared server: default limits, API key on."""
-    srv = start_server(default_model_path, tmp_path_factory.mktemp("server") / "server.log")
+    srv = start_server(default_model_path, tmp_path_factory.mktemp("server") / "server.log",
+                       ["--log-stats-interval", "1"])
     yield srv
     stop_server(srv)
 
