@@ -242,3 +242,12 @@ def test_shard_plan_cuts_whole_heads_and_blocks() -> None:
     down = {"blk.0.ffn_down.weight": weight("blk.0.ffn_down.weight", hidden, 256, Q.Q4_K)}
     with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' at 128, which cuts its Q4_K blocks of 256"):
         ShardPlan(dataclasses.replace(c, intermediate_size=256), 0, 2).check(down)
+
+
+def test_tensor_parallel_size_is_an_engine_argument() -> None:
+    from gpullama.engine.args import EngineArgs
+
+    assert EngineArgs().tensor_parallel_size == 1
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+            EngineArgs(tensor_parallel_size=bad)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import mmap
+import threading
 
 import torch
 
@@ -113,6 +114,7 @@ class ModelRunner:
             self.num_blocks, self.kv_pool_limit = agreed, "the smallest pool of the tensor-parallel ranks"
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.steps = None
+        self._step_lock = threading.Lock()  # a step and the stop broadcast never interleave
         if self.tp.world_size > 1:
             max_tokens = max(config.max_num_batched_tokens, config.max_model_len)  # scoring runs a whole context
             self.steps = StepBroadcast(self.tp, step_buffer_size(config.max_num_seqs, max_tokens, max_blocks_per_seq))
@@ -157,23 +159,30 @@ class ModelRunner:
         while (step := self.steps.receive()) is not None:
             self._run(step)
 
-    def stop_followers(self) -> None:
-        """Rank 0: end the other ranks' `follow` loops (a no-op with one rank, or once a rank is gone)."""
-        if self.steps is not None and self.tp.failure is None:
+    def stop_followers(self, timeout: float = 10.0) -> None:
+        """Rank 0: end the other ranks' `follow` loops after the step in flight, if it ends within `timeout` (a
+        no-op with one rank, or once a rank is gone); no step can run afterwards."""
+        if self.steps is None or self.tp.failure is not None or not self._step_lock.acquire(timeout=timeout):
+            return
+        try:
             self.steps.send_stop()
+        finally:
+            self.tp.failure = "the tensor-parallel workers were shut down"
+            self._step_lock.release()
 
     def _lead(self, step: StepInputs) -> torch.Tensor:
         """Rank 0: hand `step` to the other ranks, then run it."""
         if self.steps is None:
             return self._run(step)
-        if self.tp.failure is not None:
-            raise RuntimeError(f"tensor parallelism is down: {self.tp.failure}")
-        try:
-            self.steps.send(step)
-            return self._run(step)
-        except BaseException as exc:  # the ranks are out of step (the others ran on into collectives without us)
-            self.tp.failure = f"a step failed on rank 0 ({type(exc).__name__}: {exc}); the ranks are out of step"
-            raise
+        with self._step_lock:
+            if self.tp.failure is not None:
+                raise RuntimeError(f"tensor parallelism is down: {self.tp.failure}")
+            try:
+                self.steps.send(step)
+                return self._run(step)
+            except BaseException as exc:  # the ranks are out of step (the others ran on into collectives alone)
+                self.tp.failure = f"a step failed on rank 0 ({type(exc).__name__}: {exc}); the ranks are out of step"
+                raise
 
     def _run(self, step: StepInputs) -> torch.Tensor:
         """The forward of one step on this rank: the static decode buffers for a decode step, else eagerly."""
