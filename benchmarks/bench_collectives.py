@@ -24,11 +24,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out) -> No
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    row, rows = torch.randn(1, args.hidden), torch.randn(8, args.hidden)
+    step = torch.zeros(args.step_entries, dtype=torch.long)
     tests = {
-        f"all_reduce [1, {args.hidden}] float32": lambda t=torch.randn(1, args.hidden): dist.all_reduce(t),
-        f"all_reduce [8, {args.hidden}] float32": lambda t=torch.randn(8, args.hidden): dist.all_reduce(t),
-        f"broadcast [{args.step_entries}] int64": lambda t=torch.zeros(args.step_entries, dtype=torch.long):
-            dist.broadcast(t, 0),
+        f"all_reduce [1, {args.hidden}] float32": lambda: dist.all_reduce(row),
+        f"all_reduce [8, {args.hidden}] float32": lambda: dist.all_reduce(rows),
+        f"broadcast [{args.step_entries}] int64": lambda: dist.broadcast(step, 0),
     }
     results = {}
     for name, call in tests.items():

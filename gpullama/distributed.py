@@ -37,8 +37,10 @@ class TensorParallel:
     @classmethod
     def join(cls, rank: int, world_size: int, store: dist.Store, device: torch.device) -> TensorParallel:
         """Join the group whose ranks meet at `store` (NCCL for CUDA devices, gloo otherwise); every rank calls it."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_STEP_TIMEOUT)
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=_STEP_TIMEOUT,
+                                device_id=torch.device("cuda", device.index or 0) if cuda else None)  # NCCL: its GPU
         cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         return cls(rank, world_size, dist.group.WORLD, cpu_group)
 

@@ -76,6 +76,7 @@ CASES = [
     pytest.param("qwen2", "Q4_0", False, id="qwen2-q4_0-bias"),  # quantized (Q8_0 embedding), q/k/v biases
     pytest.param("phi3", "F32", False, id="phi3-fused"),  # fused qkv and gate|up, partial rotary, LongRoPE, window
     pytest.param("gemma2", "Q8_0", False, id="gemma2-q8_0"),  # 1 KV head held by both ranks, post-norms, soft-caps
+    pytest.param("gemma3", "Q4_0", False, id="gemma3-q4_0"),  # q/k norms, a second rope table for sliding layers
 ]
 
 
