@@ -159,13 +159,14 @@ class ModelRunner:
         while (step := self.steps.receive()) is not None:
             self._run(step)
 
-    def stop_followers(self, timeout: float = 10.0) -> None:
-        """Rank 0: end the other ranks' `follow` loops after the step in flight, if it ends within `timeout` (a
-        no-op with one rank, or once a rank is gone); no step can run afterwards."""
+    def stop_followers(self, timeout: float = 10.0) -> bool:
+        """Rank 0: end the other ranks' `follow` loops after the step in flight, if it ends within `timeout`;
+        whether the stop was sent (not with one rank, nor once a rank is gone). No step can run afterwards."""
         if self.steps is None or self.tp.failure is not None or not self._step_lock.acquire(timeout=timeout):
-            return
+            return False
         try:
             self.steps.send_stop()
+            return True
         finally:
             self.tp.failure = "the tensor-parallel workers were shut down"
             self._step_lock.release()

@@ -160,13 +160,15 @@ class TPWorkers:
         if self._closing:
             return
         self._closing = True
+        stopped = False
         if runner is not None:
             try:
-                runner.stop_followers()
+                stopped = runner.stop_followers()
             except Exception as exc:  # noqa: BLE001 - a rank is gone already; the processes are ended below
                 log.warning("tensor parallel: the stop broadcast failed (%s); ending the workers", exc)
-        for process in self.processes:
-            process.join(timeout=STOP_TIMEOUT_S)
+        if stopped:  # they leave their loops and the group, then exit
+            for process in self.processes:
+                process.join(timeout=STOP_TIMEOUT_S)
         for watch in self._watches:  # a worker still alive exits on its own once its pipe closes
             watch.close()
         for process in self.processes:
