@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .common import JSONResponse, read_request_body
+from .common import JSONResponse, read_request_body, request_id, start_generation
 from .common import check_model as _check_model
 from .common import off_loop_if_large as _off_loop_if_large
 from .common import parse_json as _parse_json
@@ -112,22 +112,9 @@ async def _serve(request: Request, state: ServerState, answer: Answer, stream: b
     JSON object or an SSE stream."""
     for job in answer.jobs:
         job.request_id = f"{answer.id}-{job.index}"
-    config = state.config
-    queued = state.engine.num_queued
-    if queued >= config.max_queue:
-        raise APIError(429, f"the server is busy: {queued} requests are waiting for a place in the batch, the limit "
-                       f"is {config.max_queue} (--max-queue); retry later", code="queue_full",
-                       headers={"retry-after": "1"})
-    gen = Generation(state.engine, answer.jobs, state.metrics, answer.arrival, _request_id(request))
-    if config.request_timeout:
-        gen.set_deadline(config.request_timeout - (time.perf_counter() - answer.arrival),
-                         APIError(504, f"the request took longer than {config.request_timeout:g} seconds "
-                                  "(--request-timeout)", code="request_timeout"))
-    try:
-        await unless_disconnected(request.receive, gen.start)
-    except ClientDisconnected:
+    gen = await start_generation(request, state, answer.jobs, answer.arrival)
+    if gen is None:
         return Response(status_code=499)
-    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
     for job in answer.jobs:
         if answer.prompt_texts[job.prompt_index] is None:
             answer.prompt_texts[job.prompt_index] = state.llm.tokenizer.decode(job.prompt_ids)
@@ -257,12 +244,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _client_gone(request: Request, exc: Exception) -> Response:
     """The client hung up while sending its body: one quiet line, status 499 (nginx's "client closed request")."""
     log.info("client disconnected during the upload of %s %s (request id %s)", request.method, request.url.path,
-             _request_id(request))
+             request_id(request))
     return Response(status_code=499)
-
-
-def _request_id(request: Request) -> str:
-    return getattr(request.state, "request_id", "-")
 
 
 def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:

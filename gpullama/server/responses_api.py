@@ -23,7 +23,17 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .common import JSONResponse, check_model, off_loop_if_long, read_json, require_ready, server_state
+from gpullama.engine.admission import MAX_MESSAGES
+
+from .common import (
+    JSONResponse,
+    check_model,
+    off_loop_if_long,
+    read_json,
+    require_ready,
+    server_state,
+    start_generation,
+)
 from .errors import APIError
 from .generation import Generation, Job
 from .protocol import CHAT_ROLES, SamplingOptions, _options, sampling_params
@@ -78,6 +88,8 @@ def input_messages(value: Any) -> list[dict[str, str]]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise _bad("input", f"'input' must be a string or a non-empty list of input items, got {_kind(value)}")
+    if len(value) > MAX_MESSAGES:
+        raise _bad("input", f"'input' holds {len(value)} items, more than the limit of {MAX_MESSAGES}")
     messages = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
@@ -88,8 +100,9 @@ def input_messages(value: Any) -> list[dict[str, str]]:
             raise _bad(f"{where}.type", f"'{where}.type' {kind!r} is not supported: only message items (function "
                        "call items come with tool calling)")
         role = item.get("role")
-        if role not in CHAT_ROLES:
-            raise _bad(f"{where}.role", f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            shown = repr(role)[:40] if isinstance(role, str) else _kind(role)
+            raise _bad(f"{where}.role", f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {shown}")
         messages.append({"role": CHAT_ROLES[role], "content": _text(item.get("content"), f"{where}.content")})
     return messages
 
@@ -229,12 +242,9 @@ async def create_response(request: Request) -> Response:
     response = ResponseObject(req, state.model_name)
     job = Job(0, ids, sampling_params(req.options), prompt_param="input", max_tokens_param="max_output_tokens",
               request_id=response.id)
-    gen = Generation(state.engine, [job], state.metrics, arrival)
-    try:
-        await unless_disconnected(request.receive, gen.start)
-    except ClientDisconnected:
+    gen = await start_generation(request, state, [job], arrival)
+    if gen is None:
         return Response(status_code=499)
-    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
     if req.stream:
         return SSEResponse(_events(response, gen))
     return await _whole(request, response, gen)

@@ -147,6 +147,9 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete(http: httpx.Client, mod
      "input[0].content[0]"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "{}"}]}, "input[0].type"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"input": [{"role": ["user"], "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": {"a": 1}, "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": "hi"}] * 5000}, "input"),
 ])
 def test_bad_or_unsupported_fields_are_400_naming_the_field(client: openai.OpenAI, model_name: str, extra: dict,
                                                             param: str) -> None:
@@ -160,3 +163,10 @@ def test_missing_input_is_400_and_unknown_model_404(http: httpx.Client) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = http.post("/v1/responses", json={})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_a_body_that_is_not_json_is_415(http: httpx.Client, model_name: str) -> None:
+    r = http.post("/v1/responses", content=b'{"input": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = http.post("/v1/responses", json={"model": model_name, "input": "hi", "top_k": 10**30})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
