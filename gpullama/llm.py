@@ -155,6 +155,9 @@ class LLM:
             finally:  # interrupted (KeyboardInterrupt, an error): leave nothing running
                 for seq in seqs:
                     engine.abort(seq.request_id, notify=False)
+        failed = next((seq.error for seq in seqs if seq.error is not None), None)
+        if failed is not None:  # e.g. a structured_output the grammar engine cannot compile
+            raise failed
         return [
             Completion(
                 text=seq.text,
@@ -195,6 +198,8 @@ class LLM:
             try:
                 while engine.has_work():
                     for delta in engine.step():
+                        if delta.request_id == seq.request_id and delta.error is not None:
+                            raise delta.error
                         if delta.request_id == seq.request_id and delta.text:
                             yield delta.text
             finally:  # the caller stopped iterating early, or the step failed

@@ -31,7 +31,7 @@ class Completion:
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
 
@@ -48,3 +48,4 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
+    error: Exception | None = None  # with finish_reason "error": why the engine failed this request alone

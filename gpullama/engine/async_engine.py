@@ -83,6 +83,8 @@ class AsyncEngine:
                     raise item
                 if item.finish_reason is not None:
                     finished = True
+                if item.error is not None:  # the engine failed this request alone (a grammar that did not compile)
+                    raise item.error
                 yield item
                 if finished:
                     return

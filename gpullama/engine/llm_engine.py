@@ -14,11 +14,13 @@ from gpullama.engine.model_runner import ModelRunner
 from gpullama.engine.sampler import sample_batch
 from gpullama.engine.scheduler import Scheduler
 from gpullama.engine.sequence import Sequence
+from gpullama.engine.structured_output import StructuredOutputManager
 from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
 from gpullama.sampling_params import SamplingParams
 
 log = logging.getLogger("gpullama")
+GRAMMAR_WAIT_S = 0.05  # longest idle wait for a compiling grammar before the step loop looks at its commands again
 
 
 class LLMEngine:
@@ -36,6 +38,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.structured_output = StructuredOutputManager(tokenizer, model.config.vocab_size)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -47,7 +50,10 @@ class LLMEngine:
         """Check a request once (see `gpullama.engine.admission`) and build its sequence, without queueing it.
         Reads only fixed limits, so any thread may call it; raises RequestError (a ValueError) naming the field."""
         max_tokens = check_request(prompt_token_ids, params, self.limits)
-        return Sequence(request_id, prompt_token_ids, params, max_tokens)
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens)
+        if params.structured_output is not None:  # compiles off this thread while the prompt waits and prefills
+            seq.grammar = self.structured_output.submit(params.structured_output)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         """Queue an admitted sequence; it joins the batch at the next step with room."""
@@ -82,6 +88,8 @@ class LLMEngine:
         deltas, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.running or self.scheduler.waiting:  # only grammars being compiled hold them back
+                self.structured_output.wait(self.scheduler.running + list(self.scheduler.waiting), GRAMMAR_WAIT_S)
             return deltas
         logits = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -89,10 +97,23 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, old)
         if batch.sampling:
+            failed = self.structured_output.mask(logits, batch.sampling)  # constrained rows only, in place
             tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
             for row, (seq, token) in enumerate(zip(batch.sampling, tokens)):
+                if row in failed:
+                    deltas.append(self._fail(seq, failed[row]))
+                    continue
                 deltas.append(self._advance(seq, token, logprobs[row] if logprobs is not None else None))
         return deltas
+
+    def _fail(self, seq: Sequence, error: Exception) -> StreamDelta:
+        """End one request with an error (its grammar did not compile, say); the others go on."""
+        seq.error = error
+        self.scheduler.finish(seq, "error")
+        self.requests.pop(seq.request_id, None)
+        delta = self._delta(seq, "", [], "error")
+        delta.error = error
+        return delta
 
     def _advance(self, seq: Sequence, token: int, logprobs: torch.Tensor | None) -> StreamDelta:
         """Append a sampled token, check the finish conditions and produce the request's delta."""
@@ -104,6 +125,11 @@ class LLMEngine:
         p = seq.params
         reason = None
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if seq.grammar is not None:
+            terminated = self.structured_output.accept(seq, token)
+            if terminated is None:
+                return self._fail(seq, RuntimeError(f"token {token} was sampled against the grammar"))
+            stop_token = stop_token or terminated  # a grammar terminates on an end-of-sequence token
         if stop_token:
             reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
