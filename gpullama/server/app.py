@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .chat_output import ChatOutputShaper
 from .errors import APIError, error_body
 from .generation import Generation, Job
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -26,6 +27,7 @@ from .protocol import ChatRequest, CompletionRequest, parse_chat, parse_completi
 from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
+from .structured_request import chat_format, plan_chat, response_format_spec
 
 log = logging.getLogger("gpullama.server")
 _THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
@@ -91,19 +93,25 @@ async def chat_completions(request: Request) -> Response:
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    req: ChatRequest = parse_chat(await _read_json(request, state.config.max_body_bytes))
+    body = await _read_json(request, state.config.max_body_bytes)
+    req: ChatRequest = parse_chat(body)
     _check_model(state, req.model)
     tok = state.llm.tokenizer
+    plan = plan_chat(body, req.messages, chat_format(tok))  # response_format, tools, tool_choice, template kwargs
+    if plan.spec is not None:
+        req.options.kwargs["structured_output"] = plan.spec
     size = sum(len(m["content"]) for m in req.messages)
     try:
-        text = await _off_loop_if_long(size, tok.apply_chat_template, req.messages, add_generation_prompt=True)
+        text = await _off_loop_if_long(size, tok.apply_chat_template, plan.messages, add_generation_prompt=True,
+                                       tools=plan.tools, **plan.template_kwargs)
     except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
     ids = await _off_loop_if_long(size, tok.encode, text, add_special_tokens=False)
     jobs = [Job(i, ids, sampling_params(req.options, seed_offset=i), prompt_param="messages",
                 max_tokens_param=req.options.max_tokens_param) for i in range(req.n)]
+    shaper = ChatOutputShaper(plan, text)
     answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
-                    include_usage=req.include_usage, arrival=arrival)
+                    include_usage=req.include_usage, arrival=arrival, shaper=shaper if shaper.active else None)
     return await _serve(request, state, answer, req.stream)
 
 
@@ -112,8 +120,12 @@ async def completions(request: Request) -> Response:
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    req: CompletionRequest = parse_completion(await _read_json(request, state.config.max_body_bytes))
+    body = await _read_json(request, state.config.max_body_bytes)
+    req: CompletionRequest = parse_completion(body)
     _check_model(state, req.model)
+    spec = response_format_spec(body)
+    if spec is not None:
+        req.options.kwargs["structured_output"] = spec
     tok = state.llm.tokenizer
     jobs: list[Job] = []
     texts: list[str | None] = []
@@ -143,6 +155,7 @@ class Answer:
     echo: bool
     include_usage: bool
     arrival: float
+    shaper: ChatOutputShaper | None = None  # chat: reasoning and tool calls read out of the text
 
 
 async def _serve(request: Request, state: ServerState, answer: Answer, stream: bool) -> Response:
@@ -183,6 +196,10 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
             await gen.close()
         choices = [{"index": job.index, "text": texts[job.index], "logprobs": logprobs[job.index],
                     "finish_reason": finish.get(job.index), "offset": 0} for job in jobs]
+        if answer.shaper is not None:
+            for c in choices:
+                c["message"] = answer.shaper.message(c["index"], c["text"])
+                c["finish_reason"] = answer.shaper.finish_reason(c["index"], c["finish_reason"])
         build = chat_completion if answer.chat else text_completion
         return build(answer.id, now(), model, choices, gen.usage())
 
@@ -206,7 +223,18 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse
                     yield event(chunks.role(job.index))
                 elif answer.echo and text:
                     yield event(chunks.content(job.index, text, None))
+            shaper = answer.shaper
             async for index, delta in gen.deltas():
+                if shaper is not None:  # reasoning, content and tool-call pieces
+                    fields = shaper.delta(index, delta.text) if delta.text else None
+                    if fields or delta.logprobs:
+                        yield event(chunks.fields(index, fields or {}, delta.logprobs))
+                    if delta.finish_reason is not None:
+                        rest = shaper.finish(index)
+                        if rest:
+                            yield event(chunks.fields(index, rest, None))
+                        yield event(chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)))
+                    continue
                 if delta.text or delta.logprobs:
                     yield event(chunks.content(index, delta.text, delta.logprobs, offsets[index]))
                     offsets[index] += len(delta.text)

@@ -40,8 +40,8 @@ def _api_error(exc: Exception, job: Job) -> APIError:
     if isinstance(exc, RequestError):
         param = {"prompt": job.prompt_param, "max_tokens": job.max_tokens_param}.get(exc.param, exc.param)
         return APIError(400, str(exc), param=param)
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+    if isinstance(exc, ValueError):  # a StructuredOutputError names its field
+        return APIError(400, str(exc), param=getattr(exc, "param", None))
     log.exception("generation failed for request %s", job.request_id, exc_info=exc)
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="generation_failed")
 
