@@ -38,7 +38,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
-        self.structured_output = StructuredOutputManager(tokenizer, model.config.vocab_size)
+        self.structured_output = StructuredOutputManager(tokenizer, model.config.vocab_size, model.ops.device)
 
     @property
     def kv_capacity_tokens(self) -> int:

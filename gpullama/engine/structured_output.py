@@ -51,9 +51,11 @@ class StructuredOutputManager:
     applies it to their logits and advances their matchers. The backend (xgrammar) is built on the compile pool
     by the first constrained request, so an engine that never sees one never imports it."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, device: torch.device | str = "cpu") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)  # the logits width (may exceed the tokenizer's vocabulary)
+        # On the CPU the model's threads hold every core during a step: extra fill threads only contend with them.
+        self.fill_threads = 1 if torch.device(device).type == "cpu" else None
         self._backend: GrammarBackend | None = None
         self._reasoning_ids: tuple[int, int] | None = None
         self._lock = threading.Lock()
@@ -117,7 +119,7 @@ class StructuredOutputManager:
         bitmask = self._bitmask
         if bitmask is None or bitmask.shape[0] < len(sampling):
             bitmask = self._bitmask = backend.allocate_bitmask(max(len(sampling), 8))
-        backend.fill_bitmask(matchers, bitmask, rows)
+        backend.fill_bitmask(matchers, bitmask, rows, threads=self.fill_threads)
         backend.apply_bitmask(logits, bitmask, rows)
         return failed
 
