@@ -2,7 +2,8 @@
 
     python benchmarks/bench_structured.py --model smollm2-135m --batch 1,16 --output-len 64 --repeats 3
 
-Each batch runs `--output-len` decode tokens per request in three modes, alternated within every repeat: free
+Each batch runs `--output-len` decode tokens per request in three modes, alternated within every repeat (each
+mode first in turn): free
 (EOS ignored), a JSON array of integers and a JSON array of strings. Both schemas need more items than the run
 has tokens (`minItems`), so every constrained row also decodes exactly `--output-len` tokens and the modes do the
 same work apart from the grammar. The first step (prefill and first token) is left out: the table is decode only.
@@ -71,6 +72,8 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy, so that only the grammar differs between the modes")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=max(batches))
@@ -78,24 +81,27 @@ def main() -> None:
     specs = {name: StructuredOutput(json_schema=s) for name, s in SCHEMAS.items()}
     backend = get_backend(tok, llm.config.vocab_size)
     compile_ms = {name: backend.compile(spec).compile_s * 1000 for name, spec in specs.items()}
-    modes = {"free": SamplingParams(temperature=0.7, seed=0, max_tokens=args.output_len, ignore_eos=True)}
-    modes.update({name: SamplingParams(temperature=0.7, seed=0, max_tokens=args.output_len, structured_output=spec)
+    t = args.temperature
+    modes = {"free": SamplingParams(temperature=t, seed=0, max_tokens=args.output_len, ignore_eos=True)}
+    modes.update({name: SamplingParams(temperature=t, seed=0, max_tokens=args.output_len, structured_output=spec)
                   for name, spec in specs.items()})
     timer = MaskTimer(llm.engine.structured_output)
     for batch in batches:  # warm-up
         for name, params in modes.items():
             run(llm, batch, params, timer, f"warm-{name}")
     results: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
+    names = list(modes)
     for r in range(args.repeats):
         for batch in batches:
-            for name, params in modes.items():
-                results.setdefault((batch, name), []).append(run(llm, batch, params, timer, f"{r}-{name}"))
+            for name in names[r % len(names):] + names[:r % len(names)]:  # each mode goes first in turn
+                results.setdefault((batch, name), []).append(run(llm, batch, modes[name], timer, f"{r}-{name}"))
 
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
           f"model {llm.model_name} ({llm.model.ops.name}, {llm.model.ops.mode}, {llm.dtype}); vocabulary "
           f"{llm.config.vocab_size}; {datetime.date.today()}")
     print("compile ms (cold): " + ", ".join(f"{n} {ms:.0f}" for n, ms in compile_ms.items()))
-    print(f"decode only, {args.output_len} tokens per request, median of {args.repeats} alternated runs\n")
+    print(f"decode only, {args.output_len} tokens per request, temperature {t}, median of {args.repeats} "
+          "alternated runs\n")
     print("| batch | mode | ms / token | tokens/s | mask ms / step | vs free |")
     print("|---:|---|---:|---:|---:|---:|")
     for batch in batches:

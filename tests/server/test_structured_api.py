@@ -160,7 +160,7 @@ def test_tool_round_trip(client: openai.OpenAI, model_name: str):
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                            temperature=0, max_tokens=60).choices[0].message
     call = first.tool_calls[0]
-    messages = [*WEATHER_QUESTION, first.model_dump(exclude_none=True),
+    messages = [*WEATHER_QUESTION, first,  # the SDK's message object, sent back as clients do
                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."}]
     final = client.chat.completions.create(model=model_name, messages=messages, tools=TOOLS, tool_choice="none",
                                            temperature=0, max_tokens=40).choices[0]
