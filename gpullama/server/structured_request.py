@@ -14,7 +14,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.structured.reasoning_gate import reasoning_token_ids
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.tools import parse_tool, tool_call_grammar
 
@@ -48,6 +47,8 @@ def chat_format(tokenizer: Any) -> ChatFormat:
     with _formats_lock:
         found = _formats.get(tokenizer)
     if found is None:
+        from gpullama.structured.reasoning_gate import reasoning_token_ids  # imports torch: not for --help
+
         source = tokenizer.chat_template.source
         name = parser_name_for_template(source)
         reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
