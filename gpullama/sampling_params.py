@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from gpullama.structured.spec import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (the field names follow vLLM's ``SamplingParams``).
 
     ``temperature == 0`` means greedy decoding. Invalid values raise ``ValueError`` naming the field.
+    ``structured_output`` constrains the output with a grammar (a `gpullama.structured.StructuredOutput`, or a
+    dict of its fields such as ``{"json_schema": {...}}``).
     """
 
     n: int = 1  # samples per prompt (LLM.generate/chat return them in Completion.outputs)
@@ -28,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
 
@@ -37,6 +42,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _bias_map(self.logit_bias)
+        if isinstance(self.structured_output, dict):
+            try:
+                self.structured_output = StructuredOutput(**self.structured_output)
+            except TypeError as e:  # an unknown field name
+                raise ValueError(f"SamplingParams.structured_output: {e}") from None
         self._check()
 
     def validate(self) -> None:
@@ -83,6 +93,9 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict) or not all(
                 is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise bad("structured_output", "must be a gpullama.structured.StructuredOutput, a dict of its fields "
+                      "or None")
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,8 @@ from .protocol import CHAT_ROLES, SamplingOptions, _options, sampling_params
 from .sse import ClientDisconnected, SSEResponse, unless_disconnected
 
 # the sampling fields a Responses request may carry: OpenAI's, and the extra ones the other endpoints take (as vLLM)
+# message items' roles (tool results arrive as function_call_output items, once tool calling joins here)
+INPUT_ROLES = {k: v for k, v in CHAT_ROLES.items() if k != "tool"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "stop", "stop_token_ids", "logit_bias", "ignore_eos")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -100,10 +102,10 @@ def input_messages(value: Any) -> list[dict[str, str]]:
             raise _bad(f"{where}.type", f"'{where}.type' {kind!r} is not supported: only message items (function "
                        "call items come with tool calling)")
         role = item.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in INPUT_ROLES:
             shown = repr(role)[:40] if isinstance(role, str) else _kind(role)
-            raise _bad(f"{where}.role", f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {shown}")
-        messages.append({"role": CHAT_ROLES[role], "content": _text(item.get("content"), f"{where}.content")})
+            raise _bad(f"{where}.role", f"'{where}.role' must be one of {sorted(INPUT_ROLES)}, got {shown}")
+        messages.append({"role": INPUT_ROLES[role], "content": _text(item.get("content"), f"{where}.content")})
     return messages
 
 
