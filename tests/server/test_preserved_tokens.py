@@ -16,6 +16,9 @@ from gpullama.engine.sequence import Sequence
 from gpullama.server.app import _prepare_chat
 from gpullama.server.chat_output import ChatOutputShaper
 from gpullama.server.protocol import sampling_params
+from gpullama.server.responses_api import _prepare
+from gpullama.server.responses_items import OutputItems
+from gpullama.server.responses_request import parse_responses
 from gpullama.tokenizer import Tokenizer
 from tests.fixtures.vocabs import vocab_metadata
 from tests.server.test_tool_parsers import TOOLS
@@ -41,11 +44,16 @@ def mistral_state() -> SimpleNamespace:
     return SimpleNamespace(llm=SimpleNamespace(tokenizer=tok), model_name="mistral-tiny")
 
 
-def _generate(state: SimpleNamespace, body: dict, output: str) -> tuple[list[str], ChatOutputShaper]:
-    """Plan a chat body as the server does, then detokenize `output`'s tokens one step at a time as the engine
-    does; the text pieces and the request's output shaper."""
+def _generate(state: SimpleNamespace, body: dict, output: str,
+              endpoint: str = "chat") -> tuple[list[str], ChatOutputShaper]:
+    """Plan a chat (or Responses) body as the server does, then detokenize `output`'s tokens one step at a time as
+    the engine does; the text pieces and the request's output shaper."""
     tok = state.llm.tokenizer
-    req, plan, prompt, prompt_ids = _prepare_chat(state, orjson.dumps(body))
+    if endpoint == "chat":
+        req, plan, prompt, prompt_ids = _prepare_chat(state, orjson.dumps(body))
+    else:
+        req = parse_responses(body)
+        plan, prompt, prompt_ids = _prepare(tok, req)
     ids = tok.encode(output)
     seq = Sequence("r", prompt_ids, sampling_params(req.options), max_tokens=len(ids))
     detok, pieces = Detokenizer(tok), []
@@ -87,3 +95,16 @@ def test_other_control_tokens_still_leave_the_text(mistral_state):
     for body in ({"messages": USER}, {"messages": USER, "tools": TOOLS, "tool_choice": "none"}):
         pieces, shaper = _generate(mistral_state, body, CALL)
         assert "[TOOL_CALLS]" not in "".join(pieces) and not shaper.message(0, "".join(pieces)).get("tool_calls")
+
+
+def test_responses_function_call_after_the_control_token(mistral_state):
+    """/v1/responses plans through the same path: the call becomes a function_call item."""
+    body = {"input": USER[0]["content"], "tools": [{"type": "function", **t["function"]} for t in TOOLS]}
+    pieces, shaper = _generate(mistral_state, body, CALL, endpoint="responses")
+    items = OutputItems(shaper)
+    for piece in pieces:
+        items.feed(piece)
+    items.end("completed")
+    [call] = items.output()
+    assert (call["type"], call["name"], json.loads(call["arguments"])) == (
+        "function_call", "get_weather", {"city": "Paris", "unit": "celsius"})
