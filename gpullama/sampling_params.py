@@ -33,6 +33,9 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_output: StructuredOutput | None = None
+    # special (control) tokens whose text stays in the output text, which otherwise drops every special token
+    # (llama.cpp's preserved_tokens): a chat format's tool-call markers, such as Mistral's [TOOL_CALLS]
+    preserved_token_ids: list[int] = field(default_factory=list)
 
     MAX_LOGPROBS = 20
 
@@ -41,6 +44,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.preserved_token_ids = list(self.preserved_token_ids or [])
         self.logit_bias = _bias_map(self.logit_bias)
         if isinstance(self.structured_output, dict):
             try:
@@ -82,6 +86,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not all(is_int(t) and t >= 0 for t in self.preserved_token_ids):
+            raise bad("preserved_token_ids", "must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_num(value) or not -2 <= value <= 2:

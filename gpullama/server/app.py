@@ -50,6 +50,7 @@ def _prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan
     plan = plan_chat(body, req.messages, chat_format(tok))
     if plan.spec is not None:
         req.options.kwargs["structured_output"] = plan.spec
+    req.options.kwargs["preserved_token_ids"] = plan.preserved_token_ids
     try:
         text = tok.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
                                        **plan.template_kwargs)

@@ -18,8 +18,8 @@ from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.tools import parse_tool, tool_call_grammar
 
 from .errors import APIError
-from .reasoning import THINK_CLOSE
-from .tool_parsers import parser_name_for_template
+from .reasoning import THINK_CLOSE, THINK_OPEN
+from .tool_parsers import PARSERS, parser_name_for_template
 from .tool_prompt import generic_messages, template_messages
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -30,11 +30,15 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prom
 @dataclass(frozen=True)
 class ChatFormat:
     """What a model's chat template and vocabulary support: its tool-call format (hermes, llama3, mistral or
-    generic), whether the template renders tools itself, and whether the model reasons in <think> blocks."""
+    generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
+    of the format's markers are special tokens of the vocabulary (the detokenizer drops special tokens unless
+    told to keep them, and the parsers must see these)."""
 
     tool_format: str
     template_tools: bool
     reasoning: bool
+    tool_marker_ids: tuple[int, ...] = ()  # the tool-call format's markers ([TOOL_CALLS], <|python_tag|>)
+    reasoning_marker_ids: tuple[int, ...] = ()  # <think> and </think>
 
 
 _formats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -52,7 +56,11 @@ def chat_format(tokenizer: Any) -> ChatFormat:
         source = tokenizer.chat_template.source
         name = parser_name_for_template(source)
         reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
-        found = ChatFormat(name, name != "generic", reasoning)
+        ids = sorted(tokenizer.special_token_ids)
+        special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
+        found = ChatFormat(name, name != "generic", reasoning,
+                           tuple(special[m] for m in PARSERS[name].token_markers if m in special),
+                           tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
         with _formats_lock:
             _formats[tokenizer] = found
     return found
@@ -71,6 +79,15 @@ class ChatPlan:
     tool_names: list[str] | None = None  # parse calls of these functions; None: no tool parsing
     tool_choice: str = "none"  # none, auto, required or named
     parallel_tool_calls: bool = True
+
+    @property
+    def preserved_token_ids(self) -> list[int]:
+        """The special tokens the output text must keep for its parsers: the tool-call markers when calls are
+        parsed, the reasoning tags when the model reasons."""
+        ids = list(self.format.reasoning_marker_ids) if self.format.reasoning else []
+        if self.tool_names is not None:
+            ids.extend(self.format.tool_marker_ids)
+        return ids
 
 
 def _bad(error: StructuredOutputError) -> APIError:
