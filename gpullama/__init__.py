@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from gpullama.llm import LLM
     from gpullama.outputs import Completion, CompletionOutput, StreamDelta, TokenLogprob, TopLogprob
     from gpullama.sampling_params import SamplingParams
+    from gpullama.structured.spec import StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ _EXPORTS = {
     "LLM": "gpullama.llm",
     "EngineArgs": "gpullama.engine.args",
     "SamplingParams": "gpullama.sampling_params",
+    "StructuredOutput": "gpullama.structured.spec",
     "Completion": "gpullama.outputs",
     "CompletionOutput": "gpullama.outputs",
     "StreamDelta": "gpullama.outputs",
@@ -33,6 +35,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "StreamDelta",
+    "StructuredOutput",
     "TokenLogprob",
     "TopLogprob",
 ]

@@ -27,6 +27,7 @@ from gpullama.ops import select_ops
 from gpullama.outputs import Completion, CompletionOutput
 from gpullama.sampling_params import SamplingParams
 from gpullama.sharding import ShardPlan
+from gpullama.structured.spec import StructuredOutputError
 from gpullama.tokenizer import Tokenizer
 
 log = logging.getLogger("gpullama")
@@ -216,9 +217,14 @@ class LLM:
                 for group in seqs:
                     for seq in group:
                         engine.abort(seq.request_id, notify=False)
+        for group in seqs:  # a request the engine refused while running it (a grammar that did not compile)
+            refused = next((seq.error for seq in group if isinstance(seq.error, StructuredOutputError)), None)
+            if refused is not None:
+                raise refused
         completions = []
         for group in seqs:
-            outputs = [CompletionOutput(i, seq.text, seq.output_token_ids, seq.finish_reason, seq.logprobs, seq.error)
+            outputs = [CompletionOutput(i, seq.text, seq.output_token_ids, seq.finish_reason, seq.logprobs,
+                                        _error_text(seq.error))
                        for i, seq in enumerate(group)]
             first = group[0]
             completions.append(Completion(
@@ -228,7 +234,7 @@ class LLM:
                 finish_reason=first.finish_reason,
                 logprobs=first.logprobs,
                 num_cached_tokens=first.num_cached_tokens,
-                error=first.error,
+                error=_error_text(first.error),
                 outputs=outputs,
             ))
         return completions
@@ -265,7 +271,9 @@ class LLM:
                 while engine.has_work():
                     for delta in engine.step():
                         if delta.request_id == seq.request_id and delta.finish_reason == "error":
-                            raise EngineError(f"generation failed: {delta.error}")
+                            if isinstance(delta.error, StructuredOutputError):  # the request's own fault (its grammar)
+                                raise delta.error
+                            raise EngineError(f"generation failed: {_error_text(delta.error)}")
                         if delta.request_id == seq.request_id and delta.text:
                             yield delta.text
             finally:  # the caller stopped iterating early, or the step failed
@@ -296,3 +304,8 @@ class LLM:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def _error_text(error: BaseException | None) -> str | None:
+    """A failed request's error as `Completion.error` gives it."""
+    return None if error is None else f"{type(error).__name__}: {error}"

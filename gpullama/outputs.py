@@ -62,4 +62,4 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
-    error: str | None = None  # with finish_reason "error": why this request failed (the others go on)
+    error: BaseException | None = None  # with finish_reason "error": why this request alone failed

@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from gpullama.structured.spec import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (the field names follow vLLM's ``SamplingParams``).
 
     ``temperature == 0`` means greedy decoding. Invalid values raise ``ValueError`` naming the field.
+    ``structured_output`` constrains the output with a grammar (a `gpullama.structured.StructuredOutput`, or a
+    dict of its fields such as ``{"json_schema": {...}}``).
     """
 
     n: int = 1  # samples per prompt (LLM.generate/chat return them in Completion.outputs)
@@ -28,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: StructuredOutput | None = None
+    # special (control) tokens whose text stays in the output text, which otherwise drops every special token
+    # (llama.cpp's preserved_tokens): a chat format's tool-call markers, such as Mistral's [TOOL_CALLS]
+    preserved_token_ids: list[int] = field(default_factory=list)
 
     MAX_LOGPROBS = 20
 
@@ -36,7 +44,13 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.preserved_token_ids = list(self.preserved_token_ids or [])
         self.logit_bias = _bias_map(self.logit_bias)
+        if isinstance(self.structured_output, dict):
+            try:
+                self.structured_output = StructuredOutput(**self.structured_output)
+            except TypeError as e:  # an unknown field name
+                raise ValueError(f"SamplingParams.structured_output: {e}") from None
         self._check()
 
     def validate(self) -> None:
@@ -72,6 +86,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not all(is_int(t) and t >= 0 for t in self.preserved_token_ids):
+            raise bad("preserved_token_ids", "must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_num(value) or not -2 <= value <= 2:
@@ -83,6 +99,9 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict) or not all(
                 is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise bad("structured_output", "must be a gpullama.structured.StructuredOutput, a dict of its fields "
+                      "or None")
 
     @property
     def greedy(self) -> bool:

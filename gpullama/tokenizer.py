@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from functools import lru_cache
 from typing import Any
 
@@ -165,6 +166,8 @@ class Tokenizer:
         if self.add_eos_token and self.eos_token_id is None:
             raise ValueError("tokenizer.ggml.add_eos_token is set but tokenizer.ggml.eos_token_id is missing")
         self.special_token_ids: set[int] = {i for i, t in enumerate(self._types) if t in (CONTROL, USER_DEFINED)}
+        # the tokens the backend holds as special (see _add_special_tokens): the ones skip_special_tokens drops
+        self._skipped_ids = frozenset(i for i, t in enumerate(self._types) if t in (CONTROL, UNKNOWN))
         self.eos_token_ids: set[int] = self._eog_ids(meta)
         self._token_bytes: list[bytes] | None = None
 
@@ -210,9 +213,17 @@ class Tokenizer:
                 ids = [*ids, self.eos_token_id]
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids` (invalid UTF-8 becomes U+FFFD); optionally without control tokens."""
-        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False,
+               preserved_token_ids: Collection[int] = ()) -> str:
+        """Text of `ids` (invalid UTF-8 becomes U+FFFD); optionally without control tokens, except those in
+        `preserved_token_ids`."""
+        ids = list(ids)
+        if skip_special_tokens and preserved_token_ids:
+            # what skipping does (the backend drops its special tokens before decoding), less the preserved ones
+            keep = set(preserved_token_ids)
+            ids = [i for i in ids if i in keep or i not in self._skipped_ids]
+            skip_special_tokens = False
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """The vocabulary's own strings of `ids` (such as ``Ġthe``), as transformers' method of that name."""

@@ -356,6 +356,26 @@ def test_token_bytes_and_str(kind: str, ours: Any, hf_vocab: Any) -> None:
         tok.token_bytes(tok.vocab_size)
 
 
+@pytest.mark.parametrize("kind", BYTE_LEVEL_KINDS)
+def test_decode_keeps_only_the_preserved_special_tokens(kind: str, ours: Any, hf_vocab: Any) -> None:
+    """skip_special_tokens with preserved_token_ids: the preserved control token's text stays where it was, every
+    other control token goes (transformers' skipping decode of the parts around it, joined by the token's text)."""
+    tok, ref = ours(kind), hf_vocab(kind)
+    types = vocab_metadata(kind)["tokenizer.ggml.token_type"]
+    control = [i for i, t in enumerate(types) if t == 3]
+    keep = control[-1]
+    for s in CORPUS[:40]:
+        ids = ref.encode(s, add_special_tokens=True)
+        half = len(ids) // 2
+        before, after = ids[:half] + control[:2], control[:1] + ids[half:]
+        got = tok.decode(before + [keep] + after, skip_special_tokens=True, preserved_token_ids=[keep])
+        want = ref.decode(before, skip_special_tokens=True) + ref.decode([keep]) + \
+            ref.decode(after, skip_special_tokens=True)
+        assert got == want
+        assert tok.decode(ids, skip_special_tokens=True, preserved_token_ids=[keep]) == \
+            ref.decode(ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_special_tokens_and_ids(kind: str, ours: Any, hf_vocab: Any) -> None:
     tok, ref, meta = ours(kind), hf_vocab(kind), vocab_metadata(kind)

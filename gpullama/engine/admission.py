@@ -92,7 +92,9 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     check_count("stop", len(params.stop), MAX_STOP)
     check_count("stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS)
     check_count("logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS)
-    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+    check_count("preserved_token_ids", len(params.preserved_token_ids), MAX_STOP_TOKEN_IDS)
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                      ("preserved_token_ids", params.preserved_token_ids)):
         outside = [t for t in ids if not 0 <= t < vocab_size]
         if outside:
             raise RequestError(

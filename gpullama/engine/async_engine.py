@@ -14,6 +14,7 @@ from gpullama.engine.llm_engine import LLMEngine
 from gpullama.engine.sequence import Sequence
 from gpullama.outputs import StreamDelta
 from gpullama.sampling_params import SamplingParams
+from gpullama.structured.spec import StructuredOutputError
 
 log = logging.getLogger("gpullama")
 __all__ = ["AsyncEngine", "EngineError", "EngineStopped"]
@@ -195,7 +196,10 @@ class AsyncEngine:
                     if delta.finish_reason is not None:
                         del self._streams[delta.request_id]
                     if delta.finish_reason == "error":  # this request alone failed; the rest of the batch went on
-                        stream.put(EngineError(f"generation failed: {delta.error}"))
+                        error = delta.error
+                        if not isinstance(error, StructuredOutputError):  # not the request's own fault (a bad grammar is)
+                            error = EngineError(f"generation failed: {type(error).__name__}: {error}")
+                        stream.put(error)
                     else:
                         stream.put(delta)
         finally:

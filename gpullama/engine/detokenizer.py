@@ -23,8 +23,10 @@ class Detokenizer:
         end = seq.num_tokens - start - (1 if drop_last else 0)
         if end > seq.read_offset:
             ids = seq.token_ids[start + seq.prefix_offset : start + end]
-            prefix = self.tokenizer.decode(ids[: seq.read_offset - seq.prefix_offset], skip_special_tokens=True)
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            keep = seq.params.preserved_token_ids  # special tokens the request keeps in its text (tool-call markers)
+            prefix = self.tokenizer.decode(ids[: seq.read_offset - seq.prefix_offset], skip_special_tokens=True,
+                                           preserved_token_ids=keep)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True, preserved_token_ids=keep)
             if len(text) > len(prefix) and (finishing or not text.endswith("\ufffd")):
                 seq.prefix_offset, seq.read_offset = seq.read_offset, end
                 return text[len(prefix) :]

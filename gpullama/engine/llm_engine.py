@@ -15,11 +15,13 @@ from gpullama.engine.sampler import sample_batch
 from gpullama.engine.scheduler import ScheduledBatch, Scheduler
 from gpullama.engine.sequence import Sequence
 from gpullama.engine.stats import EngineStats
+from gpullama.engine.structured_output import StructuredOutputManager
 from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
 from gpullama.sampling_params import SamplingParams
 
 log = logging.getLogger("gpullama")
+GRAMMAR_WAIT_S = 0.05  # longest idle wait for a compiling grammar before the step loop looks at its commands again
 
 
 class LLMEngine:
@@ -38,6 +40,7 @@ class LLMEngine:
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.stats = EngineStats()  # token counters for the status line
+        self.structured_output = StructuredOutputManager(tokenizer, model.config.vocab_size, model.ops.device)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -49,7 +52,10 @@ class LLMEngine:
         """Check a request once (see `gpullama.engine.admission`) and build its sequence, without queueing it.
         Reads only fixed limits, so any thread may call it; raises RequestError (a ValueError) naming the field."""
         max_tokens = check_request(prompt_token_ids, params, self.limits)
-        return Sequence(request_id, prompt_token_ids, params, max_tokens)
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens)
+        if params.structured_output is not None:  # compiles off this thread while the prompt waits and prefills
+            seq.grammar = self.structured_output.submit(params.structured_output)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         """Queue an admitted sequence; it joins the batch at the next step with room."""
@@ -89,6 +95,8 @@ class LLMEngine:
         deltas, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.running or self.scheduler.waiting:  # only grammars being compiled hold them back
+                self.structured_output.wait(self.scheduler.running + list(self.scheduler.waiting), GRAMMAR_WAIT_S)
             return deltas
         self.stats.observe(batch)
         sampled, failed = self._run_isolated(batch)
@@ -110,22 +118,26 @@ class LLMEngine:
             deltas.append(self._fail(seq, exc))
         return deltas
 
-    def _forward_and_sample(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, torch.Tensor | None]]:
-        """One forward over `batch`, then the next token (and log-probabilities when asked) of each sampling row;
-        changes nothing but the rows' k/v and their generators."""
+    def _forward_and_sample(self, batch: ScheduledBatch) -> tuple[dict[Sequence, tuple[int, torch.Tensor | None]],
+                                                                  dict[Sequence, BaseException]]:
+        """One forward over `batch`, then the next token (and log-probabilities when asked) of each sampling row,
+        its grammar's mask applied first; changes nothing but the rows' k/v and their generators. Also returns the
+        rows whose grammar failed to compile (not sampled: that request alone fails)."""
         logits = self.runner.execute(batch)
         if not batch.sampling:
-            return {}
+            return {}, {}
+        failed = self.structured_output.mask(logits, batch.sampling)  # constrained rows only, in place
         tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
-        return {seq: (token, logprobs[row] if logprobs is not None else None)
-                for row, (seq, token) in enumerate(zip(batch.sampling, tokens))}
+        sampled = {seq: (token, logprobs[row] if logprobs is not None else None)
+                   for row, (seq, token) in enumerate(zip(batch.sampling, tokens)) if row not in failed}
+        return sampled, {batch.sampling[row]: exc for row, exc in failed.items()}
 
     def _run_isolated(self, batch: ScheduledBatch):
         """`_forward_and_sample` over the batch; when it raises, over halves of it, down to the rows at fault.
         Returns (sampled rows, {failed sequence: exception})."""
         rng = {seq: seq.generator.get_state() for seq in batch.sampling if seq.generator is not None}
         try:
-            return self._forward_and_sample(batch), {}
+            return self._forward_and_sample(batch)
         except Exception as exc:  # noqa: BLE001 - isolated below
             if len(batch) == 1:
                 log.error("step failed for request %s: %s: %s", batch.seqs[0].request_id, type(exc).__name__, exc,
@@ -145,7 +157,9 @@ class LLMEngine:
                 if seq in rng:
                     seq.generator.set_state(rng[seq])  # the same draws as in the full step
             try:
-                sampled.update(self._forward_and_sample(part))
+                part_sampled, part_failed = self._forward_and_sample(part)
+                sampled.update(part_sampled)
+                failed.update(part_failed)
             except Exception as exc:  # noqa: BLE001 - narrowed further, or this row's request fails
                 if len(rows) == 1:
                     log.error("step failed for request %s: %s: %s", part.seqs[0].request_id, type(exc).__name__, exc,
@@ -157,12 +171,13 @@ class LLMEngine:
         return sampled, failed
 
     def _fail(self, seq: Sequence, exc: BaseException) -> StreamDelta:
-        """End a request whose step failed: free its blocks; its last delta has finish reason "error"."""
+        """End one request whose step failed (or whose grammar did not compile): free its blocks; its last delta
+        has finish reason "error" and the exception; the others go on."""
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq, "error")
-        seq.error = f"{type(exc).__name__}: {exc}"
+        seq.error = exc
         delta = self._delta(seq, "", [], "error")
-        delta.error = seq.error
+        delta.error = exc
         return delta
 
     def _advance(self, seq: Sequence, token: int, logprobs: torch.Tensor | None) -> StreamDelta:
@@ -175,6 +190,11 @@ class LLMEngine:
         p = seq.params
         reason = None
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if seq.grammar is not None:
+            terminated = self.structured_output.accept(seq, token)
+            if terminated is None:
+                return self._fail(seq, RuntimeError(f"token {token} was sampled against the grammar"))
+            stop_token = stop_token or terminated  # a grammar terminates on an end-of-sequence token
         if stop_token:
             reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:

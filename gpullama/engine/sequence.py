@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpullama.outputs import TokenLogprob
 from gpullama.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpullama.engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -32,7 +36,6 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose k/v sit in the pool
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.finish_reason: str | None = None
-        self.error: str | None = None  # why the request failed (finish_reason "error")
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -43,6 +46,8 @@ class Sequence:
         self.held_text = ""  # decoded text not handed out yet: a tail that may begin a stop string
         self.prefix_offset = 0  # detokenizer window: ids before read_offset were already turned into text
         self.read_offset = -1
+        self.grammar: SequenceGrammar | None = None  # set by the engine when params.structured_output is given
+        self.error: Exception | None = None  # why the engine failed this request alone (finish_reason "error")
 
     @property
     def text(self) -> str:
@@ -70,6 +75,11 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """How many tokens were generated."""
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """True while its grammar is still compiling: it may prefill but not reach its sampling token."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def is_finished(self) -> bool:

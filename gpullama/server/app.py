@@ -18,7 +18,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .common import JSONResponse, read_request_body
+from .chat_output import ChatOutputShaper
+from .common import JSONResponse, read_request_body, request_id, start_generation
 from .common import check_model as _check_model
 from .common import off_loop_if_large as _off_loop_if_large
 from .common import parse_json as _parse_json
@@ -33,27 +34,39 @@ from .responses import ChunkBuilder, chat_completion, new_id, now, text_completi
 from .responses_api import create_response
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
+from .structured_request import ChatPlan, chat_format, plan_chat, response_format_spec
 from .tokenization import detokenize, tokenize, version
 
 log = logging.getLogger("gpullama.server")
 
 
-def _prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, list[int]]:
-    """Parse and validate a chat body, render the chat template and tokenize (a worker thread may run it)."""
-    req = parse_chat(_parse_json(raw))
+def _prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan, str, list[int]]:
+    """Parse and validate a chat body (with its response_format, tools, tool_choice and template kwargs), render
+    the chat template and tokenize (a worker thread may run it)."""
+    body = _parse_json(raw)
+    req = parse_chat(body)
     _check_model(state, req.model)
     tok = state.llm.tokenizer
+    plan = plan_chat(body, req.messages, chat_format(tok))
+    if plan.spec is not None:
+        req.options.kwargs["structured_output"] = plan.spec
+    req.options.kwargs["preserved_token_ids"] = plan.preserved_token_ids
     try:
-        text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
+                                       **plan.template_kwargs)
     except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-    return req, tok.encode(text, add_special_tokens=False)
+    return req, plan, text, tok.encode(text, add_special_tokens=False)
 
 
 def _prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
     """Parse and validate a completions body and tokenize its prompts (a worker thread may run it)."""
-    req = parse_completion(_parse_json(raw))
+    body = _parse_json(raw)
+    req = parse_completion(body)
     _check_model(state, req.model)
+    spec = response_format_spec(body)
+    if spec is not None:
+        req.options.kwargs["structured_output"] = spec
     tok = state.llm.tokenizer
     return req, [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in req.prompts]
 
@@ -64,11 +77,12 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     _require_ready(state)
     raw = await read_request_body(request)
-    req, ids = await _off_loop_if_large(len(raw), _prepare_chat, state, raw)
+    req, plan, text, ids = await _off_loop_if_large(len(raw), _prepare_chat, state, raw)
     jobs = [Job(i, ids, sampling_params(req.options, seed_offset=i), prompt_param="messages",
                 max_tokens_param=req.options.max_tokens_param) for i in range(req.n)]
+    shaper = ChatOutputShaper(plan, text)
     answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
-                    include_usage=req.include_usage, arrival=arrival)
+                    include_usage=req.include_usage, arrival=arrival, shaper=shaper if shaper.active else None)
     return await _serve(request, state, answer, req.stream)
 
 
@@ -105,6 +119,7 @@ class Answer:
     echo: bool
     include_usage: bool
     arrival: float
+    shaper: ChatOutputShaper | None = None  # chat: reasoning and tool calls read out of the text
 
 
 async def _serve(request: Request, state: ServerState, answer: Answer, stream: bool) -> Response:
@@ -112,22 +127,9 @@ async def _serve(request: Request, state: ServerState, answer: Answer, stream: b
     JSON object or an SSE stream."""
     for job in answer.jobs:
         job.request_id = f"{answer.id}-{job.index}"
-    config = state.config
-    queued = state.engine.num_queued
-    if queued >= config.max_queue:
-        raise APIError(429, f"the server is busy: {queued} requests are waiting for a place in the batch, the limit "
-                       f"is {config.max_queue} (--max-queue); retry later", code="queue_full",
-                       headers={"retry-after": "1"})
-    gen = Generation(state.engine, answer.jobs, state.metrics, answer.arrival, _request_id(request))
-    if config.request_timeout:
-        gen.set_deadline(config.request_timeout - (time.perf_counter() - answer.arrival),
-                         APIError(504, f"the request took longer than {config.request_timeout:g} seconds "
-                                  "(--request-timeout)", code="request_timeout"))
-    try:
-        await unless_disconnected(request.receive, gen.start)
-    except ClientDisconnected:
+    gen = await start_generation(request, state, answer.jobs, answer.arrival)
+    if gen is None:
         return Response(status_code=499)
-    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
     for job in answer.jobs:
         if answer.prompt_texts[job.prompt_index] is None:
             answer.prompt_texts[job.prompt_index] = state.llm.tokenizer.decode(job.prompt_ids)
@@ -155,6 +157,10 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
             await gen.close()
         choices = [{"index": job.index, "text": texts[job.index], "logprobs": logprobs[job.index],
                     "finish_reason": finish.get(job.index), "offset": 0} for job in jobs]
+        if answer.shaper is not None:
+            for c in choices:
+                c["message"] = answer.shaper.message(c["index"], c["text"])
+                c["finish_reason"] = answer.shaper.finish_reason(c["index"], c["finish_reason"])
         build = chat_completion if answer.chat else text_completion
         return build(answer.id, now(), model, choices, gen.usage())
 
@@ -179,7 +185,18 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse
                     yield event(chunks.role(job.index))
                 elif answer.echo and text:
                     yield event(chunks.content(job.index, text, None))
+            shaper = answer.shaper
             async for index, delta in gen.deltas():
+                if shaper is not None:  # reasoning, content and tool-call pieces
+                    fields = shaper.delta(index, delta.text) if delta.text else None
+                    if fields or delta.logprobs:
+                        yield event(chunks.fields(index, fields or {}, delta.logprobs))
+                    if delta.finish_reason is not None:
+                        rest = shaper.finish(index)
+                        if rest:
+                            yield event(chunks.fields(index, rest, None))
+                        yield event(chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)))
+                    continue
                 if delta.text or delta.logprobs:
                     yield event(chunks.content(index, delta.text, delta.logprobs, offsets[index]))
                     offsets[index] += len(delta.text)
@@ -257,12 +274,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _client_gone(request: Request, exc: Exception) -> Response:
     """The client hung up while sending its body: one quiet line, status 499 (nginx's "client closed request")."""
     log.info("client disconnected during the upload of %s %s (request id %s)", request.method, request.url.path,
-             _request_id(request))
+             request_id(request))
     return Response(status_code=499)
-
-
-def _request_id(request: Request) -> str:
-    return getattr(request.state, "request_id", "-")
 
 
 def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:

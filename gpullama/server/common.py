@@ -4,6 +4,7 @@ the readiness and model checks, and moving long work off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import anyio
@@ -12,6 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .errors import APIError
+from .generation import Generation, Job
+from .sse import ClientDisconnected, unless_disconnected
 from .state import ServerState
 
 THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
@@ -126,3 +129,30 @@ async def off_loop_if_large(body_bytes: int, fn, *args, **kwargs):
     if body_bytes > OFF_LOOP_BODY_BYTES:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
+
+
+def request_id(request: Request) -> str:
+    """The id `RequestIdMiddleware` gave this request ("-" outside it)."""
+    return getattr(request.state, "request_id", "-")
+
+
+async def start_generation(request: Request, state: ServerState, jobs: list[Job], arrival: float) -> Generation | None:
+    """Submit a request's jobs under the server's limits: 429 past ``--max-queue``, a ``--request-timeout`` deadline,
+    the engine's admission check (a bad job is a 400). None when the client left before every job was queued."""
+    config = state.config
+    queued = state.engine.num_queued
+    if queued >= config.max_queue:
+        raise APIError(429, f"the server is busy: {queued} requests are waiting for a place in the batch, the limit "
+                       f"is {config.max_queue} (--max-queue); retry later", code="queue_full",
+                       headers={"retry-after": "1"})
+    gen = Generation(state.engine, jobs, state.metrics, arrival, request_id(request))
+    if config.request_timeout:
+        gen.set_deadline(config.request_timeout - (time.perf_counter() - arrival),
+                         APIError(504, f"the request took longer than {config.request_timeout:g} seconds "
+                                  "(--request-timeout)", code="request_timeout"))
+    try:
+        await unless_disconnected(request.receive, gen.start)
+    except ClientDisconnected:
+        return None
+    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
+    return gen

@@ -42,8 +42,8 @@ def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError
     if isinstance(exc, RequestError):
         param = {"prompt": job.prompt_param, "max_tokens": job.max_tokens_param}.get(exc.param, exc.param)
         return APIError(400, str(exc), param=param)
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+    if isinstance(exc, ValueError):  # a StructuredOutputError names its field
+        return APIError(400, str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, EngineStopped):
         return APIError(503, str(exc), code="engine_stopped")
     # the client gets the request id, not the detail; the engine already logged a failed step with its traceback

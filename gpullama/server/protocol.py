@@ -20,7 +20,9 @@ from gpullama.sampling_params import SamplingParams
 
 from .errors import APIError
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# message fields passed on to the chat template as given (checked in structured_request: tool calls, tool results)
+PASSED_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning")
 
 
 @dataclass
@@ -241,7 +243,9 @@ def _messages(body: dict) -> list[dict[str, str]]:
             content = ""
         elif content is None:
             raise _bad(f"{where}.content", f"'{where}.content' is required for role {role!r}")
-        out.append({"role": CHAT_ROLES[role], "content": _content(content, f"{where}.content")})
+        entry = {"role": CHAT_ROLES[role], "content": _content(content, f"{where}.content")}
+        entry.update((k, message[k]) for k in PASSED_MESSAGE_FIELDS if message.get(k) is not None)
+        out.append(entry)
     return out
 
 

@@ -71,7 +71,10 @@ def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
     from gpullama.engine.async_engine import AsyncEngine
     from gpullama.llm import LLM
 
+    from .structured_request import chat_format
+
     llm = LLM.from_engine_args(config.engine)
+    chat_format(llm.tokenizer)  # scans the vocabulary once, here rather than on the event loop
     return llm, lambda loaded: AsyncEngine(loaded.engine)
 
 

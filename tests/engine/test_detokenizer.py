@@ -66,7 +66,7 @@ class _PieceTokenizer:
     def __init__(self, pieces: list[str]):
         self.pieces = pieces
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, preserved_token_ids=()) -> str:
         return "".join(self.pieces[i] for i in ids)
 
 

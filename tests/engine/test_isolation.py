@@ -42,7 +42,7 @@ def _check_isolated(llm: LLM, engine, after_tokens: int) -> None:
     prompts = _prompts()
     got = run_requests(engine, [*prompts[:2], POISON, *prompts[2:]], [*PARAMS[:2], POISON_PARAMS, *PARAMS[2:]])
     poisoned = got.pop(2)
-    assert poisoned.finish_reason == "error" and "injected fault" in poisoned.error
+    assert poisoned.finish_reason == "error" and "injected fault" in str(poisoned.error)
     assert poisoned.num_output_tokens == after_tokens  # it failed at the step where the fault was armed
     want = solo_runs(llm, prompts, PARAMS)
     for i, (g, w) in enumerate(zip(got, want)):
