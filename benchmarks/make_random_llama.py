@@ -8,6 +8,8 @@ matrix is random valid blocks of `--type`, with f16 scales giving weights a spre
 (`tests/kernels/random_model.SCALE_FIELDS`), so activations stay finite. The tokenizer is a small trained
 Llama 3-style byte-level BPE (`tests/fixtures/vocabs.py`) padded with plain word tokens up to the vocab size, so
 every id the random model emits decodes to text. The weights are noise, so the text is too: a file for timing.
+``--shape smollm2-135m-tp`` has SmolLM2-135M's matrix shapes with heads that 2 tensor-parallel ranks divide
+(`benchmarks/bench_tp.py`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from tests.fixtures.vocabs import vocab_metadata, write_metadata  # noqa: E402
 from tests.kernels.random_model import SCALE_FIELDS  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-TYPES = {"q4_k": Q.Q4_K, "q8_0": Q.Q8_0, "q6_k": Q.Q6_K, "q4_0": Q.Q4_0}
+TYPES = {"q4_k": Q.Q4_K, "q8_0": Q.Q8_0, "q6_k": Q.Q6_K, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
 # name -> (layers, hidden, heads, kv heads, head dim, FFN, vocab, context)
 SHAPES = {
     "llama-3.2-1b": (16, 2048, 32, 8, 64, 8192, 128256, 131072),
     "tiny": (2, 256, 4, 2, 64, 512, 2048, 2048),
+    # SmolLM2-135M's matrices (30 layers, hidden 576, q 576 x 576, k/v 192 x 576, FFN 1536, vocab 49152) cut into
+    # 12 q / 4 KV heads of 48 instead of its 9 / 3 heads of 64, so that 2 tensor-parallel ranks divide them
+    "smollm2-135m-tp": (30, 576, 12, 4, 48, 1536, 49152, 8192),
 }
 # Llama 3.2's rope scaling (its config.json): factor, low / high frequency factors, original context
 LLAMA3_ROPE = (32.0, 1.0, 4.0, 8192)
@@ -79,7 +84,8 @@ def write_model(path: str, shape: str, qtype: gguf.GGMLQuantizationType, seed: i
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name(f"random {shape} {qtype.name}")
     writer.add_file_type({Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
-                          Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K, Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])
+                          Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K, Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+                          Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
     writer.add_block_count(layers)
     writer.add_context_length(context)
     writer.add_embedding_length(hidden)

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator
 from pathlib import Path
 
@@ -18,12 +19,14 @@ from gpullama.engine.admission import check_messages
 from gpullama.engine.args import EngineArgs, EngineConfig
 from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
+from gpullama.engine.tp_workers import TPWorkers, WorkerSpec, threads_per_rank
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
 from gpullama.outputs import Completion, CompletionOutput
 from gpullama.sampling_params import SamplingParams
+from gpullama.sharding import ShardPlan
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.tokenizer import Tokenizer
 
@@ -92,9 +95,13 @@ class LLM:
     """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``.
 
     Keyword arguments are the fields of `gpullama.engine.args.EngineArgs` (device, dtype, threads, max_model_len,
-    kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, enforce_eager),
-    with its defaults.
+    kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, enforce_eager,
+    tensor_parallel_size), with its defaults. With ``tensor_parallel_size`` > 1 it starts worker processes (see
+    `gpullama.engine.tp_workers`): call `shutdown()` (or use ``with LLM(...) as llm:``) to end them before the
+    process does, and guard the script's entry point with ``if __name__ == "__main__":`` (they are spawned).
     """
+
+    _workers: TPWorkers | None = None
 
     def __init__(self, model: str | os.PathLike = EngineArgs.model, **engine_args):
         self._load(EngineArgs(model=os.fspath(model), **engine_args))
@@ -115,8 +122,11 @@ class LLM:
         step(f"finding {args.model}")
         self.path = resolve_model(args.model)
         self.device = resolve_device(args.device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        tp_size = args.tensor_parallel_size
+        # ranks on the CPU share its cores: each gets its share unless told otherwise
+        threads = args.threads or (threads_per_rank(tp_size) if tp_size > 1 and self.device.type == "cpu" else None)
+        if threads:
+            torch.set_num_threads(threads)
         size = f" ({os.path.getsize(self.path) / 1e6:.0f} MB)" if os.path.isfile(self.path) else ""
         step(f"reading {Path(self.path).name}{size}")
         gguf_model = read_gguf(self.path)
@@ -132,19 +142,41 @@ class LLM:
         self.max_model_len = max_model_len
         step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
-        ops = select_ops(self.device, self.dtype)
-        step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")
-        self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len)
-        step("reserving the KV cache")
-        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig.from_args(args, max_model_len))
+        engine_config = EngineConfig.from_args(args, max_model_len)
+        if tp_size > 1:
+            # a model that cannot be cut into tp_size ranks fails here, before any process starts
+            ShardPlan(self.config, 0, tp_size).check(gguf_model.tensors)
+            step(f"starting {tp_size - 1} tensor-parallel worker processes")
+            spec = WorkerSpec(self.path, str(self.device), self.dtype, max_model_len, engine_config, threads)
+            self._workers = TPWorkers.start(spec, tp_size)
+        try:
+            ops = select_ops(self.device, self.dtype)
+            step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")
+            tp = self._workers.tp if self._workers is not None else None
+            self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len, tp)
+            step("reserving the KV cache")
+            self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+            if self._workers is not None:
+                self._workers.wait_ready()
+                # ends the workers when this LLM is collected or the interpreter exits, unless shutdown() did
+                self._finalizer = weakref.finalize(self, self._workers.shutdown, self.engine.runner)
+        except BaseException as exc:
+            if self._workers is None:
+                raise
+            reason = self._workers.failure()  # a worker's own error explains this rank's better
+            self._workers.shutdown()
+            if reason is not None:
+                raise RuntimeError(reason) from exc
+            raise
         self._lock = threading.Lock()
         self._ids = itertools.count()
         runner = self.engine.runner
         del gguf_model  # the file's memory map goes once nothing else holds a view of it
         release_free_memory()
         log.info(
-            "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; resident memory %.0f MiB",
-            self.model_name, self.config.architecture, self.config.num_layers, self.device, ops.name, ops.mode,
+            "loaded %s (%s, %d layers) on %s%s (ops: %s, %s%s, %d threads) in %.1fs; resident memory %.0f MiB",
+            self.model_name, self.config.architecture, self.config.num_layers, self.device,
+            f" x {tp_size} tensor-parallel ranks" if tp_size > 1 else "", ops.name, ops.mode,
             ", CUDA graphs" if runner.uses_cuda_graphs else "", torch.get_num_threads(), time.perf_counter() - started,
             resident_bytes() / 2**20,
         )
@@ -252,6 +284,26 @@ class LLM:
         """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass."""
         with self._lock:
             return self.engine.score(list(token_ids)).cpu()
+
+    # -- lifetime --------------------------------------------------------------------------------------
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel workers (ranks 1..N-1; empty with one rank)."""
+        return self._workers.pids if self._workers is not None else []
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes and leave their group (a no-op with one rank); the LLM cannot
+        run a step afterwards. Also runs at interpreter exit, and the workers end with this process whatever
+        happens to it."""
+        if self._workers is not None:
+            with self._lock:
+                self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
 
 def _error_text(error: BaseException | None) -> str | None:

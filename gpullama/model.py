@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from gpullama.config import ModelConfig
+from gpullama.distributed import TensorParallel
 from gpullama.ops import BatchMetadata, TorchOps, rope_cos_sin
 from gpullama.quants import QTensor
+from gpullama.sharding import ShardPlan
 
 log = logging.getLogger("gpullama")
 
@@ -54,17 +56,29 @@ def concat_rows(parts: list[QTensor]) -> QTensor | None:
 
 
 class Decoder:
-    """Weights prepared for one ops backend, and the forward pass of one engine step."""
+    """Weights prepared for one ops backend, and the forward pass of one engine step.
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, QTensor], ops: TorchOps, max_positions: int):
+    Under tensor parallelism (`tp` of more than one rank) it holds this rank's shard of each weight (see
+    `gpullama.sharding`) and runs the forward over its heads and MLP rows, summing with `tp.all_reduce` after o,
+    down and the embedding and gathering the logits to rank 0; with one rank those calls return their input."""
+
+    def __init__(
+        self, config: ModelConfig, tensors: dict[str, QTensor], ops: TorchOps, max_positions: int,
+        tp: TensorParallel | None = None,
+    ):
         self.config = config
         self.ops = ops
+        self.tp = tp or TensorParallel()
+        plan = ShardPlan(config, self.tp.rank, self.tp.world_size)
+        plan.check(tensors)
+        # this rank's heads (all of them with one rank): the q/k/v widths and the KV pool's heads
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
         device = ops.device
 
         def get(name: str) -> QTensor:
             if name not in tensors:
                 raise ValueError(f"{config.architecture} model file has no tensor {name!r}")
-            return tensors[name]
+            return plan.local(name, tensors[name])
 
         def dense(name: str) -> torch.Tensor:
             return get(name).dequantize(torch.float32).to(device)
@@ -88,14 +102,14 @@ class Decoder:
             p = f"blk.{i}."
             fused_qkv = p + "attn_qkv.weight" in tensors
             if not fused_qkv:
-                q = qk(p + "attn_q.weight", c.num_heads)
-                k = qk(p + "attn_k.weight", c.num_kv_heads)
+                q = qk(p + "attn_q.weight", self.num_heads)
+                k = qk(p + "attn_k.weight", self.num_kv_heads)
             bias = None
             if c.attention_bias:
                 bias = torch.cat(
                     [
-                        qk_bias(p + "attn_q.bias", c.num_heads),
-                        qk_bias(p + "attn_k.bias", c.num_kv_heads),
+                        qk_bias(p + "attn_q.bias", self.num_heads),
+                        qk_bias(p + "attn_k.bias", self.num_kv_heads),
                         dense(p + "attn_v.bias"),
                     ]
                 )
@@ -104,7 +118,7 @@ class Decoder:
                 LayerWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
                     ffn_norm=dense(p + "ffn_norm.weight"),
-                    qkv=[ops.prepare_weight(tensors[p + "attn_qkv.weight"])] if fused_qkv
+                    qkv=[ops.prepare_weight(get(p + "attn_qkv.weight"))] if fused_qkv
                     else fused([q, k, get(p + "attn_v.weight")]),
                     qkv_bias=bias,
                     o=ops.prepare_weight(get(p + "attn_output.weight")),
@@ -119,10 +133,15 @@ class Decoder:
                     rope=table_of_layer[i],
                 )
             )
-        self.embedding = ops.prepare_embedding(get("token_embd.weight"))
+        embedding = get("token_embd.weight")
+        self.embedding = ops.prepare_embedding(embedding)
         self.output_norm = dense("output_norm.weight")
-        head = get("token_embd.weight" if c.tied_embeddings else "output.weight")
-        self.output = ops.prepare_weight(head)
+        head_name = "token_embd.weight" if c.tied_embeddings else "output.weight"
+        self.output = ops.prepare_weight(get(head_name))
+        # this rank's vocabulary slice (all of it with one rank) and the real vocabulary the gathered logits keep
+        self.vocab_size = tensors[head_name].shape[0]
+        self.vocab_start = plan.vocab_start(tensors["token_embd.weight"].shape[0])
+        self.vocab_rows = embedding.shape[0]
         self.scale = c.attention_scale or c.head_dim**-0.5
 
     @property
@@ -182,37 +201,49 @@ class Decoder:
         self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
         """Run the batch's tokens through the decoder, writing their k/v into the pool; logits of `meta.logits_indices`."""
-        c, ops = self.config, self.ops
+        c, ops, tp = self.config, self.ops, self.tp
         t = token_ids.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         rs = c.residual_scale
         act = ops.gelu_tanh_mul if c.activation == "gelu_tanh" else ops.silu_mul
         # rotary rows of each further rope table, once per step (the first one's come with `meta`)
         metas = [meta] + [ops.prepare_rope(meta, table) for table in self.rope_tables[1:]]
-        hidden = ops.embedding(token_ids, self.embedding, c.embedding_scale)
+        hidden = self._embed(token_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
             qkv = self._linear_parts(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].view(t, c.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, c.num_kv_heads, c.head_dim)
+            q = qkv[:, :q_size].view(t, self.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = ops.head_rms_norm(q, layer.q_norm, c.rms_eps)
                 k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
             table = self.rope_tables[layer.rope]
             q, k = ops.rope_and_cache(q, k, v, table, k_caches[i], v_caches[i], metas[layer.rope])
             attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap)
-            hidden = ops.linear(attn.reshape(t, q_size), layer.o)
+            hidden = tp.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o))
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
             x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
-            hidden = ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down)
+            hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
             if layer.post_ffn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
         rows = meta.logits_indices
         x, _ = ops.rms_norm(hidden[rows], self.output_norm, c.rms_eps, residual[rows], rs)
         logits = ops.linear(x, self.output)
-        if c.logit_scale != 1.0 or c.final_softcap:
-            return ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
-        return logits.float()
+        if c.logit_scale != 1.0 or c.final_softcap:  # elementwise: the same on each rank's slice as on the whole
+            logits = ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
+        # rank 0 gets every rank's vocabulary slice, less the padding of the last one (one rank: `logits` itself)
+        return tp.gather_last_dim(logits.float())[:, : self.vocab_size]
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``[T, H]`` float32; under tensor parallelism each rank looks up the ids of its vocabulary
+        slice (zero rows for the rest) and the all-reduce sums them."""
+        c, ops = self.config, self.ops
+        if self.tp.world_size == 1:
+            return ops.embedding(token_ids, self.embedding, c.embedding_scale)
+        local = token_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_rows)
+        rows = ops.embedding(torch.where(inside, local, 0), self.embedding, c.embedding_scale)
+        return self.tp.all_reduce(rows * inside[:, None])

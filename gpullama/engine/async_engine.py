@@ -134,8 +134,8 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        """False once the step loop has stopped."""
-        return self._thread.is_alive() and not self._stopped
+        """False once the step loop has stopped, or a tensor-parallel rank is gone (no step can run again)."""
+        return self._thread.is_alive() and not self._stopped and self.engine.runner.failure is None
 
     def stop(self, error: EngineError | None = None) -> None:
         """Stop the step loop after its current step, without waiting: every open stream then ends with `error`
@@ -171,6 +171,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopped:
+                if self.engine.runner.failure is not None:  # a tensor-parallel rank is gone: end every stream
+                    self.stop(EngineStopped(f"the engine has stopped: {self.engine.runner.failure}"))
+                    break
                 self._drain_commands()
                 if not self.engine.has_work():
                     self._wake.wait(timeout=0.5)

@@ -158,4 +158,6 @@ class ServerState:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if hasattr(self.llm, "shutdown"):  # tensor-parallel worker processes
+            self.llm.shutdown()
         self.status = "stopped"
