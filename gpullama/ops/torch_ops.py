@@ -246,19 +246,25 @@ class TorchOps:
         """Next token of each row ``[B]`` int64: argmax where temperature <= 0, else the first token whose running
         sum of kept probability (vocab order) exceeds ``uniform`` of the kept total (one U[0, 1) per row)."""
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
         hot = (temperature > 0).nonzero()[:, 0]
         if hot.numel() == 0:
-            return tokens
-        x = logits[hot]
+            return logits.argmax(dim=-1)
+        all_hot = hot.numel() == logits.shape[0]
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device) if all_hot else (
+            logits.argmax(dim=-1))
+        x = logits if all_hot else logits[hot]
         e = torch.exp((x - x.max(dim=-1, keepdim=True).values) / temperature[hot, None].float())
         keep = keep_mask(e, top_k[hot], top_p[hot], min_p[hot])
         cdf = torch.where(keep, e, 0.0).cumsum(-1)
         target = uniform[hot].float() * cdf[:, -1]
-        index = torch.arange(e.shape[-1], device=e.device)
-        first = torch.where(keep & (cdf > target[:, None]), index, e.shape[-1]).min(-1).values
-        last = torch.where(keep, index, -1).max(-1).values
-        tokens[hot] = torch.where(first < e.shape[-1], first, last)
+        # the cdf never decreases, and it rises only at kept tokens: the first index where it passes the target is
+        # the first kept token that does
+        first = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+        past = first >= e.shape[-1]
+        if bool(past.any()):  # rounding left the target at the total: the last kept token
+            index = torch.arange(e.shape[-1], device=e.device)
+            first = torch.where(past, torch.where(keep, index, -1).max(-1).values, first)
+        tokens[hot] = first
         return tokens
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -285,9 +291,16 @@ def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     top_p >= 1 and min_p <= 0 turn that filter off; ties at a threshold are all kept.
     """
     v = e.shape[-1]
-    sorted_e = e.sort(dim=-1, descending=True).values
     k = top_k.long()
     k_on = (k > 0) & (k < v)
+    if not bool((top_p < 1).any()):  # no nucleus: the k-th largest value is all a row needs, no full sort
+        t_k = torch.zeros_like(e[:, 0])
+        if bool(k_on.any()):
+            k_max = int(k[k_on].max())
+            largest = e.topk(k_max, dim=-1).values
+            t_k = torch.where(k_on, largest.gather(1, (k.clamp(1, k_max) - 1)[:, None])[:, 0], t_k)
+        return e >= torch.maximum(t_k, min_p.to(e.dtype))[:, None]
+    sorted_e = e.sort(dim=-1, descending=True).values
     t_k = torch.where(k_on, sorted_e.gather(1, (k.clamp(1, v) - 1)[:, None])[:, 0], torch.zeros_like(sorted_e[:, 0]))
     floor = torch.maximum(t_k, min_p.to(e.dtype))
     cumulative = torch.where(sorted_e >= floor[:, None], sorted_e, 0.0).cumsum(-1)

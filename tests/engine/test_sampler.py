@@ -81,6 +81,24 @@ def test_combined_filters_follow_vllm_order(top_k: int, top_p: float, min_p: flo
         check_filter(random_logits(seed + 30, scale=1.5), top_k, top_p, min_p)
 
 
+@pytest.mark.parametrize("with_nucleus_row", [False, True])
+def test_rows_of_one_batch_keep_their_own_sets(with_nucleus_row: bool) -> None:
+    """A batch whose rows mix top-k sizes, min-p and filters off keeps per row what that row alone keeps (without
+    a top-p row the filter takes the k-th largest value instead of sorting; with one, every row is sorted)."""
+    settings = [(0, 1.0, 0.0), (1, 1.0, 0.0), (7, 1.0, 0.0), (49, 1.0, 0.1), (VOCAB, 1.0, 0.05), (-1, 1.0, 0.3),
+                (12, 1.0, 0.0)]
+    if with_nucleus_row:
+        settings.append((5, 0.6, 0.0))
+    logits = np.stack([random_logits(seed + 40) for seed in range(len(settings))])
+    x = torch.tensor(logits, dtype=torch.float32)
+    e = torch.exp(x - x.max(dim=-1, keepdim=True).values)
+    k, p, m = (torch.tensor(column) for column in zip(*settings, strict=True))
+    got = keep_mask(e, k, p, m).numpy()
+    for row, (top_k, top_p, min_p) in enumerate(settings):
+        keep = reference_keep(logits[row], top_k, top_p, min_p)
+        assert np.array_equal(got[row], keep), f"row {row} {settings[row]}: kept {np.flatnonzero(got[row])}"
+
+
 def sequence(prompt: list[int], output: list[int], **params) -> Sequence:
     """A sequence with the given prompt, already-generated tokens and sampling params."""
     seq = Sequence("s", prompt, SamplingParams(**params), max_tokens=100)
@@ -167,18 +185,23 @@ def test_each_sequence_draws_from_its_own_generator() -> None:
     assert [sample_batch(logits[:1], [alone], OPS)[0][0] for _ in range(20)] == [row[0] for row in first]
 
 
-def test_torch_sample_matches_the_float64_reference() -> None:
+@pytest.mark.parametrize(("nucleus", "greedy_row"), [(True, True), (False, True), (False, False)])
+def test_torch_sample_matches_the_float64_reference(nucleus: bool, greedy_row: bool) -> None:
     """TorchOps.sample (the CPU path) draws the same tokens as the Triton kernel's sorting float64 reference, for
-    random mixes of greedy and filtered rows and the same uniforms."""
+    random mixes of greedy and filtered rows and the same uniforms; also for batches with no top-p row (no sort)
+    and with no greedy row."""
     from tests.kernels.sampling_reference import sample_reference
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         b = 6
         logits = torch.randn(b, VOCAB, generator=gen) * 3
-        temperature = torch.tensor([0.0, 0.5, 1.0, 1.5, 0.8, 1.0])[torch.randperm(b, generator=gen)]
+        temperature = torch.tensor([0.0 if greedy_row else 0.3, 0.5, 1.0, 1.5, 0.8, 1.0])
+        temperature = temperature[torch.randperm(b, generator=gen)]
         top_k = torch.randint(0, VOCAB + 3, (b,), generator=gen)
         top_p = torch.where(torch.rand(b, generator=gen) < 0.5, torch.rand(b, generator=gen), torch.ones(b))
+        if not nucleus:
+            top_p = torch.ones(b)
         min_p = torch.where(torch.rand(b, generator=gen) < 0.5, torch.rand(b, generator=gen) * 0.3, torch.zeros(b))
         uniform = torch.rand(b, generator=gen)
         params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, uniform=uniform)
