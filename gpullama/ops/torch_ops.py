@@ -284,6 +284,9 @@ class TorchOps:
         return torch.tanh(x / cap) * cap if cap else x
 
 
+NUCLEUS_CANDIDATES = 256  # largest values taken for top-p before falling back to a full sort
+
+
 def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Which tokens each row keeps, in vLLM's order: min-p, top-k, then the top-p nucleus of what is left.
 
@@ -292,20 +295,32 @@ def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     """
     v = e.shape[-1]
     k = top_k.long()
-    k_on = (k > 0) & (k < v)
-    if not bool((top_p < 1).any()):  # no nucleus: the k-th largest value is all a row needs, no full sort
-        t_k = torch.zeros_like(e[:, 0])
-        if bool(k_on.any()):
-            k_max = int(k[k_on].max())
-            largest = e.topk(k_max, dim=-1).values
-            t_k = torch.where(k_on, largest.gather(1, (k.clamp(1, k_max) - 1)[:, None])[:, 0], t_k)
-        return e >= torch.maximum(t_k, min_p.to(e.dtype))[:, None]
-    sorted_e = e.sort(dim=-1, descending=True).values
-    t_k = torch.where(k_on, sorted_e.gather(1, (k.clamp(1, v) - 1)[:, None])[:, 0], torch.zeros_like(sorted_e[:, 0]))
+    k_on, p_on = (k > 0) & (k < v), top_p < 1
+    k_max = int(k[k_on].max()) if bool(k_on.any()) else 0
+    nucleus = bool(p_on.any())
+    # the k-th largest value, and for top-p the largest values in order: a partial sort (topk) of as many as the
+    # step needs; the whole vocabulary is sorted only for a nucleus that the first candidates do not hold
+    width = min(v, max(k_max, NUCLEUS_CANDIDATES if nucleus else 0))
+    largest = e.topk(width, dim=-1).values if width else e[:, :0]
+    t_k = torch.zeros_like(e[:, 0])
+    if k_max:
+        t_k = torch.where(k_on, largest.gather(1, (k.clamp(1, k_max) - 1)[:, None])[:, 0], t_k)
     floor = torch.maximum(t_k, min_p.to(e.dtype))
-    cumulative = torch.where(sorted_e >= floor[:, None], sorted_e, 0.0).cumsum(-1)
-    first_reaching = (cumulative < top_p[:, None].to(e.dtype) * cumulative[:, -1:]).sum(-1).clamp(max=v - 1)
-    t_p = torch.where(top_p < 1, sorted_e.gather(1, first_reaching[:, None])[:, 0], torch.zeros_like(floor))
+    if not nucleus:
+        return e >= floor[:, None]
+    total = torch.where(e >= floor[:, None], e, 0.0).sum(-1, dtype=torch.float64).to(e.dtype)
+    target = top_p.to(e.dtype) * total
+
+    def first_reaching(ordered: torch.Tensor) -> torch.Tensor:
+        """How many of the row's largest kept values have a running sum below the target."""
+        return (torch.where(ordered >= floor[:, None], ordered, 0.0).cumsum(-1) < target[:, None]).sum(-1)
+
+    first = first_reaching(largest)
+    if width < v and bool((first[p_on] >= width).any()):
+        largest = e.sort(dim=-1, descending=True).values
+        first = first_reaching(largest)
+    t_p = largest.gather(1, first.clamp(max=largest.shape[-1] - 1)[:, None])[:, 0]
+    t_p = torch.where(p_on, t_p, torch.zeros_like(floor))
     return e >= torch.maximum(floor, t_p)[:, None]
 
 

@@ -31,14 +31,14 @@ def reference_keep(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -
     (a token is kept while the probability mass strictly before it, in descending order, is below top_p)."""
     probs = np_softmax(logits)
     keep = probs >= min_p * probs.max()
-    if 0 < top_k < VOCAB:
+    if 0 < top_k < len(logits):
         keep &= logits >= np.sort(logits)[-top_k]
     if top_p < 1.0:
         renorm = np.where(keep, probs, 0.0)
         renorm = renorm / renorm.sum()
         order = np.argsort(-renorm)
         before = np.cumsum(renorm[order]) - renorm[order]
-        nucleus = np.zeros(VOCAB, dtype=bool)
+        nucleus = np.zeros(len(logits), dtype=bool)
         nucleus[order[before < top_p]] = True
         keep &= nucleus
     return keep
@@ -97,6 +97,33 @@ def test_rows_of_one_batch_keep_their_own_sets(with_nucleus_row: bool) -> None:
     for row, (top_k, top_p, min_p) in enumerate(settings):
         keep = reference_keep(logits[row], top_k, top_p, min_p)
         assert np.array_equal(got[row], keep), f"row {row} {settings[row]}: kept {np.flatnonzero(got[row])}"
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.3])
+def test_nucleus_beyond_the_first_candidates(scale: float) -> None:
+    """With a vocabulary wider than the candidates taken for top-p, rows whose nucleus lies among them (peaked
+    logits) and rows whose nucleus does not (flat logits: the full sort) keep the reference sets, also next to
+    top-k, min-p and rows without top-p."""
+    from gpullama.ops.torch_ops import NUCLEUS_CANDIDATES
+
+    vocab = 4 * NUCLEUS_CANDIDATES + 13
+    settings = [(0, 0.9, 0.0), (0, 0.5, 0.0), (600, 0.95, 0.0), (40, 0.8, 0.0), (0, 0.99, 0.001), (0, 1.0, 0.0),
+                (7, 1.0, 0.2)]
+    logits = np.stack([np.random.default_rng(50 + i).normal(0.0, scale, vocab) for i in range(len(settings))])
+    x = torch.tensor(logits, dtype=torch.float32)
+    e = torch.exp(x - x.max(dim=-1, keepdim=True).values)
+    k, p, m = (torch.tensor(column) for column in zip(*settings, strict=True))
+    got = keep_mask(e, k, p, m).numpy()
+    sizes = []
+    for row, (top_k, top_p, min_p) in enumerate(settings):
+        keep = reference_keep(logits[row], top_k, top_p, min_p)
+        sizes.append(int(keep.sum()))
+        assert np.array_equal(got[row], keep), f"row {row} {settings[row]}: {got[row].sum()} kept, want {keep.sum()}"
+    nucleus_sizes = [size for size, (_, top_p, _) in zip(sizes, settings, strict=True) if top_p < 1]
+    if scale > 1:  # the case the candidates hold
+        assert max(nucleus_sizes) < NUCLEUS_CANDIDATES
+    else:  # the case that needs the full sort
+        assert max(nucleus_sizes) > NUCLEUS_CANDIDATES
 
 
 def sequence(prompt: list[int], output: list[int], **params) -> Sequence:
