@@ -20,6 +20,7 @@ from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
 from gpullama.outputs import Completion
+from gpullama.quants import FLOAT_TYPES, QTensor
 from gpullama.sampling_params import SamplingParams
 from gpullama.tokenizer import Tokenizer
 
@@ -43,9 +44,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA, float32 (the exact path) on the CPU. ``"bfloat16"`` on the CPU is the fast path
-    (quantized matrices stay 4-bit): about twice the exact path's decode speed for one stream, but slower prefill and
-    batches today, so it is a choice rather than the default (docs/usage.md, "CPU modes")."""
+    """``"auto"``: bfloat16 on CUDA, float32 on the CPU (with quantized weights there for a quantized file, see
+    `quantized_cpu_path`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -53,6 +53,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+def quantized_cpu_path(dtype: str | torch.dtype, device: torch.device, tensors: dict[str, QTensor]) -> bool:
+    """Whether the model runs the CPU fast path (the weights stay quantized, C kernels; docs/usage.md, "CPU modes"):
+    with ``dtype="auto"`` on the CPU for a file whose matrices are quantized. ``"float32"`` is the exact path (every
+    matrix dequantized once to float32), what the parity tests use."""
+    if device.type != "cpu" or dtype != "auto":
+        return False
+    return any(t.qtype not in FLOAT_TYPES for t in tensors.values() if len(t.shape) == 2)
 
 
 def release_free_memory() -> None:
@@ -113,7 +122,7 @@ class LLM:
             )
         self.max_model_len = max_model_len
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
-        ops = select_ops(self.device, self.dtype)
+        ops = select_ops(self.device, self.dtype, quantized_cpu_path(args.dtype, self.device, gguf_model.tensors))
         self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig.from_args(args, max_model_len))
         self._lock = threading.Lock()
