@@ -237,187 +237,206 @@ const char *gl_isa(void) { return GL_ISA; }
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_F32 = 3 };
 
+#define MT 8 /* rows of x per tile: a block's weights are unpacked once per tile */
+
+/* bytes of one block: 16 rows x 32 values (see the layout at the top of the file) */
+int64_t gl_block_bytes(int fmt, int group, int half_scales) {
+    if (fmt == FMT_F16 || fmt == FMT_F32) return 16 * 32 * (fmt == FMT_F16 ? 2 : 4);
+    return 16 * (fmt == FMT_Q4 ? 16 : 32) + 2 * (32 / group) * 16 * (half_scales ? 2 : 4);
+}
+
+/* The 16 rows x 32 unsigned values of one block, unpacked: chunk c holds, per row (lane), values 4c .. 4c + 3 */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#undef GL_ISA
+#define GL_ISA "avx512-vnni"
+typedef struct { __m512i c[8]; } wg;
+static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
+    if (fmt == FMT_Q4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
+        __m512i m = _mm512_set1_epi8(15);
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(b + 64 * j));
+            w->c[j] = _mm512_and_si512(v, m);
+            w->c[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+        }
+    } else {
+        for (int c = 0; c < 8; c++) w->c[c] = _mm512_loadu_si512((const void *)(b + 64 * c));
+    }
+}
+/* the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the int8 values xq[4 c0 .. 4 c1 - 1], as floats */
+static inline vf wg_dot(const wg *w, const int8_t *xq, int c0, int c1) {
+    __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains; integer sums are exact */
+    for (int c = c0; c < c1; c++) {
+        int32_t x4;
+        memcpy(&x4, xq + 4 * c, 4);
+        acc[c & 1] = _mm512_dpbusd_epi32(acc[c & 1], w->c[c], _mm512_set1_epi32(x4));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc[0], acc[1]));
+}
+#else
+typedef struct { uint8_t c[8][64]; } wg;
+static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
+    if (fmt == FMT_Q4) {
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 64; i++) w->c[j][i] = b[64 * j + i] & 15, w->c[4 + j][i] = b[64 * j + i] >> 4;
+    } else {
+        memcpy(w->c, b, sizeof(w->c));
+    }
+}
+static inline vf wg_dot(const wg *w, const int8_t *xq, int c0, int c1) {
+    int32_t acc[16] = {0};
+    for (int c = c0; c < c1; c++)
+        for (int r = 0; r < 16; r++)
+            for (int i = 0; i < 4; i++) acc[r] += (int32_t)w->c[c][4 * r + i] * (int32_t)xq[4 * c + i];
+    float f[16];
+    for (int r = 0; r < 16; r++) f[r] = (float)acc[r];
+    return vf_load(f);
+}
+#endif
+
+/* 16 scales (float16 or float) at p */
+static inline vf load16(const uint8_t *p, int half) {
+    return half ? vf_f16((const uint16_t *)p) : vf_load((const float *)p);
+}
+
 typedef struct {
-    int group, has_zero, half_scales; /* group: values per scale (Q4: 32; Q8: 16 or 32); scales float16 or float */
-    int64_t K, block_bytes;           /* block_bytes: one block of 4 rows x 32 values */
-    const uint8_t *data;
+    int fmt, group, half_scales;
+    int64_t K, G, block_bytes; /* G = K / 32 blocks a row */
+    const uint8_t *data;       /* [N / 16][G][block_bytes] */
 } weight_t;
 
-/* bytes of one block (4 rows x 32 values) of a format; see the layout at the top of the file */
-int64_t gl_block_bytes(int fmt, int group, int has_zero, int half_scales) {
-    int64_t values = fmt == FMT_Q4 ? 16 : fmt == FMT_Q8 ? 32 : fmt == FMT_F16 ? 64 : 128;
-    int64_t scales = fmt == FMT_Q4 || fmt == FMT_Q8 ? 32 / group : 0;
-    return 4 * values + 4 * scales * (half_scales ? 2 : 4) * (1 + has_zero);
+/* The activations of a quantized matmul: each row's groups of 32 values as int8 (round(x / d), d = max |x| / 127)
+   with d, and the integer sum of each half group (16 values) */
+typedef struct {
+    int8_t *q;   /* [M][K] */
+    float *d;    /* [M][G] */
+    int32_t *s;  /* [M][2G] */
+} xquant_t;
+
+static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, int threads) {
+    int64_t G = K / 32;
+#pragma omp parallel for num_threads(threads) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *v = x + m * ldx + 32 * g;
+            float amax = 0.0f;
+            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+            float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = xq->q + m * K + 32 * g;
+            int32_t s0 = 0, s1 = 0;
+            for (int k = 0; k < 32; k++) {
+                q[k] = (int8_t)nearbyintf(v[k] * id);
+                if (k < 16) s0 += q[k]; else s1 += q[k];
+            }
+            xq->d[m * G + g] = d;
+            xq->s[m * 2 * G + 2 * g] = s0, xq->s[m * 2 * G + 2 * g + 1] = s1;
+        }
 }
 
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return half_bits_to_float(h);
-#endif
-}
-
-/* the i-th scale of a block's scale array at p (float16 or float) */
-static inline float scale_at(const weight_t *w, const uint8_t *p, int i) {
-    return w->half_scales ? f16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-/* values 32g .. 32g + 31 of row r (0..3) of the block at b */
-static inline __attribute__((always_inline)) void deq32(int fmt, const weight_t *w, const uint8_t *b, int r, vf *lo,
-                                                        vf *hi) {
-    switch (fmt) {
-    case FMT_Q4: {
-        const uint8_t *s = b + 64, *z = s + 4 * (w->half_scales ? 2 : 4);
-        vf_q4(b + 16 * r, scale_at(w, s, r), w->has_zero ? scale_at(w, z, r) : 0.0f, lo, hi);
-        break;
-    }
-    case FMT_Q8: {
-        int ns = 32 / w->group;
-        const uint8_t *s = b + 128, *z = s + 4 * ns * (w->half_scales ? 2 : 4);
-        const int8_t *q = (const int8_t *)(b + 32 * r);
-        int i = r * ns, j = r * ns + ns - 1;
-        *lo = vf_fma(vf_i8(q), vf_set1(scale_at(w, s, i)), vf_set1(w->has_zero ? scale_at(w, z, i) : 0.0f));
-        *hi = vf_fma(vf_i8(q + 16), vf_set1(scale_at(w, s, j)), vf_set1(w->has_zero ? scale_at(w, z, j) : 0.0f));
-        break;
-    }
-    case FMT_F16: {
-        const uint16_t *p = (const uint16_t *)(b + 64 * r);
-        *lo = vf_f16(p), *hi = vf_f16(p + 16);
-        break;
-    }
-    default: {
-        const float *p = (const float *)(b + 128 * r);
-        *lo = vf_load(p), *hi = vf_load(p + 16);
-    }
-    }
-}
-
-#define PREFETCH_BYTES 1024 /* how far ahead of the weight stream to prefetch */
-
-/* the 4 rows of quad `quad` against mt <= 4 rows of x, dequantizing in registers */
-static inline __attribute__((always_inline)) void mm_regs(int fmt, const weight_t *w, const float *x, int64_t ldx,
-                                                          int mt, int64_t quad, float *y, int64_t ldy) {
-    int64_t G = w->K / 32;
-    const uint8_t *b = w->data + quad * G * w->block_bytes;
-    vf acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int r = 0; r < 4; r++) acc[i][r] = vf_zero();
+/* rows m0 .. m0 + mt - 1 of y against the 16 weight rows of block `rb` (quantized formats): per 32 values, exact
+   integer dot products, then y += (scale * d) * dot + (zero * d) * sum(q), one group after another. fmt, sets
+   (scales per 32 values) and mt are constants at every call, so the loops unroll into registers. */
+static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, const weight_t *w, const xquant_t *xq,
+                                                         int64_t m0, int mt, int64_t rb, float *y, int64_t ldy) {
+    int64_t K = w->K, G = w->G;
+    int chunks = 8 / sets, vbytes = fmt == FMT_Q4 ? 256 : 512, sbytes = 16 * (w->half_scales ? 2 : 4);
+    const uint8_t *b = w->data + rb * G * w->block_bytes;
+    vf acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = vf_zero();
     for (int64_t g = 0; g < G; g++, b += w->block_bytes) {
-        __builtin_prefetch(b + PREFETCH_BYTES);
-        vf lo[4], hi[4];
-        for (int r = 0; r < 4; r++) deq32(fmt, w, b, r, &lo[r], &hi[r]);
-        for (int i = 0; i < mt; i++) {
-            vf xl = vf_load(x + i * ldx + 32 * g), xh = vf_load(x + i * ldx + 32 * g + 16);
-            for (int r = 0; r < 4; r++) {
-                acc[i][r] = vf_fma(lo[r], xl, acc[i][r]);
-                acc[i][r] = vf_fma(hi[r], xh, acc[i][r]);
+        __builtin_prefetch(b + 16 * w->block_bytes);
+        wg u;
+        wg_load(fmt, b, &u);
+        for (int t = 0; t < sets; t++) {
+            vf scale = load16(b + vbytes + t * sbytes, w->half_scales);
+            vf zero = load16(b + vbytes + (sets + t) * sbytes, w->half_scales);
+            for (int i = 0; i < mt; i++) {
+                int64_t m = m0 + i;
+                float d = xq->d[m * G + g];
+                const int32_t *s = xq->s + m * 2 * G + 2 * g;
+                int32_t sum = sets == 1 ? s[0] + s[1] : s[t];
+                vf dot = wg_dot(&u, xq->q + m * K + 32 * g, t * chunks, (t + 1) * chunks);
+                acc[i] = vf_fma(dot, vf_mul(scale, vf_set1(d)), acc[i]);
+                acc[i] = vf_fma(zero, vf_set1(d * (float)sum), acc[i]);
             }
         }
     }
-    for (int i = 0; i < mt; i++) vf_reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], y + i * ldy + 4 * quad);
+    for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
 }
 
-#define MT 5 /* rows of x per tile of the scratch loop */
-#define SB 8 /* quads dequantized into the scratch at a time */
+/* the same for the float formats: y += w * x one value after another */
+static inline __attribute__((always_inline)) void mm_dense(int fmt, const weight_t *w, const float *x, int64_t ldx,
+                                                           int64_t m0, int mt, int64_t rb, float *y, int64_t ldy) {
+    const uint8_t *b = w->data + rb * w->G * w->block_bytes;
+    vf acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = vf_zero();
+    for (int64_t k = 0; k < w->K; k++) {
+        vf v = fmt == FMT_F16 ? vf_f16((const uint16_t *)b + 16 * k) : vf_load((const float *)b + 16 * k);
+        for (int i = 0; i < mt; i++) acc[i] = vf_fma(v, vf_set1(x[(m0 + i) * ldx + k]), acc[i]);
+    }
+    for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
+}
 
-/* the 4 rows of quad `quad`, dequantized into scr [4][K], against mt <= MT rows of x */
-static inline __attribute__((always_inline)) void mm_tile(const float *scr, int64_t K, const float *x, int64_t ldx,
-                                                          int mt, int64_t quad, float *y, int64_t ldy) {
-    vf acc[MT][4];
-    for (int i = 0; i < MT; i++)
-        for (int r = 0; r < 4; r++) acc[i][r] = vf_zero();
-    for (int64_t k = 0; k < K; k += 16) {
-        vf wv[4];
-        for (int r = 0; r < 4; r++) wv[r] = vf_load(scr + r * K + k);
-        for (int i = 0; i < mt; i++) {
-            vf xv = vf_load(x + i * ldx + k);
-            for (int r = 0; r < 4; r++) acc[i][r] = vf_fma(wv[r], xv, acc[i][r]);
+/* one tile of mt rows of x (mt a constant after the switch) */
+static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, const weight_t *w, const float *x,
+                                                          int64_t ldx, const xquant_t *xq, int64_t m0, int mt,
+                                                          int64_t rb, float *y, int64_t ldy) {
+#define GL_TILE(n)                                                                                                   \
+    case n:                                                                                                          \
+        if (fmt == FMT_Q4 || fmt == FMT_Q8) mm_int(fmt, sets, w, xq, m0, n, rb, y, ldy);                            \
+        else mm_dense(fmt, w, x, ldx, m0, n, rb, y, ldy);                                                            \
+        break;
+    switch (mt) { GL_TILE(1) GL_TILE(2) GL_TILE(3) GL_TILE(4) GL_TILE(5) GL_TILE(6) GL_TILE(7) GL_TILE(8) }
+#undef GL_TILE
+}
+
+/* blocks rb0 .. rb1 - 1 against every row of x, MT rows at a time */
+static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, const weight_t *w, const float *x,
+                                                            int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,
+                                                            int64_t rb1, float *y, int64_t ldy) {
+    for (int64_t rb = rb0; rb < rb1; rb++)
+        for (int64_t m = 0; m < M; m += MT) mm_tile(fmt, sets, w, x, ldx, xq, m, M - m < MT ? (int)(M - m) : MT, rb, y, ldy);
+}
+
+#define GL_BLOCKS(name, fmt, sets)                                                                                  \
+    static void name(const weight_t *w, const float *x, int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,     \
+                     int64_t rb1, float *y, int64_t ldy) {                                                           \
+        mm_blocks(fmt, sets, w, x, ldx, xq, M, rb0, rb1, y, ldy);                                                    \
+    }
+GL_BLOCKS(mm_q4, FMT_Q4, 1)
+GL_BLOCKS(mm_q8, FMT_Q8, 1)
+GL_BLOCKS(mm_q8_g16, FMT_Q8, 2)
+GL_BLOCKS(mm_f16, FMT_F16, 1)
+GL_BLOCKS(mm_f32, FMT_F32, 1)
+
+/* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32) in format `fmt`
+   laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
+int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, int64_t K, int64_t ldx,
+              const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
+    weight_t w = {fmt, group, half_scales, K, K / 32, gl_block_bytes(fmt, group, half_scales), data};
+    xquant_t xq = {NULL, NULL, NULL};
+    int quantized = fmt == FMT_Q4 || fmt == FMT_Q8;
+    if (quantized) {
+        xq.q = malloc((size_t)(M * K)), xq.d = malloc(sizeof(float) * M * w.G), xq.s = malloc(sizeof(int32_t) * M * 2 * w.G);
+        if (!xq.q || !xq.d || !xq.s) {
+            free(xq.q), free(xq.d), free(xq.s);
+            return -1;
         }
+        quantize_rows(x, ldx, M, K, &xq, threads);
     }
-    for (int i = 0; i < mt; i++) vf_reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], y + i * ldy + 4 * quad);
-}
-
-static inline __attribute__((always_inline)) void mm_small(int fmt, const weight_t *w, const float *x, int64_t ldx,
-                                                           int64_t M, int64_t quad, float *y, int64_t ldy) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) mm_regs(fmt, w, x + m * ldx, ldx, 4, quad, y + m * ldy, ldy);
-    switch (M - m) {
-    case 1: mm_regs(fmt, w, x + m * ldx, ldx, 1, quad, y + m * ldy, ldy); break;
-    case 2: mm_regs(fmt, w, x + m * ldx, ldx, 2, quad, y + m * ldy, ldy); break;
-    case 3: mm_regs(fmt, w, x + m * ldx, ldx, 3, quad, y + m * ldy, ldy); break;
-    }
-}
-
-/* quads quad .. quad + nq - 1 through the scratch buffer scr [4 * nq][K] */
-static inline __attribute__((always_inline)) void mm_scratch(int fmt, const weight_t *w, const float *x,
-                                                             int64_t ldx, int64_t M, int64_t quad, int64_t nq,
-                                                             float *scr, float *y, int64_t ldy) {
-    int64_t K = w->K, G = K / 32;
-    for (int64_t j = 0; j < nq; j++) {
-        const uint8_t *b = w->data + (quad + j) * G * w->block_bytes;
-        for (int64_t g = 0; g < G; g++, b += w->block_bytes)
-            for (int r = 0; r < 4; r++) {
-                vf lo, hi;
-                deq32(fmt, w, b, r, &lo, &hi);
-                vf_store(scr + (4 * j + r) * K + 32 * g, lo);
-                vf_store(scr + (4 * j + r) * K + 32 * g + 16, hi);
-            }
-    }
-    for (int64_t m = 0; m < M; m += MT) {
-        int64_t mt = M - m < MT ? M - m : MT;
-        const float *xm = x + m * ldx;
-        float *ym = y + m * ldy;
-        for (int64_t j = 0; j < nq; j++) {
-            const float *s = scr + 4 * j * K;
-            switch (mt) {
-            case 1: mm_tile(s, K, xm, ldx, 1, quad + j, ym, ldy); break;
-            case 2: mm_tile(s, K, xm, ldx, 2, quad + j, ym, ldy); break;
-            case 3: mm_tile(s, K, xm, ldx, 3, quad + j, ym, ldy); break;
-            case 4: mm_tile(s, K, xm, ldx, 4, quad + j, ym, ldy); break;
-            default: mm_tile(s, K, xm, ldx, MT, quad + j, ym, ldy); break;
-            }
-        }
-    }
-}
-
-/* quads q0 .. q1 - 1 of one format: small batches in registers, larger ones through a scratch buffer */
-static inline __attribute__((always_inline)) void mm_quads(int fmt, const weight_t *w, const float *x, int64_t ldx,
-                                                           int64_t M, int64_t q0, int64_t q1, int scratch, float *y,
-                                                           int64_t ldy) {
-    if (scratch) {
-        float *scr = aligned_alloc(64, sizeof(float) * 4 * SB * w->K);
-        for (int64_t q = q0; q < q1; q += SB) mm_scratch(fmt, w, x, ldx, M, q, q1 - q < SB ? q1 - q : SB, scr, y, ldy);
-        free(scr);
-    } else {
-        for (int64_t q = q0; q < q1; q++) mm_small(fmt, w, x, ldx, M, q, y, ldy);
-    }
-}
-
-static void mm_quads_q4(const weight_t *w, const float *x, int64_t ldx, int64_t M, int64_t q0, int64_t q1,
-                        int scratch, float *y, int64_t ldy) { mm_quads(FMT_Q4, w, x, ldx, M, q0, q1, scratch, y, ldy); }
-static void mm_quads_q8(const weight_t *w, const float *x, int64_t ldx, int64_t M, int64_t q0, int64_t q1,
-                        int scratch, float *y, int64_t ldy) { mm_quads(FMT_Q8, w, x, ldx, M, q0, q1, scratch, y, ldy); }
-static void mm_quads_f16(const weight_t *w, const float *x, int64_t ldx, int64_t M, int64_t q0, int64_t q1,
-                         int scratch, float *y, int64_t ldy) { mm_quads(FMT_F16, w, x, ldx, M, q0, q1, scratch, y, ldy); }
-static void mm_quads_f32(const weight_t *w, const float *x, int64_t ldx, int64_t M, int64_t q0, int64_t q1,
-                         int scratch, float *y, int64_t ldy) { mm_quads(FMT_F32, w, x, ldx, M, q0, q1, scratch, y, ldy); }
-
-/* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 4) in format `fmt` laid out
-   in blocks (see the top of the file); batches of at least `scratch_min_m` rows go through the scratch loop. */
-void gl_matmul(int fmt, int group, int has_zero, int half_scales, const float *x, int64_t M, int64_t K, int64_t ldx,
-               const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads, int64_t scratch_min_m) {
-    weight_t w = {group, has_zero, half_scales, K, gl_block_bytes(fmt, group, has_zero, half_scales), data};
-    void (*run)(const weight_t *, const float *, int64_t, int64_t, int64_t, int64_t, int, float *, int64_t) =
-        fmt == FMT_Q4 ? mm_quads_q4 : fmt == FMT_Q8 ? mm_quads_q8 : fmt == FMT_F16 ? mm_quads_f16 : mm_quads_f32;
-    int64_t quads = N / 4;
-    int scratch = M >= scratch_min_m;
-    if (quads < 2 * threads && !scratch) threads = 1;
+    void (*run)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t, float *,
+                int64_t) = fmt == FMT_Q4    ? mm_q4
+                           : fmt == FMT_Q8 ? (group == 16 ? mm_q8_g16 : mm_q8)
+                           : fmt == FMT_F16 ? mm_f16
+                                            : mm_f32;
+    int64_t blocks = N / 16;
+    if (blocks < 4 * threads && M < MT) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        run(&w, x, ldx, M, quads * t / nt, quads * (t + 1) / nt, scratch, y, ldy);
+        run(&w, x, ldx, &xq, M, blocks * t / nt, blocks * (t + 1) / nt, y, ldy);
     }
+    free(xq.q), free(xq.d), free(xq.s);
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------------------

@@ -32,12 +32,10 @@ FMT_Q4, FMT_Q8, FMT_F16, FMT_F32 = 0, 1, 2, 3
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
 MAX_HEAD_DIM = 256
 """`attention` needs a head dim that is a multiple of 16 and at most this."""
-SCRATCH_MIN_ROWS = 5
-"""`matmul` batches of at least this many rows dequantize the weights once into a scratch buffer."""
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "gl_matmul": [_I32, _I32, _I32, _I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I64],
+    "gl_matmul": [_I32, _I32, _I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
     "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
     "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
     "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
@@ -100,7 +98,7 @@ def _build() -> ctypes.CDLL:
             continue
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "gl_matmul" else None)
         lib.gl_isa.restype = ctypes.c_char_p
         return lib
     raise RuntimeError("; ".join(errors))
@@ -136,13 +134,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def matmul(
-    fmt: int, group: int, has_zero: bool, half_scales: bool, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 4, K / 32, block bytes]`` uint8
+def matmul(fmt: int, group: int, half_scales: bool, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 16, K / 32, block bytes]`` uint8
     (scales float16 with `half_scales`, else float32); `out` may be a column slice of a wider matrix."""
-    _lib.gl_matmul(fmt, group, has_zero, half_scales, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
-                   4 * blocks.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads(), SCRATCH_MIN_ROWS)
+    if _lib.gl_matmul(fmt, group, half_scales, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
+                      16 * blocks.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads()):
+        raise MemoryError(f"no memory for the int8 copy of a {tuple(x.shape)} matmul input")
     return out
 
 

@@ -38,7 +38,7 @@ from gpullama.quants import QTensor, _bits, _f16, _nibbles, _q5_quants, unpack_k
 Q = gguf.GGMLQuantizationType
 
 _CHUNK_ROWS = 4096  # rows converted at a time, to bound the memory a load needs
-_ROW_ALIGN = 4
+_ROW_ALIGN = 16
 
 Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 """Types packed as 4-bit values."""
@@ -49,65 +49,62 @@ HALF_SCALE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 
 
 def _legacy(b: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, ...]:
-    """q, scale, zero of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks ``[n, type_size]`` (one scale per 32 values)."""
+    """u, scale, zero of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks ``[n, type_size]`` (one scale per 32 values)."""
     d = _f16(b[:, 0:2])[:, 0]
     if qtype == Q.Q8_0:
-        return b[:, 2:].contiguous().view(torch.int8), d, None
+        return (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8), d, -128 * d
     if qtype == Q.Q4_0:
         return _nibbles(b[:, 2:]), d, -8 * d
     if qtype == Q.Q4_1:
         return _nibbles(b[:, 4:]), d, _f16(b[:, 2:4])[:, 0]
     if qtype == Q.Q5_0:
-        return (_q5_quants(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16), d, None
-    return _q5_quants(b[:, 4:8], b[:, 8:]).to(torch.int8), d, _f16(b[:, 2:4])[:, 0]  # Q5_1
+        return _q5_quants(b[:, 2:6], b[:, 6:]), d, -16 * d
+    return _q5_quants(b[:, 4:8], b[:, 8:]), d, _f16(b[:, 2:4])[:, 0]  # Q5_1
 
 
 def _k_quant(b: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, ...]:
-    """q, scale, zero of Q4_K/Q5_K/Q6_K super-blocks ``[n, type_size]``."""
+    """u, scale, zero of Q4_K/Q5_K/Q6_K super-blocks ``[n, type_size]``."""
     n = b.shape[0]
     if qtype == Q.Q6_K:
         low = _nibbles(b[:, 0:128].reshape(n, 2, 64))
         high = _bits(b[:, 128:192].reshape(n, 2, 32), 2, 4).reshape(n, 2, 128)
-        q = (low | (high << 4)).to(torch.int8) - 32
         dl = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-        return q.reshape(n, 256), dl, None
+        return (low | (high << 4)).reshape(n, 256), dl, -32 * dl
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = unpack_k_scales(b[:, 4:16])
     dl, ml = d * sc.to(torch.float32), dmin * mn.to(torch.float32)
     low = _nibbles(b[:, -128:].reshape(n, 4, 32)).reshape(n, 256)
     if qtype == Q.Q4_K:
         return low, dl, -ml
-    high = _bits(b[:, 16:48], 1, 8).reshape(n, 256)
-    return (low | (high << 4)).to(torch.int8), dl, -ml  # Q5_K
+    return low | (_bits(b[:, 16:48], 1, 8).reshape(n, 256) << 4), dl, -ml  # Q5_K
 
 
-def quantized_rows(weight: QTensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rows `rows` of a quantized matrix as ``(q [n, K], scale [n, K / group], zero or None)``, with
-    ``q * scale + zero`` (per group) equal to `gpullama.quants.dequantize`."""
+def quantized_rows(weight: QTensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows `rows` of a quantized matrix as ``(u [n, K] uint8, scale [n, K / group], zero [n, K / group])`` with
+    ``u * scale + zero`` (per group) equal to `gpullama.quants.dequantize`."""
     _, ts = gguf.GGML_QUANT_SIZES[weight.qtype]
     data = weight.data[rows]
     n = data.shape[0]
     b = data.reshape(-1, ts)
-    q, scale, zero = (_k_quant if weight.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else _legacy)(b, weight.qtype)
-    return q.reshape(n, -1), scale.reshape(n, -1), None if zero is None else zero.reshape(n, -1)
+    u, scale, zero = (_k_quant if weight.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else _legacy)(b, weight.qtype)
+    return u.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
 
 
 class _NotHalf(Exception):
     """A scale or zero is not a float16 value."""
 
 
-def _blocks(values: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None) -> torch.Tensor:
-    """Rows (a multiple of 4) as the kernels' blocks ``[n / 4, K / 32, block_bytes]`` uint8: per quad of rows and 32
-    values, the 4 rows' values (`values` ``[n, K / 32, bytes]``), then their scales, then their zeros."""
+def _blocks(values: torch.Tensor, *per_row: torch.Tensor) -> torch.Tensor:
+    """Rows (a multiple of 16) as the kernels' blocks ``[n / 16, K / 32, block bytes]`` uint8: per 16 rows and 32
+    values, the values (`values` ``[n, K / 32, chunks, width]``: chunk c of every row, then chunk c + 1), then each
+    of `per_row` (``[n, K / 32, sets]``: set t of every row, then set t + 1)."""
     n, groups = values.shape[:2]
 
-    def quads(t: torch.Tensor) -> torch.Tensor:  # [n, groups, ...] -> [n / 4, groups, 4 * ... bytes]
-        t = t.reshape(n // 4, 4, groups, -1).transpose(1, 2).contiguous()
-        return t.view(torch.uint8).reshape(n // 4, groups, -1)
+    def interleave(t: torch.Tensor) -> torch.Tensor:  # [n, groups, a, b] -> [n / 16, groups, a * 16 * b bytes]
+        t = t.reshape(n // 16, 16, groups, t.shape[2], -1).permute(0, 2, 3, 1, 4).contiguous()
+        return t.view(torch.uint8).reshape(n // 16, groups, -1)
 
-    parts = [quads(values)]
-    parts += [quads(t.reshape(n, groups, -1)) for t in (scale, zero) if t is not None]
-    return torch.cat(parts, dim=-1)
+    return torch.cat([interleave(values)] + [interleave(t.reshape(n, groups, -1, 1)) for t in per_row], dim=-1)
 
 
 @dataclass
@@ -116,9 +113,8 @@ class CpuWeight:
 
     fmt: int  # cpu_native.FMT_*
     group: int  # values per scale (Q4, Q8)
-    has_zero: bool
     half_scales: bool  # scales and zeros stored as float16 (exact for the types whose fields are float16)
-    blocks: torch.Tensor  # uint8 [N padded to 4 / 4, K / 32, block bytes]
+    blocks: torch.Tensor  # uint8 [N padded to 16 / 16, K / 32, block bytes]
     out_features: int
 
     @property
@@ -140,39 +136,41 @@ class CpuWeight:
     @classmethod
     def _pack(cls, weight: QTensor, half_scales: bool) -> CpuWeight:
         n, k = weight.shape
-        if weight.qtype in (Q.F16, Q.BF16, Q.F32):
-            fmt, group, has_zero = (cpu_native.FMT_F16 if weight.qtype == Q.F16 else cpu_native.FMT_F32), 32, False
+        dense = weight.qtype in (Q.F16, Q.BF16, Q.F32)
+        if dense:
+            fmt, group = (cpu_native.FMT_F16 if weight.qtype == Q.F16 else cpu_native.FMT_F32), 32
         else:
             fmt = cpu_native.FMT_Q4 if weight.qtype in Q4_TYPES else cpu_native.FMT_Q8
             group = 16 if weight.qtype == Q.Q6_K else 32
-            has_zero = weight.qtype not in (Q.Q8_0, Q.Q5_0, Q.Q6_K)
         chunks = []
         for start in range(0, n, _CHUNK_ROWS):
             rows = slice(start, start + _CHUNK_ROWS)
-            if fmt in (cpu_native.FMT_F16, cpu_native.FMT_F32):
-                dense = weight.data[rows] if fmt == cpu_native.FMT_F16 else weight.data[rows].to(torch.float32)
-                q, scale, zero = dense, None, None
+            if dense:
+                parts = [weight.data[rows] if fmt == cpu_native.FMT_F16 else weight.data[rows].to(torch.float32)]
             else:
-                q, scale, zero = quantized_rows(weight, rows)
-            if half_scales:
-                halves = [None if t is None else t.to(torch.float16) for t in (scale, zero)]
-                if any(h is not None and not torch.equal(h.float(), t) for h, t in zip(halves, (scale, zero))):
-                    raise _NotHalf
-                scale, zero = halves
-            pad = -q.shape[0] % _ROW_ALIGN  # only the last chunk can be short; rows of zeros compute 0
+                parts = list(quantized_rows(weight, rows))
+                if half_scales:
+                    halves = [t.to(torch.float16) for t in parts[1:]]
+                    if any(not torch.equal(h.float(), t) for h, t in zip(halves, parts[1:])):
+                        raise _NotHalf
+                    parts[1:] = halves
+            pad = -parts[0].shape[0] % _ROW_ALIGN  # only the last chunk can be short; rows of zeros compute 0
             if pad:
-                q, scale, zero = (None if t is None else torch.cat([t, t.new_zeros(pad, t.shape[1])])
-                                  for t in (q, scale, zero))
-            q = q.reshape(q.shape[0], k // 32, 32)
-            if fmt == cpu_native.FMT_Q4:  # value j in the low nibble of byte j, value j + 16 in its high nibble
-                q = q[..., :16] | (q[..., 16:] << 4)
-            chunks.append(_blocks(q, scale, zero if has_zero else None))
-        return cls(fmt, group, has_zero, half_scales, torch.cat(chunks), n)
+                parts = [torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in parts]
+            values = parts[0].reshape(parts[0].shape[0], k // 32, 32)
+            if dense:  # value k of the 16 rows, then value k + 1
+                values = values.unsqueeze(-1)
+            elif fmt == cpu_native.FMT_Q4:  # byte j: value j in its low nibble, value j + 16 in its high nibble
+                values = (values[..., :16] | (values[..., 16:] << 4)).reshape(-1, k // 32, 4, 4)
+            else:
+                values = values.reshape(-1, k // 32, 8, 4)
+            chunks.append(_blocks(values, *parts[1:]))
+        return cls(fmt, group, half_scales, torch.cat(chunks), n)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded)."""
-        out = x.new_empty(x.shape[0], 4 * self.blocks.shape[0])
-        cpu_native.matmul(self.fmt, self.group, self.has_zero, self.half_scales, x, self.blocks, out)
+        out = x.new_empty(x.shape[0], 16 * self.blocks.shape[0])
+        cpu_native.matmul(self.fmt, self.group, self.half_scales, x, self.blocks, out)
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
 
