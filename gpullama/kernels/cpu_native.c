@@ -227,7 +227,18 @@ static inline vf vf_exp(vf x) {
     return vf_ldexp(p, n);
 }
 
-const char *gl_isa(void) { return GL_ISA; }
+
+/* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory) */
+static void *scratch(int which, size_t bytes) {
+    static _Thread_local void *buf[2];
+    static _Thread_local size_t size[2];
+    if (size[which] < bytes) {
+        free(buf[which]);
+        buf[which] = malloc(bytes);
+        size[which] = buf[which] ? bytes : 0;
+    }
+    return buf[which];
+}
 
 /* ------------------------------------------------------------------------------------------------------------
    matmul
@@ -414,13 +425,11 @@ int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, in
               const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
     weight_t w = {fmt, group, half_scales, K, K / 32, gl_block_bytes(fmt, group, half_scales), data};
     xquant_t xq = {NULL, NULL, NULL};
-    int quantized = fmt == FMT_Q4 || fmt == FMT_Q8;
-    if (quantized) {
-        xq.q = malloc((size_t)(M * K)), xq.d = malloc(sizeof(float) * M * w.G), xq.s = malloc(sizeof(int32_t) * M * 2 * w.G);
-        if (!xq.q || !xq.d || !xq.s) {
-            free(xq.q), free(xq.d), free(xq.s);
-            return -1;
-        }
+    if (fmt == FMT_Q4 || fmt == FMT_Q8) {
+        size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * w.G;
+        uint8_t *buf = scratch(0, qbytes + dbytes + sizeof(int32_t) * M * 2 * w.G);
+        if (!buf) return -1;
+        xq.q = (int8_t *)buf, xq.d = (float *)(buf + qbytes), xq.s = (int32_t *)(buf + qbytes + dbytes);
         quantize_rows(x, ldx, M, K, &xq, threads);
     }
     void (*run)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t, float *,
@@ -435,8 +444,59 @@ int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, in
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         run(&w, x, ldx, &xq, M, blocks * t / nt, blocks * (t + 1) / nt, y, ldy);
     }
-    free(xq.q), free(xq.d), free(xq.s);
     return 0;
+}
+
+/* out [T, K] = rows ids[0 .. T - 1] of W (format `fmt`, blocks as for gl_matmul), each value u * scale + zero in
+   one rounding, as gguf dequantizes it. Returns 0, or -1 when an id is outside [0, N). */
+int gl_embedding(int fmt, int group, int half_scales, const uint8_t *data, int64_t N, int64_t K, const int64_t *ids,
+                 int64_t T, float *out) {
+    int64_t G = K / 32, bb = gl_block_bytes(fmt, group, half_scales);
+    int sets = 32 / group, vbytes = fmt == FMT_Q4 ? 256 : 512, sbytes = 16 * (half_scales ? 2 : 4);
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t rb = ids[t] / 16, lane = ids[t] % 16;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = data + (rb * G + g) * bb;
+            float *o = out + t * K + 32 * g;
+            if (fmt == FMT_F16 || fmt == FMT_F32) {
+                for (int k = 0; k < 32; k++)
+                    o[k] = fmt == FMT_F16 ? half_bits_to_float(((const uint16_t *)b)[16 * k + lane])
+                                          : ((const float *)b)[16 * k + lane];
+                continue;
+            }
+            for (int k = 0; k < 32; k++) {
+                int u, t8 = k / (32 / sets);
+                if (fmt == FMT_Q4) {
+                    int byte = b[64 * ((k % 16) / 4) + 4 * lane + k % 4];
+                    u = k < 16 ? byte & 15 : byte >> 4;
+                } else {
+                    u = b[64 * (k / 4) + 4 * lane + k % 4];
+                }
+                const uint8_t *sp = b + vbytes + t8 * sbytes, *zp = b + vbytes + (sets + t8) * sbytes;
+                float sc = half_scales ? half_bits_to_float(((const uint16_t *)sp)[lane]) : ((const float *)sp)[lane];
+                float zr = half_scales ? half_bits_to_float(((const uint16_t *)zp)[lane]) : ((const float *)zp)[lane];
+                o[k] = fmaf((float)u, sc, zr);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[r] = the first index of the largest value of row r of x [rows, n] (NaNs are skipped) */
+void gl_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * ldx;
+        vf mv = vf_set1(-INFINITY);
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) mv = vf_max(mv, vf_load(v + i));
+        float m = vf_hmax(mv);
+        for (; i < n; i++) m = v[i] > m ? v[i] : m;
+        int64_t best = 0;
+        while (best < n && !(v[best] == m)) best++;
+        out[r] = best < n ? best : 0;
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -556,38 +616,49 @@ static void attend_row(const float *q, const float *k_cache, const float *v_cach
     for (int64_t d = 0; d < D; d += 16) vf_store(out + d, vf_mul(o[d / 16], vf_set1(inv)));
 }
 
+/* rows [B, W] (int64) = the pool row of every context position of each sequence: position j of sequence b is
+   slot j % block_size of block block_tables[b, j / block_size] (positions past seq_lens[b] are left as they are) */
+void gl_context_rows(const int32_t *block_tables, int64_t ldb, const int32_t *seq_lens, int64_t B, int64_t block_size,
+                     int64_t W, int64_t *rows) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < seq_lens[b] && j < W; j++)
+            rows[b * W + j] = (int64_t)block_tables[b * ldb + j / block_size] * block_size + j % block_size;
+}
+
 /* Causal attention of every query row over its sequence's context in the paged pool.
-   q [T, Hq, D] (row stride ldq), out [T, Hq, D]; k_cache / v_cache [blocks * block_size, Hk, D];
-   sequence b owns rows query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens whose pool
-   blocks are block_tables[b, :] (row stride ldb); its last query row sits at position seq_lens[b] - 1. */
-void gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
-                  int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
-                  const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, float *out,
-                  int threads) {
-    int64_t max_len = 1;
+   q [T, Hq, D] (row stride ldq), out [T, Hq, D]; k_cache / v_cache [pool rows, Hk, D]; sequence b owns query rows
+   query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens whose pool rows are rows[b, :]
+   (row stride W, from gl_context_rows); its last query row sits at position seq_lens[b] - 1.
+   Returns 0, or -1 when out of memory. */
+int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq,
+                 int64_t Hk, int64_t D, int64_t B, const int32_t *query_start, const int32_t *seq_lens,
+                 const int64_t *rows, int64_t W, float scale, float *out, int threads) {
+    int64_t units = T * Hq, max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    int64_t *rows = malloc(sizeof(int64_t) * B * max_len);
-    int32_t *seq_of = malloc(sizeof(int32_t) * (T > 0 ? T : 1));
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t j = 0; j < seq_lens[b]; j++)
-            rows[b * max_len + j] = (int64_t)block_tables[b * ldb + j / block_size] * block_size + j % block_size;
-        for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) seq_of[t] = (int32_t)b;
-    }
-    int64_t units = T * Hq;
-    if (units * max_len < 4096) threads = 1;
+    if (units * max_len < 8192) threads = 1;
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (max_len + 16));
+        float *scores = scratch(1, sizeof(float) * (max_len + 16));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            int64_t t = u / Hq, h = u % Hq, b = seq_of[t];
-            int64_t q_len = query_start[b + 1] - query_start[b];
+            if (!scores) continue;
+            int64_t t = u / Hq, h = u % Hq, lo = 0, hi = B - 1;
+            while (lo < hi) { /* the sequence b with query_start[b] <= t < query_start[b + 1] */
+                int64_t mid = (lo + hi + 1) / 2;
+                if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+            }
+            int64_t b = lo, q_len = query_start[b + 1] - query_start[b];
             int64_t n = seq_lens[b] - q_len + (t - query_start[b]) + 1; /* keys this row sees */
-            attend_row(q + t * ldq + h * D, k_cache, v_cache, rows + b * max_len, n, Hk, h / (Hq / Hk), D, scale,
-                       scores, out + (t * Hq + h) * D);
+            attend_row(q + t * ldq + h * D, k_cache, v_cache, rows + b * W, n, Hk, h / (Hq / Hk), D, scale, scores,
+                       out + (t * Hq + h) * D);
         }
-        free(scores);
     }
-    free(rows);
-    free(seq_of);
+    return failed ? -1 : 0;
 }
+
+const char *gl_isa(void) { return GL_ISA; }

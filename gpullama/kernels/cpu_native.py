@@ -39,8 +39,12 @@ _SIGNATURES = {
     "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
     "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
     "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
-    "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _P, _I32],
+    "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _P, _I32],
+    "gl_context_rows": [_P, _I64, _P, _I64, _I64, _I64, _P],
+    "gl_embedding": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I64, _P],
+    "gl_argmax": [_P, _I64, _I64, _I64, _P],
 }
+_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_embedding")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -98,7 +102,7 @@ def _build() -> ctypes.CDLL:
             continue
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "gl_matmul" else None)
+            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name in _RETURNS_STATUS else None)
         lib.gl_isa.restype = ctypes.c_char_p
         return lib
     raise RuntimeError("; ".join(errors))
@@ -170,15 +174,42 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def context_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """The pool row ``[B, width]`` int64 of every context position of each sequence (int32 `block_tables` ``[B, :]``
+    and `seq_lens`), for `attention`; entries past a sequence's length are unset."""
+    rows = torch.empty(seq_lens.shape[0], width, dtype=torch.int64)
+    _lib.gl_context_rows(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), seq_lens.shape[0],
+                         block_size, width, rows.data_ptr())
+    return rows
+
+
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, out: torch.Tensor,
+    rows: torch.Tensor, scale: float, out: torch.Tensor,
 ) -> torch.Tensor:
     """Causal attention of q ``[T, Hq, D]`` (row-strided view allowed) over the paged pool ``[blocks, block_size,
-    Hk, D]``: sequence b's rows are ``query_start[b]:query_start[b + 1]``, its context ``seq_lens[b]`` tokens in the
-    blocks of ``block_tables[b]`` (int32 all three); `out` ``[T, Hq, D]``."""
+    Hk, D]``: sequence b's rows are ``query_start[b]:query_start[b + 1]``, its context ``seq_lens[b]`` tokens (int32
+    both) at pool rows ``rows[b]`` (from `context_rows`); `out` ``[T, Hq, D]``."""
     t, hq, d = q.shape
-    _lib.gl_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], t, hq,
-                      k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(), seq_lens.data_ptr(),
-                      block_tables.data_ptr(), block_tables.stride(0), scale, out.data_ptr(), torch.get_num_threads())
+    if _lib.gl_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), t, hq, k_cache.shape[2], d,
+                         seq_lens.shape[0], query_start.data_ptr(), seq_lens.data_ptr(), rows.data_ptr(),
+                         rows.stride(0), scale, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("no memory for the attention scores")
+    return out
+
+
+def embedding(fmt: int, group: int, half_scales: bool, blocks: torch.Tensor, n_rows: int, ids: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, each in [0, n_rows)) of a matrix in the blocks of `matmul`, dequantized exactly: `out`
+    ``[T, K]``."""
+    if _lib.gl_embedding(fmt, group, half_scales, blocks.data_ptr(), n_rows, out.shape[1], ids.data_ptr(),
+                         ids.shape[0], out.data_ptr()):
+        raise ValueError(f"token id out of range [0, {n_rows})")
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of the largest value of each row of x ``[rows, n]`` (unit column stride), int64 ``[rows]``."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.gl_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out

@@ -8,6 +8,8 @@ sums (about 1e-6 relative).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gpullama.kernels import cpu_native
@@ -25,6 +27,8 @@ class CpuOps(TorchOps):
     def __init__(self, device: torch.device):
         assert device.type == "cpu" and cpu_native.library() is not None
         super().__init__(device, torch.float32)
+        # packed embedding tables, so that a tied output head shares the table's copy
+        self._tables: dict[tuple, CpuWeight] = {}
 
     @property
     def mode(self) -> str:
@@ -32,12 +36,32 @@ class CpuOps(TorchOps):
         return f"quantized weights, native kernels ({cpu_native.isa()}), float32 activations"
 
     def prepare_weight(self, weight: QTensor) -> torch.Tensor | CpuWeight:
-        """The matrix in its CPU weight format (dense float32 for a shape the kernels do not take)."""
-        return CpuWeight.from_qtensor(weight) if packable(weight) else super().prepare_weight(weight)
+        """The matrix in its CPU weight format (dense float32 for a shape the kernels do not take); a tied output
+        head is the packed embedding table."""
+        if not packable(weight):
+            return super().prepare_weight(weight)
+        return self._tables.get(_key(weight)) or CpuWeight.from_qtensor(weight)
+
+    def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor | CpuWeight:
+        """The table in its CPU weight format (rows are dequantized exactly)."""
+        if not packable(weight):
+            return super().prepare_embedding(weight)
+        return self._tables.setdefault(_key(weight), CpuWeight.from_qtensor(weight))
 
     def prepare_step(self, meta: BatchMetadata, cos_sin: torch.Tensor, block_size: int) -> BatchMetadata:
-        """The kernels read the metadata as it is."""
-        return meta
+        """`meta` with the pool row of every context position (`context_slots`), derived once per step for the
+        attention of every layer."""
+        rows = cpu_native.context_rows(meta.block_tables, meta.seq_lens, block_size, max(meta.max_seq_len, 1))
+        return dataclasses.replace(meta, context_slots=rows)
+
+    def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor | CpuWeight) -> torch.Tensor:
+        """Rows of the embedding table for `ids`, float32 ``[T, H]``."""
+        if not isinstance(table, CpuWeight):
+            return super().embedding(ids, table)
+        out = torch.empty(ids.shape[0], table.blocks.shape[1] * 32)
+        ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
+        return cpu_native.embedding(table.fmt, table.group, table.half_scales, table.blocks, table.out_features, ids,
+                                    out)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, float32."""
@@ -75,10 +99,31 @@ class CpuOps(TorchOps):
         d = q.shape[-1]
         if d % 16 or d > cpu_native.MAX_HEAD_DIM:
             return super().attention(q, k_cache, v_cache, meta, scale)
-        out = q.new_empty(q.shape)
-        return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                    scale, out)
+        rows = meta.context_slots
+        if rows is None:
+            rows = cpu_native.context_rows(meta.block_tables, meta.seq_lens, k_cache.shape[1], max(meta.max_seq_len, 1))
+        return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, rows, scale,
+                                    q.new_empty(q.shape))
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        uniform: torch.Tensor,
+    ) -> torch.Tensor:
+        """As `TorchOps.sample`; a batch that is all greedy takes its argmax in C (torch's is slow on the CPU)."""
+        if logits.dtype == torch.float32 and logits.stride(-1) == 1 and not bool((temperature > 0).any()):
+            return cpu_native.argmax(logits)
+        return super().sample(logits, temperature, top_k, top_p, min_p, uniform)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
         return cpu_native.silu_mul(gate_up, gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+def _key(weight: QTensor) -> tuple:
+    """Which file tensor `weight` is, without keeping a reference to it (and so to the file's memory map)."""
+    return weight.name, weight.data.data_ptr(), weight.shape, weight.qtype
