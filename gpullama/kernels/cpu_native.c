@@ -273,15 +273,18 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
         for (int c = 0; c < 8; c++) w->c[c] = _mm512_loadu_si512((const void *)(b + 64 * c));
     }
 }
-/* the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the int8 values xq[4 c0 .. 4 c1 - 1], as floats */
-static inline vf wg_dot(const wg *w, const int8_t *xq, int c0, int c1) {
-    __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains; integer sums are exact */
+/* the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the values 254 hi + lo (hi, lo int8, values
+   4 c0 .. 4 c1 - 1), as floats: sum(w hi) * 254 + sum(w lo), exact in int32 */
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
     for (int c = c0; c < c1; c++) {
-        int32_t x4;
-        memcpy(&x4, xq + 4 * c, 4);
-        acc[c & 1] = _mm512_dpbusd_epi32(acc[c & 1], w->c[c], _mm512_set1_epi32(x4));
+        int32_t h4, l4;
+        memcpy(&h4, hi + 4 * c, 4);
+        memcpy(&l4, lo + 4 * c, 4);
+        a = _mm512_dpbusd_epi32(a, w->c[c], _mm512_set1_epi32(h4));
+        b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
     }
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc[0], acc[1]));
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(a, _mm512_set1_epi32(254)), b));
 }
 #else
 typedef struct { uint8_t c[8][64]; } wg;
@@ -293,11 +296,12 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
         memcpy(w->c, b, sizeof(w->c));
     }
 }
-static inline vf wg_dot(const wg *w, const int8_t *xq, int c0, int c1) {
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
     int32_t acc[16] = {0};
     for (int c = c0; c < c1; c++)
         for (int r = 0; r < 16; r++)
-            for (int i = 0; i < 4; i++) acc[r] += (int32_t)w->c[c][4 * r + i] * (int32_t)xq[4 * c + i];
+            for (int i = 0; i < 4; i++)
+                acc[r] += (int32_t)w->c[c][4 * r + i] * (254 * (int32_t)hi[4 * c + i] + (int32_t)lo[4 * c + i]);
     float f[16];
     for (int r = 0; r < 16; r++) f[r] = (float)acc[r];
     return vf_load(f);
@@ -315,13 +319,16 @@ typedef struct {
     const uint8_t *data;       /* [N / 16][G][block_bytes] */
 } weight_t;
 
-/* The activations of a quantized matmul: each row's groups of 32 values as int8 (round(x / d), d = max |x| / 127)
-   with d, and the integer sum of each half group (16 values) */
+/* The activations of a quantized matmul: each row's groups of 32 values rounded to integers Q = round(x / d),
+   d = max |x| / 32258, so |Q| <= 32258 (x to 1 part in 64516 of the group's largest value); Q is held as
+   254 hi + lo with hi, lo int8 (for the 8-bit dot products); s is the sum of Q over each half group. */
 typedef struct {
-    int8_t *q;   /* [M][K] */
-    float *d;    /* [M][G] */
-    int32_t *s;  /* [M][2G] */
+    int8_t *hi, *lo; /* [M][K] */
+    float *d;        /* [M][G] */
+    int32_t *s;      /* [M][2G] */
 } xquant_t;
+
+#define Q_MAX 32258 /* 254 * 127 */
 
 static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, int threads) {
     int64_t G = K / 32;
@@ -331,12 +338,15 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
             const float *v = x + m * ldx + 32 * g;
             float amax = 0.0f;
             for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
-            float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = xq->q + m * K + 32 * g;
+            float d = amax / (float)Q_MAX, id = amax > 0.0f ? (float)Q_MAX / amax : 0.0f;
+            int8_t *hi = xq->hi + m * K + 32 * g, *lo = xq->lo + m * K + 32 * g;
             int32_t s0 = 0, s1 = 0;
             for (int k = 0; k < 32; k++) {
-                q[k] = (int8_t)nearbyintf(v[k] * id);
-                if (k < 16) s0 += q[k]; else s1 += q[k];
+                int32_t q = (int32_t)nearbyintf(v[k] * id);
+                q = q > Q_MAX ? Q_MAX : q < -Q_MAX ? -Q_MAX : q;
+                int32_t h = q >= 0 ? (q + 127) / 254 : -((127 - q) / 254); /* |q - 254 h| <= 127 */
+                hi[k] = (int8_t)h, lo[k] = (int8_t)(q - 254 * h);
+                if (k < 16) s0 += q; else s1 += q;
             }
             xq->d[m * G + g] = d;
             xq->s[m * 2 * G + 2 * g] = s0, xq->s[m * 2 * G + 2 * g + 1] = s1;
@@ -365,7 +375,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, cons
                 float d = xq->d[m * G + g];
                 const int32_t *s = xq->s + m * 2 * G + 2 * g;
                 int32_t sum = sets == 1 ? s[0] + s[1] : s[t];
-                vf dot = wg_dot(&u, xq->q + m * K + 32 * g, t * chunks, (t + 1) * chunks);
+                vf dot = wg_dot(&u, xq->hi + m * K + 32 * g, xq->lo + m * K + 32 * g, t * chunks, (t + 1) * chunks);
                 acc[i] = vf_fma(dot, vf_mul(scale, vf_set1(d)), acc[i]);
                 acc[i] = vf_fma(zero, vf_set1(d * (float)sum), acc[i]);
             }
@@ -424,12 +434,13 @@ GL_BLOCKS(mm_f32, FMT_F32, 1)
 int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, int64_t K, int64_t ldx,
               const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
     weight_t w = {fmt, group, half_scales, K, K / 32, gl_block_bytes(fmt, group, half_scales), data};
-    xquant_t xq = {NULL, NULL, NULL};
+    xquant_t xq = {NULL, NULL, NULL, NULL};
     if (fmt == FMT_Q4 || fmt == FMT_Q8) {
         size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * w.G;
-        uint8_t *buf = scratch(0, qbytes + dbytes + sizeof(int32_t) * M * 2 * w.G);
+        uint8_t *buf = scratch(0, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * w.G);
         if (!buf) return -1;
-        xq.q = (int8_t *)buf, xq.d = (float *)(buf + qbytes), xq.s = (int32_t *)(buf + qbytes + dbytes);
+        xq.hi = (int8_t *)buf, xq.lo = (int8_t *)(buf + qbytes);
+        xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
         quantize_rows(x, ldx, M, K, &xq, threads);
     }
     void (*run)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t, float *,
