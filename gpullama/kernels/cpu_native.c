@@ -555,16 +555,21 @@ static inline void rotate(float *x, const float *cs, int64_t half) {
 }
 
 /* rotate q [T, Hq, D] and k [T, Hk, D] in place (row strides ldq, ldk; `cos_sin` [max_pos, D] is cos | sin of
-   each half), then write k and v (row stride ldv) to the pool rows `slots` of k_cache / v_cache [rows, Hk, D] */
+   each half), then write k and v (row stride ldv) to the pool rows `slots`: v_cache is [pool rows, Hk, D]; k_cache
+   keeps each block transposed, [blocks, Hk, D, block_size] (see gl_attention) */
 void gl_rope_and_cache(float *q, int64_t ldq, float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T,
                        int64_t Hq, int64_t Hk, int64_t D, const float *cos_sin, const int64_t *positions,
-                       const int64_t *slots, float *k_cache, float *v_cache, int threads) {
+                       const int64_t *slots, int64_t block_size, float *k_cache, float *v_cache, int threads) {
 #pragma omp parallel for num_threads(threads) if (T >= 64)
     for (int64_t t = 0; t < T; t++) {
         const float *cs = cos_sin + positions[t] * D;
         for (int64_t h = 0; h < Hq; h++) rotate(q + t * ldq + h * D, cs, D / 2);
         for (int64_t h = 0; h < Hk; h++) rotate(k + t * ldk + h * D, cs, D / 2);
-        memcpy(k_cache + slots[t] * Hk * D, k + t * ldk, sizeof(float) * Hk * D);
+        int64_t block = slots[t] / block_size, slot = slots[t] % block_size;
+        for (int64_t h = 0; h < Hk; h++) {
+            float *kt = k_cache + (block * Hk + h) * D * block_size + slot;
+            for (int64_t d = 0; d < D; d++) kt[d * block_size] = k[t * ldk + h * D + d];
+        }
         memcpy(v_cache + slots[t] * Hk * D, v + t * ldv, sizeof(float) * Hk * D);
     }
 }
@@ -587,86 +592,119 @@ void gl_silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int thr
    paged attention
    ------------------------------------------------------------------------------------------------------------ */
 
-/* One query row of one head over keys 0 .. n - 1 of its sequence: scores by 16-lane dot products (D a multiple of
-   16) summed by the reduction tree, an exact max, exponentials, their sum over 16 lanes in key order, then the
-   weighted sum of values in key order. `rows` gives each key's pool row. */
-static void attend_row(const float *q, const float *k_cache, const float *v_cache, const int64_t *rows, int64_t n,
-                       int64_t Hk, int64_t hk, int64_t D, float scale, float *scores, float *out) {
-    int64_t stride = Hk * D;
-    for (int64_t j = 0; j < n; j += 4) {
-        vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
-        for (int r = 0; r < 4 && j + r < n; r++) {
-            const float *kr = k_cache + rows[j + r] * stride + hk * D;
-            for (int64_t d = 0; d < D; d += 16) acc[r] = vf_fma(vf_load(q + d), vf_load(kr + d), acc[r]);
-        }
-        float s[4];
-        vf_reduce4(acc[0], acc[1], acc[2], acc[3], s);
-        for (int r = 0; r < 4 && j + r < n; r++) scores[j + r] = s[r] * scale;
-    }
-    vf mx = vf_set1(-INFINITY);
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) mx = vf_max(mx, vf_load(scores + j));
-    float m = vf_hmax(mx);
-    for (; j < n; j++) m = scores[j] > m ? scores[j] : m;
-    vf sum = vf_zero(), mv = vf_set1(m);
-    for (j = 0; j < n; j += 16) {
-        int c = n - j < 16 ? (int)(n - j) : 16;
-        vf p = vf_exp(vf_sub(vf_load_n(scores + j, c), mv));
-        if (c < 16) p = vf_mul(p, vf_load_n((const float[16]){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, c));
-        vf_store_n(scores + j, p, c);
-        sum = vf_add(sum, p);
-    }
-    float inv = 1.0f / vf_hsum(sum);
-    vf o[GL_MAX_HEAD_DIM / 16];
-    for (int64_t d = 0; d < D; d += 16) o[d / 16] = vf_zero();
-    for (j = 0; j < n; j++) {
-        const float *vr = v_cache + rows[j] * stride + hk * D;
-        vf p = vf_set1(scores[j]);
-        for (int64_t d = 0; d < D; d += 16) o[d / 16] = vf_fma(p, vf_load(vr + d), o[d / 16]);
-    }
-    for (int64_t d = 0; d < D; d += 16) vf_store(out + d, vf_mul(o[d / 16], vf_set1(inv)));
-}
+#define TILE_ROWS 16 /* query rows (positions x heads of one kv head) that share each key and value load */
 
-/* rows [B, W] (int64) = the pool row of every context position of each sequence: position j of sequence b is
-   slot j % block_size of block block_tables[b, j / block_size] (positions past seq_lens[b] are left as they are) */
-void gl_context_rows(const int32_t *block_tables, int64_t ldb, const int32_t *seq_lens, int64_t B, int64_t block_size,
-                     int64_t W, int64_t *rows) {
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t j = 0; j < seq_lens[b] && j < W; j++)
-            rows[b * W + j] = (int64_t)block_tables[b * ldb + j / block_size] * block_size + j % block_size;
+/* One tile: query rows r = (position p0 + i, head h0 + j) of sequence b, all on kv head hk, each over the keys it
+   sees. A row's arithmetic does not depend on the tile: score j = sum over d of q[d] k_j[d] (FMAs in d order, key j
+   in lane j % 16), times scale; an exact max; exponentials and their sum over 16 lanes in key order, then the tree;
+   the weighted sum of values in key order. */
+static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t bs,
+                        int64_t Hq, int64_t Hk, int64_t D, const int32_t *table, int64_t seq_len, int64_t q_len,
+                        int64_t t0, int64_t p0, int np, int64_t hk, int64_t h0, int nh, float scale, float *scores,
+                        float *out) {
+    int R = np * nh;
+    int64_t n_max = seq_len - q_len + p0 + np, width = (n_max + 15) / 16 * 16;
+    const float *qr[TILE_ROWS];
+    int64_t n[TILE_ROWS];
+    for (int i = 0; i < np; i++)
+        for (int j = 0; j < nh; j++) {
+            qr[i * nh + j] = q + (t0 + p0 + i) * ldq + (h0 + j) * D;
+            n[i * nh + j] = seq_len - q_len + p0 + i + 1;
+        }
+    for (int64_t kb = 0; kb < width; kb += 16) {
+        const float *kt = k_cache + ((int64_t)table[kb / bs] * Hk + hk) * D * bs + kb % bs; /* [D][bs] */
+        vf acc[TILE_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = vf_zero();
+        for (int64_t d = 0; d < D; d++) {
+            vf kv = vf_load(kt + d * bs);
+            for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_set1(qr[r][d]), kv, acc[r]);
+        }
+        for (int r = 0; r < R; r++) vf_store(scores + r * width + kb, vf_mul(acc[r], vf_set1(scale)));
+    }
+    float inv[TILE_ROWS];
+    for (int r = 0; r < R; r++) {
+        float *sr = scores + r * width;
+        vf mx = vf_set1(-INFINITY);
+        int64_t j = 0;
+        for (; j + 16 <= n[r]; j += 16) mx = vf_max(mx, vf_load(sr + j));
+        float m = vf_hmax(mx);
+        for (; j < n[r]; j++) m = sr[j] > m ? sr[j] : m;
+        vf sum = vf_zero(), mv = vf_set1(m);
+        for (j = 0; j < n[r]; j += 16) {
+            int c = n[r] - j < 16 ? (int)(n[r] - j) : 16;
+            vf p = vf_exp(vf_sub(vf_load_n(sr + j, c), mv));
+            if (c < 16) p = vf_mul(p, vf_load_n((const float[16]){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, c));
+            vf_store(sr + j, p);
+            sum = vf_add(sum, p);
+        }
+        inv[r] = 1.0f / vf_hsum(sum);
+    }
+    for (int r0 = 0; r0 < R; r0 += 4) { /* values: 4 rows at a time, D / 16 accumulators each */
+        int rn = R - r0 < 4 ? R - r0 : 4;
+        vf o[4][GL_MAX_HEAD_DIM / 16];
+        for (int r = 0; r < rn; r++)
+            for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_zero();
+        for (int64_t j = 0; j < n[r0 + rn - 1]; j++) {
+            const float *vr = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * Hk + hk) * D;
+            for (int r = 0; r < rn; r++) {
+                if (j >= n[r0 + r]) continue;
+                vf p = vf_set1(scores[(r0 + r) * width + j]);
+                for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_fma(p, vf_load(vr + 16 * c), o[r][c]);
+            }
+        }
+        for (int r = 0; r < rn; r++) {
+            int64_t i = (r0 + r) / nh, j = (r0 + r) % nh;
+            float *dst = out + ((t0 + p0 + i) * Hq + h0 + j) * D;
+            for (int64_t c = 0; c < D / 16; c++) vf_store(dst + 16 * c, vf_mul(o[r][c], vf_set1(inv[r0 + r])));
+        }
+    }
 }
 
 /* Causal attention of every query row over its sequence's context in the paged pool.
-   q [T, Hq, D] (row stride ldq), out [T, Hq, D]; k_cache / v_cache [pool rows, Hk, D]; sequence b owns query rows
-   query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens whose pool rows are rows[b, :]
-   (row stride W, from gl_context_rows); its last query row sits at position seq_lens[b] - 1.
+   q [T, Hq, D] (row stride ldq; D a multiple of 16, at most GL_MAX_HEAD_DIM), out [T, Hq, D]; v_cache
+   [blocks * block_size, Hk, D]; k_cache [blocks, Hk, D, block_size] (each block transposed, block_size a multiple
+   of 16); sequence b owns query rows query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens in
+   the blocks block_tables[b, :] (row stride ldb); its last query row sits at position seq_lens[b] - 1.
    Returns 0, or -1 when out of memory. */
-int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq,
-                 int64_t Hk, int64_t D, int64_t B, const int32_t *query_start, const int32_t *seq_lens,
-                 const int64_t *rows, int64_t W, float scale, float *out, int threads) {
-    int64_t units = T * Hq, max_len = 1;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    if (units * max_len < 8192) threads = 1;
+int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
+                 int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
+                 const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, float *out,
+                 int threads) {
+    int64_t G = Hq / Hk, nh = G < TILE_ROWS ? G : TILE_ROWS, np = TILE_ROWS / nh, head_tiles = (G + nh - 1) / nh;
+    int64_t *first = scratch(1, sizeof(int64_t) * (B + 1)); /* first tile of each sequence */
+    if (!first) return -1;
+    int64_t max_len = 16, work = 0;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t q_len = query_start[b + 1] - query_start[b];
+        first[b + 1] = first[b] + Hk * head_tiles * ((q_len + np - 1) / np);
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+        work += q_len * seq_lens[b];
+    }
+    int64_t tiles = first[B];
+    if (work * Hq * D < (1 << 17)) threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = scratch(1, sizeof(float) * (max_len + 16));
+        float *scores = scratch(0, sizeof(float) * TILE_ROWS * (max_len + 16));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
+#pragma omp for schedule(dynamic)
+        for (int64_t u = 0; u < tiles; u++) {
             if (!scores) continue;
-            int64_t t = u / Hq, h = u % Hq, lo = 0, hi = B - 1;
-            while (lo < hi) { /* the sequence b with query_start[b] <= t < query_start[b + 1] */
+            int64_t lo = 0, hi = B - 1;
+            while (lo < hi) { /* the sequence whose tiles hold u */
                 int64_t mid = (lo + hi + 1) / 2;
-                if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+                if (first[mid] <= u) lo = mid; else hi = mid - 1;
             }
-            int64_t b = lo, q_len = query_start[b + 1] - query_start[b];
-            int64_t n = seq_lens[b] - q_len + (t - query_start[b]) + 1; /* keys this row sees */
-            attend_row(q + t * ldq + h * D, k_cache, v_cache, rows + b * W, n, Hk, h / (Hq / Hk), D, scale, scores,
-                       out + (t * Hq + h) * D);
+            int64_t b = lo, v = u - first[b], q_len = query_start[b + 1] - query_start[b];
+            int64_t hk = v % Hk, ht = (v / Hk) % head_tiles, pt = v / (Hk * head_tiles);
+            int64_t h0 = hk * G + ht * nh, p0 = pt * np;
+            attend_tile(q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, block_tables + b * ldb, seq_lens[b], q_len,
+                        query_start[b], p0, (int)(q_len - p0 < np ? q_len - p0 : np), hk, h0,
+                        (int)(G - ht * nh < nh ? G - ht * nh : nh), scale, scores, out);
         }
     }
     return failed ? -1 : 0;

@@ -31,16 +31,15 @@ SOURCE = Path(__file__).with_suffix(".c")
 FMT_Q4, FMT_Q8, FMT_F16, FMT_F32 = 0, 1, 2, 3
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
 MAX_HEAD_DIM = 256
-"""`attention` needs a head dim that is a multiple of 16 and at most this."""
+"""`attention` needs a head dim that is a multiple of 16 and at most this, and a block size a multiple of 16."""
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "gl_matmul": [_I32, _I32, _I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
     "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
-    "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
+    "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32],
     "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
     "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _P, _I32],
-    "gl_context_rows": [_P, _I64, _P, _I64, _I64, _I64, _P],
     "gl_embedding": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
 }
@@ -160,12 +159,13 @@ def rope_and_cache(
     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 ) -> None:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place (NeoX halves; `cos_sin` ``[max_pos, D]``, int64
-    `positions`), then write k and v to pool rows `slots` (int64) of the caches ``[..., Hk, D]``. q, k and v may
+    `positions`), then write k and v to pool rows `slots` (int64): v_cache ``[blocks, block_size, Hk, D]`` as it
+    is, k_cache's memory as ``[blocks, Hk, D, block_size]`` (each block transposed, for `attention`). q, k and v may
     be row-strided views (each head contiguous)."""
     t, hq, d = q.shape
     _lib.gl_rope_and_cache(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hq,
                            k.shape[1], d, cos_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                           k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads())
+                           k_cache.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads())
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -174,26 +174,18 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def context_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
-    """The pool row ``[B, width]`` int64 of every context position of each sequence (int32 `block_tables` ``[B, :]``
-    and `seq_lens`), for `attention`; entries past a sequence's length are unset."""
-    rows = torch.empty(seq_lens.shape[0], width, dtype=torch.int64)
-    _lib.gl_context_rows(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), seq_lens.shape[0],
-                         block_size, width, rows.data_ptr())
-    return rows
-
-
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-    rows: torch.Tensor, scale: float, out: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, out: torch.Tensor,
 ) -> torch.Tensor:
-    """Causal attention of q ``[T, Hq, D]`` (row-strided view allowed) over the paged pool ``[blocks, block_size,
-    Hk, D]``: sequence b's rows are ``query_start[b]:query_start[b + 1]``, its context ``seq_lens[b]`` tokens (int32
-    both) at pool rows ``rows[b]`` (from `context_rows`); `out` ``[T, Hq, D]``."""
-    t, hq, d = q.shape
-    if _lib.gl_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), t, hq, k_cache.shape[2], d,
-                         seq_lens.shape[0], query_start.data_ptr(), seq_lens.data_ptr(), rows.data_ptr(),
-                         rows.stride(0), scale, out.data_ptr(), torch.get_num_threads()):
+    """Causal attention of q ``[T, Hq, D]`` (row-strided view allowed) over the paged pool as `rope_and_cache`
+    writes it: sequence b's rows are ``query_start[b]:query_start[b + 1]``, its context ``seq_lens[b]`` tokens in
+    the blocks of ``block_tables[b]`` (int32 all three); `out` ``[T, Hq, D]``."""
+    _, hq, d = q.shape
+    if _lib.gl_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], hq,
+                         k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(), seq_lens.data_ptr(),
+                         block_tables.data_ptr(), block_tables.stride(0), scale, out.data_ptr(),
+                         torch.get_num_threads()):
         raise MemoryError("no memory for the attention scores")
     return out
 

@@ -8,8 +8,6 @@ sums (about 1e-6 relative).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from gpullama.kernels import cpu_native
@@ -49,10 +47,8 @@ class CpuOps(TorchOps):
         return self._tables.setdefault(_key(weight), CpuWeight.from_qtensor(weight))
 
     def prepare_step(self, meta: BatchMetadata, cos_sin: torch.Tensor, block_size: int) -> BatchMetadata:
-        """`meta` with the pool row of every context position (`context_slots`), derived once per step for the
-        attention of every layer."""
-        rows = cpu_native.context_rows(meta.block_tables, meta.seq_lens, block_size, max(meta.max_seq_len, 1))
-        return dataclasses.replace(meta, context_slots=rows)
+        """The kernels read the metadata as it is."""
+        return meta
 
     def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor | CpuWeight) -> torch.Tensor:
         """Rows of the embedding table for `ids`, float32 ``[T, H]``."""
@@ -88,7 +84,9 @@ class CpuOps(TorchOps):
         v_cache: torch.Tensor,
         meta: BatchMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k in place and write k, v to the pool."""
+        """Rotate q and k in place and write k, v to the pool (k blocks transposed, for `attention`)."""
+        if not self._kernel_attention(q, k_cache):
+            return super().rope_and_cache(q, k, v, cos_sin, k_cache, v_cache, meta)
         cpu_native.rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
         return q, k
 
@@ -96,14 +94,17 @@ class CpuOps(TorchOps):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its context in the paged pool: ``[T, Hq, D]``."""
-        d = q.shape[-1]
-        if d % 16 or d > cpu_native.MAX_HEAD_DIM:
+        if not self._kernel_attention(q, k_cache):
             return super().attention(q, k_cache, v_cache, meta, scale)
-        rows = meta.context_slots
-        if rows is None:
-            rows = cpu_native.context_rows(meta.block_tables, meta.seq_lens, k_cache.shape[1], max(meta.max_seq_len, 1))
-        return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, rows, scale,
-                                    q.new_empty(q.shape))
+        return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                    scale, q.new_empty(q.shape))
+
+    @staticmethod
+    def _kernel_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether the C attention takes these shapes (else both it and the KV write are torch's, the pool keeping
+        the standard layout)."""
+        d = q.shape[-1]
+        return d % 16 == 0 and d <= cpu_native.MAX_HEAD_DIM and k_cache.shape[1] % 16 == 0
 
     def sample(
         self,

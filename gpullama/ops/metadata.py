@@ -26,7 +26,7 @@ class BatchMetadata:
     # derived once per step by `ops.prepare_step` (the runner calls it) for the ops that read them; None otherwise
     rope_cos: torch.Tensor | None = None  # [T, 1, D] cos of each token's rotary angles, for both halves
     rope_sin: torch.Tensor | None = None  # [T, 1, D] sin of them, first half negated
-    context_slots: torch.Tensor | None = None  # [B, max_seq_len] int64 pool row of each context position (TorchOps: decode only)
+    context_slots: torch.Tensor | None = None  # decode: [B, max_seq_len] int64 pool row of each context position
     context_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_seq_len] bool, True inside each context
 
     @property

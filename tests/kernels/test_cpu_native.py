@@ -66,17 +66,21 @@ def metadata(q_lens: list[int], seq_lens: list[int], block_size: int, blocks: li
     )
 
 
+def transposed(k_cache: torch.Tensor) -> torch.Tensor:
+    """The pool's k as the kernels keep it: each block [Hk, D, block_size], in a tensor of the pool's shape."""
+    return k_cache.permute(0, 2, 3, 1).contiguous().view(k_cache.shape)
+
+
 def attend(q, k_cache, v_cache, meta, scale):
-    rows = cpu_native.context_rows(meta.block_tables, meta.seq_lens, k_cache.shape[1], meta.max_seq_len)
-    return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, rows, scale,
-                                torch.empty_like(q))
+    return cpu_native.attention(q, transposed(k_cache), v_cache, meta.query_start_loc, meta.seq_lens,
+                                meta.block_tables, scale, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_matches_torch_over_a_ragged_batch(head_dim: int) -> None:
-    """Prefill chunks, a whole prompt and decode rows in one batch, GQA (6 query heads on 2 kv heads), keys spread
+@pytest.mark.parametrize(("head_dim", "block_size", "hq"), [(64, 16, 6), (128, 32, 6), (64, 16, 40)])
+def test_attention_matches_torch_over_a_ragged_batch(head_dim: int, block_size: int, hq: int) -> None:
+    """Prefill chunks, a whole prompt and decode rows in one batch, GQA (3 or 20 query heads a kv head), keys spread
     over non-contiguous pool blocks."""
-    block_size, hq, hk = 16, 6, 2
+    hk = 2
     k_cache = torch.randn(12, block_size, hk, head_dim, generator=gen(1))
     v_cache = torch.randn(12, block_size, hk, head_dim, generator=gen(2))
     meta = metadata([5, 40, 1, 1], [37, 40, 1, 20], block_size, [[7, 2, 9], [3, 0, 11], [5], [4, 10]])
@@ -113,7 +117,7 @@ def test_rope_and_cache_matches_torch() -> None:
                                                                  caches[1], meta)
     cpu_native.rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, caches[2], caches[3])
     assert torch.allclose(q, want_q, atol=1e-6) and torch.allclose(k, want_k, atol=1e-6)
-    assert torch.allclose(caches[2], caches[0], atol=1e-6) and torch.equal(caches[3], caches[1])
+    assert torch.allclose(caches[2], transposed(caches[0]), atol=1e-6) and torch.equal(caches[3], caches[1])
 
 
 def test_without_a_compiler_library_is_none_and_says_why(tmp_path: Path) -> None:
