@@ -24,37 +24,10 @@ from pathlib import Path
 import torch
 from machine import cpu_name  # benchmarks/machine.py
 
-from gpullama import LLM, SamplingParams
+from gpullama.bench import PpTg as Gpullama  # the rows of `gpullama bench`
 from gpullama.hub import resolve_model
-from gpullama.llm import resident_bytes
 
 WORKER = Path(__file__).resolve().parent / "llama_cpp_worker.py"
-
-
-class Gpullama:
-    """gpullama through its public API at one dtype."""
-
-    def __init__(self, path: str, dtype: str, device: str, n_prompt: int, n_gen: int, threads: int | None):
-        before = resident_bytes()
-        self.llm = LLM(path, device=device, dtype=dtype, threads=threads, max_model_len=n_prompt + n_gen + 16,
-                       max_num_seqs=1, max_num_batched_tokens=max(512, n_prompt), enable_prefix_caching=False)
-        self.loaded_bytes = resident_bytes() - before
-        ops = self.llm.model.ops
-        self.label = f"gpullama {dtype} ({ops.mode})"
-        vocab = self.llm.config.vocab_size
-        self.prompt = torch.randint(100, vocab, (n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-
-    def pp(self, n: int) -> float:
-        """Seconds to prefill `n` prompt tokens (and sample one)."""
-        start = time.perf_counter()
-        self.llm.generate([self.prompt[:n]], SamplingParams(max_tokens=1, temperature=0))
-        return time.perf_counter() - start
-
-    def tg(self, n: int) -> float:
-        """Seconds to generate `n` tokens after a one-token prompt."""
-        start = time.perf_counter()
-        self.llm.generate([self.prompt[:1]], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return time.perf_counter() - start
 
 
 class LlamaCpp:

@@ -45,10 +45,11 @@ class Row:
     ms: float
     weight_gb: float
     floor_ms: float
+    tok_s: float | None = None  # measured throughput where it is not batch / step time (the served rows)
 
     def markdown(self) -> str:
         """The row as a markdown table line."""
-        tok_s = self.batch / (self.ms / 1e3)
+        tok_s = self.tok_s if self.tok_s is not None else self.batch / (self.ms / 1e3)
         return (f"| {self.fmt} | {self.batch} | {self.path} | {self.ms:.3f} | {tok_s:,.0f} | "
                 f"{self.weight_gb:.2f} | {100 * self.floor_ms / self.ms:.0f}% |")
 
@@ -137,9 +138,10 @@ def compare_logits(config, tensors, device, block_size: int) -> dict[str, float]
     return errors
 
 
-def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
-    """Time one decode step per batch size with each path; rows of the table."""
-    rows: list[Row] = []
+def decode_timings(args, config, tensors, fmt: str, device, dtype, rows: list[Row]) -> float:
+    """Time one decode step per batch size with each path; appends rows of the table to `rows` as they come.
+    Returns the largest relative difference between the DecodeGraphs logits and the eager step's."""
+    graph_error = 0.0
     paths = [("triton", TritonOps(device, dtype))]
     if not args.no_torch_timing:
         paths.append(("torch eager", TorchOps(device, dtype)))
@@ -160,18 +162,20 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype) -> list[Row]:
             rows.append(Row(fmt, batch, f"{name} eager" if name == "triton" else name, ms, weight_bytes / 1e9, floor_ms))
             log.info("%s", rows[-1].markdown())
             if name == "triton":
-                label, graph_ms = _plan_time(decoder, k, v, ids, meta, device, args.iters)
+                label, graph_ms, error = _plan_time(decoder, k, v, ids, meta, device, args.iters)
+                graph_error = max(graph_error, error)
                 rows.append(Row(fmt, batch, label, graph_ms, weight_bytes / 1e9, floor_ms))
                 log.info("%s", rows[-1].markdown())
             del k, v
             gc.collect()
         del decoder
-    return rows
+    return graph_error
 
 
-def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tuple[str, float]:
-    """(label, ms) of a decode step through `gpullama.engine.decode_graphs.DecodeGraphs`, the model runner's decode
-    path (CUDA graphs on CUDA, padded static buffers run eagerly elsewhere), host inputs copied in each step."""
+def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tuple[str, float, float]:
+    """(label, ms, error) of a decode step through `gpullama.engine.decode_graphs.DecodeGraphs`, the model runner's
+    decode path (CUDA graphs on CUDA, padded static buffers run eagerly elsewhere), host inputs copied in each step;
+    error: max |graph - eager| / max |eager| of the step's logits (the step rewrites the same k/v, so both agree)."""
     from gpullama.engine.decode_graphs import DecodeGraphs
 
     use_graphs = device.type == "cuda"
@@ -180,12 +184,34 @@ def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tu
                           scratch_block=k[0].shape[0] - 1, use_graphs=use_graphs)
     host = (ids.tolist(), meta.positions.tolist(), meta.slot_mapping.tolist(), meta.block_tables.tolist())
     label = "triton graph (DecodeGraphs)" if use_graphs else "triton DecodeGraphs eager"
-    return label, time_step(lambda: graphs.run(*host), device, iters)
+    want = decoder.forward(ids, meta, k, v).float()
+    got = graphs.run(*host).float()
+    error = float((got - want).abs().max() / want.abs().max()) if torch.isfinite(got).all() else float("inf")
+    log.info("batch %d: DecodeGraphs logits vs eager: %.1e", batch, error)
+    return label, time_step(lambda: graphs.run(*host), device, iters), error
+
+
+def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtype, checks: list[str],
+                 rows: list[Row]) -> None:
+    """Logits check (a line appended to `checks`) and timing rows (appended to `rows`) of one format."""
+    t0 = time.perf_counter()
+    tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
+    log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
+    errors = compare_logits(config, tensors, device, args.block_size)
+    # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
+    ok = errors["triton f32"] < 1e-3 and errors["triton bf16"] <= max(2e-2, 1.5 * errors["torch bf16"])
+    line = f"| {fmt} | {errors['triton f32']:.1e} | {errors['triton bf16']:.1e} | {errors['torch bf16']:.1e} | "
+    checks.append(line + "not reached | FAIL |")  # kept if the timings fail or are stopped
+    log.info("%s: logits errors vs torch float32 %s (%s)", fmt, errors, "ok" if ok else "FAIL")
+    graph_error = decode_timings(args, config, tensors, fmt, device, dtype, rows)
+    # the same kernels on the same inputs: replayed graphs must give the eager step's logits
+    ok = ok and graph_error <= 1e-3
+    checks[-1] = line + f"{graph_error:.1e} | {'ok' if ok else 'FAIL'} |"
 
 
 def _nbytes(weight) -> int:
     """Bytes a prepared weight occupies."""
-    return weight.nbytes if hasattr(weight, "qtype") else weight.numel() * weight.element_size()
+    return weight.nbytes  # a tensor, a QTensor of GGUF blocks, or a CPU path weight (cpu_weights): all have it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,28 +230,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)  # `timeout` in gpu_check.sh: still print what was measured
     try:
         for fmt in args.formats:
-            t0 = time.perf_counter()
-            tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
-            log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
-            errors = compare_logits(config, tensors, device, args.block_size)
-            # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
-            ok = errors["triton f32"] < 1e-3 and errors["triton bf16"] <= max(2e-2, 1.5 * errors["torch bf16"])
-            failed |= not ok
-            checks.append(f"| {fmt} | {errors['triton f32']:.1e} | {errors['triton bf16']:.1e} | "
-                          f"{errors['torch bf16']:.1e} | {'ok' if ok else 'FAIL'} |")
-            log.info("%s: logits errors vs torch float32 %s (%s)", fmt, errors, "ok" if ok else "FAIL")
-            rows += decode_timings(args, config, tensors, fmt, device, dtype)
-            del tensors
+            try:
+                check_format(args, config, fmt, device, dtype, checks, rows)
+            except Exception as exc:  # a kernel or capture error in one format: log it, go on with the next
+                log.exception("%s: failed", fmt)
+                checks.append(f"| {fmt} | error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''} | | | | FAIL |")
+                failed = True
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     except (KeyboardInterrupt, SystemExit) as stop:
         log.error("stopped early (%s): the table holds what was measured", stop)
         failed = True
+    failed |= any(line.endswith("FAIL |") for line in checks)
     shape = "tiny" if args.tiny else "Llama-3.2-1B shapes"
     print(f"\n### gpu_check: {card}, {shape}, bf16 compute, context {args.context}\n")
-    print("Logits of a prefill + decode step, max |error| / max |value| against the torch float32 path:\n")
-    print("| format | triton f32 | triton bf16 | torch bf16 | check |\n|---|---|---|---|---|")
+    print("Logits of a prefill + decode step, max |error| / max |value| against the torch float32 path; last, the\n"
+          "decode step through DecodeGraphs (replayed CUDA graphs) against the same step run eagerly:\n")
+    print("| format | triton f32 | triton bf16 | torch bf16 | graph vs eager | check |\n|---|---|---|---|---|---|")
     print("\n".join(checks))
     print("\n| format | batch | path | ms/step | tok/s | weights GB | % of bandwidth floor |\n|---|---|---|---|---|---|---|")
     print("\n".join(r.markdown() for r in rows), flush=True)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpullama.engine.args import EngineArgs
     from gpullama.llm import LLM
-    from gpullama.outputs import Completion, StreamDelta, TokenLogprob, TopLogprob
+    from gpullama.outputs import Completion, CompletionOutput, StreamDelta, TokenLogprob, TopLogprob
     from gpullama.sampling_params import SamplingParams
+    from gpullama.structured.spec import StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -20,17 +21,21 @@ _EXPORTS = {
     "LLM": "gpullama.llm",
     "EngineArgs": "gpullama.engine.args",
     "SamplingParams": "gpullama.sampling_params",
+    "StructuredOutput": "gpullama.structured.spec",
     "Completion": "gpullama.outputs",
+    "CompletionOutput": "gpullama.outputs",
     "StreamDelta": "gpullama.outputs",
     "TokenLogprob": "gpullama.outputs",
     "TopLogprob": "gpullama.outputs",
 }
 __all__ = [
     "Completion",
+    "CompletionOutput",
     "EngineArgs",
     "LLM",
     "SamplingParams",
     "StreamDelta",
+    "StructuredOutput",
     "TokenLogprob",
     "TopLogprob",
 ]

@@ -56,29 +56,57 @@ def _checked(args: argparse.Namespace):
     return engine_args, params
 
 
+class LoadingLine:
+    """``loading MODEL: STEP ... Ns`` on one terminal line, shown at once, redrawn as each loading step starts and
+    every second; nothing when stderr is not a terminal. `progress` is the loader's ``on_progress``."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.step = "starting"
+        self.started = time.perf_counter()
+        self.shown = sys.stderr.isatty()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> LoadingLine:
+        if self.shown:
+            self._draw()
+            threading.Thread(target=self._tick, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self.shown:
+            with self._lock:
+                sys.stderr.write("\r\033[K")
+                sys.stderr.flush()
+
+    def progress(self, step: str) -> None:
+        """A new loading step began."""
+        self.step = step
+        if self.shown:
+            self._draw()
+
+    def _draw(self) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                elapsed = time.perf_counter() - self.started
+                sys.stderr.write(f"\r\033[Kloading {self.model}: {self.step} ... {elapsed:.0f}s")
+                sys.stderr.flush()
+
+    def _tick(self) -> None:
+        while not self._done.wait(1.0):
+            self._draw()
+
+
 def _load(engine_args: EngineArgs):
-    """Load the model, saying so at once on a terminal (with the seconds counting while it loads)."""
+    """Load the model, showing its loading steps and the seconds on a terminal."""
     from gpullama.llm import LLM
 
-    if not sys.stderr.isatty():
-        return LLM.from_engine_args(engine_args)
-    done = threading.Event()
-    started = time.perf_counter()
-
-    def tick() -> None:
-        while not done.wait(1.0):
-            sys.stderr.write(f"\rloading {engine_args.model} ... {time.perf_counter() - started:.0f}s")
-            sys.stderr.flush()
-
-    sys.stderr.write(f"loading {engine_args.model} ...")
-    sys.stderr.flush()
-    threading.Thread(target=tick, daemon=True).start()
-    try:
-        llm = LLM.from_engine_args(engine_args)
-    finally:
-        done.set()
-        sys.stderr.write("\r\033[K")
-    print(f"loaded {llm.model_name} on {llm.device} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    with LoadingLine(engine_args.model) as line:
+        llm = LLM.from_engine_args(engine_args, on_progress=line.progress)
+    if line.shown:
+        print(f"loaded {llm.model_name} on {llm.device} in {time.perf_counter() - line.started:.1f}s", file=sys.stderr)
     return llm
 
 
@@ -198,6 +226,35 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 0, such as ``128,512``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 0 separated by commas, got {text!r}")
+    return values
+
+
+BENCH_SETS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")  # bench's own
+
+
+def cmd_bench(args) -> int:
+    """Time prefill (pp) and decode (tg) and print llama-bench's table."""
+    engine_args = EngineArgs.from_cli_args(args)
+    if not any(args.n_prompt) and not any(args.n_gen):
+        raise ValueError("nothing to time: -p and -n are both 0")
+    from gpullama.bench import PpTg, run, table
+
+    kwargs = {name: getattr(engine_args, name) for name in ("kv_cache_memory", "block_size", "enforce_eager")}
+    with LoadingLine(engine_args.model) as line:
+        bench = PpTg(engine_args.model, engine_args.dtype, engine_args.device, max(args.n_prompt),
+                     max(args.n_gen), engine_args.threads, on_progress=line.progress, **kwargs)
+    print(table(bench, run(bench, args.n_prompt, args.n_gen, args.repetitions)))
+    return 0
+
+
 def cmd_pull(args) -> int:
     """Download an aliased model into the cache."""
     print(pull(args.alias))
@@ -269,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("serve", help="the OpenAI-compatible server (gpullama-serve; `serve --help` for its flags)",
                        add_help=False)
+    p = sub.add_parser("bench", help="prefill and decode tokens/s in llama-bench's table")
+    EngineArgs.add_cli_args(p, skip=BENCH_SETS)
+    p.add_argument("-p", "--n-prompt", type=int_list, default=[512], metavar="N[,N...]",
+                   help="prompt lengths to prefill, each a pp row (default 512; 0 for none)")
+    p.add_argument("-n", "--n-gen", type=int_list, default=[128], metavar="N[,N...]",
+                   help="tokens to generate, each a tg row (default 128; 0 for none)")
+    p.add_argument("-r", "--repetitions", type=positive_int, default=5, help="timed runs of each test (default 5)")
+    p.set_defaults(func=cmd_bench)
     p = sub.add_parser("pull", help="download an aliased model into the cache")
     p.add_argument("alias", choices=sorted(ALIASES))
     p.set_defaults(func=cmd_pull)
@@ -289,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request is not news to a person
     try:
         return args.func(args)
     except (ValueError, RuntimeError) as exc:  # bad input: one clear line, no traceback

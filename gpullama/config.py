@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3")
+
+# Families llama.cpp knows that are not implemented here, with why (named in the refusal).
+_NOT_SUPPORTED = {
+    "qwen2moe": "mixture-of-experts models are not supported",
+    "qwen3moe": "mixture-of-experts models are not supported",
+    "granitemoe": "mixture-of-experts models are not supported",
+    "phimoe": "mixture-of-experts models are not supported",
+    "deepseek2": "mixture-of-experts models are not supported",
+    "gemma": "Gemma 1 is not supported (Gemma 2 and Gemma 3 are)",
+    "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
+    "granitehybrid": "Granite 4 hybrid (Mamba) models are not supported (Granite 3.x is)",
+}
 
 
 @dataclass
 class ModelConfig:
-    """The shape and numerics of a decoder, one set of flags covering llama, mistral, qwen2 and qwen3."""
+    """The shape and numerics of a decoder: one set of flags covering llama, mistral, qwen2, qwen3, phi3 (Phi-3,
+    Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2 and gemma3."""
 
     architecture: str
     num_layers: int
@@ -24,17 +38,45 @@ class ModelConfig:
     rope_base: float
     rms_eps: float
     attention_bias: bool = False  # qwen2: q/k/v projections carry a bias
-    qk_norm: bool = False  # qwen3: RMSNorm on each q and k head
+    qk_norm: bool = False  # qwen3, gemma3: RMSNorm on each q and k head
     tied_embeddings: bool = False  # no output.weight: the embedding doubles as the output head
-    permuted_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows (llama architecture)
+    permuted_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows (llama and granite)
+    # rotary embedding
+    rotary_dim: int = 0  # dims of each head that rotate (phi3 partial rotary); 0: all of head_dim
+    rope_scale: float = 1.0  # linear rope scaling factor (positions divided by it) of the full-attention layers
+    rope_attn_factor: float = 1.0  # LongRoPE's attention factor: cos and sin are multiplied by it (phi3)
+    rope_original_context: int = 0  # LongRoPE: the long factors are used when the context exceeds this (phi3)
+    rope_base_swa: float = 0.0  # rope base of the sliding-window layers (gemma3: 10000); 0: rope_base
+    rope_scale_swa: float = 1.0  # linear rope scaling of the sliding-window layers
+    # attention
+    sliding_window: int = 0  # a sliding layer attends to its last `sliding_window` positions; 0: none
+    swa_layers: tuple[bool, ...] = ()  # per layer: sliding window (True) or full attention; () when none slide
+    attention_scale: float = 0.0  # scale of q.k; 0: 1 / sqrt(head_dim)
+    attn_softcap: float = 0.0  # gemma2: scores become cap * tanh(scores / cap); 0: off
+    # residual stream and head
+    embedding_scale: float = 1.0  # the embedding rows are multiplied by it (gemma: sqrt(hidden); granite)
+    residual_scale: float = 1.0  # granite: each block's output is multiplied by it before the residual add
+    logit_scale: float = 1.0  # granite: logits are divided by it
+    final_softcap: float = 0.0  # gemma2: logits become cap * tanh(logits / cap); 0: off
+    post_norms: bool = False  # gemma2/3: RMSNorm on the attention and MLP outputs before the residual add
+    activation: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
+
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            self.rotary_dim = self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends only to its last `sliding_window` positions."""
+        return bool(self.swa_layers) and self.swa_layers[layer]
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any], path: str = "") -> "ModelConfig":
         """Read the config of the architecture named in ``general.architecture``."""
         arch = meta.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
+            why = f": {_NOT_SUPPORTED[arch]}" if arch in _NOT_SUPPORTED else ""
             raise ValueError(
-                f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"{path}: unsupported architecture {arch!r}{why} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
 
         def get(key: str, default: Any = None) -> Any:
@@ -43,17 +85,26 @@ class ModelConfig:
                 raise ValueError(f"{path}: missing metadata key '{arch}.{key}'")
             return value
 
+        def opt(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        if opt("expert_count"):  # e.g. Mixtral, stored as architecture llama with expert tensors
+            raise ValueError(
+                f"{path}: '{arch}.expert_count' = {opt('expert_count')}: mixture-of-experts models are not supported"
+            )
+
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         kv_heads = get("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):  # some files store one count per layer
             kv_heads = kv_heads[0]
-        head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+        head_dim = int(opt("attention.key_length") or hidden // heads)
         tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
-        return cls(
+        vocab = int(opt("vocab_size") or (len(tokens) if tokens else 0))
+        num_layers = int(get("block_count"))
+        config = cls(
             architecture=arch,
-            num_layers=int(get("block_count")),
+            num_layers=num_layers,
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
             num_heads=heads,
@@ -64,6 +115,103 @@ class ModelConfig:
             rope_base=float(get("rope.freq_base", 10000.0)),
             rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
-            permuted_qk=arch == "llama",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            permuted_qk=arch in ("llama", "granite"),
+            rotary_dim=int(opt("rope.dimension_count") or head_dim),
         )
+        if config.rotary_dim > head_dim or config.rotary_dim % 2:
+            raise ValueError(
+                f"{path}: '{arch}.rope.dimension_count' = {config.rotary_dim} must be even and at most the head "
+                f"dim {head_dim}"
+            )
+        _read_rope_scaling(config, arch, opt, path)
+        family = _FAMILIES.get(arch)
+        if family is not None:
+            family(config, get, opt, path)
+        return config
+
+
+def _read_rope_scaling(config: ModelConfig, arch: str, opt, path: str) -> None:
+    """`{arch}.rope.scaling.*`: linear scaling is applied; LongRoPE's factors are tensors (see `rope_factors`)."""
+    kind = opt("rope.scaling.type")
+    factor = float(opt("rope.scaling.factor") or 0.0)
+    if kind in (None, "none") or (kind == "linear" and factor in (0.0, 1.0)):
+        pass
+    elif kind == "linear":
+        config.rope_scale = factor
+    else:  # yarn and the rest change the rotation in ways not implemented here: refuse rather than be wrong
+        raise ValueError(f"{path}: '{arch}.rope.scaling.type' = {kind!r} is not supported (only linear rope scaling)")
+    config.rope_scale_swa = config.rope_scale
+    config.rope_attn_factor = float(opt("rope.scaling.attn_factor") or 1.0)
+    config.rope_original_context = int(opt("rope.scaling.original_context_length") or 0)
+
+
+def _layer_pattern(num_layers: int, pattern: Any, key: str) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp's `set_swa_pattern`: with period n every n-th layer (the last of each
+    group of n) has full attention; a list gives each layer's flag itself."""
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"'{key}' has {len(pattern)} entries for {num_layers} layers")
+        return tuple(bool(p) for p in pattern)
+    n = int(pattern)
+    return tuple(n == 0 or i % n < n - 1 for i in range(num_layers))
+
+
+def _phi3(config: ModelConfig, get, opt, path: str) -> None:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate|up tensors (read from the file), partial rotary, LongRoPE
+    factors as tensors with their attention factor, and a sliding window on every layer where the file sets one
+    (as transformers applies it; llama.cpp ignores it)."""
+    window = int(get("attention.sliding_window", 0))
+    if window > 0:
+        config.sliding_window = window
+        config.swa_layers = (True,) * config.num_layers
+
+
+def _granite(config: ModelConfig, get, opt, path: str) -> None:
+    """Granite 3.x: llama plus four multipliers (llama.cpp requires the logit scale; the others default to off)."""
+    config.logit_scale = float(get("logit_scale"))
+    config.residual_scale = float(opt("residual_scale") or 1.0)
+    config.embedding_scale = float(opt("embedding_scale") or 1.0)
+    config.attention_scale = float(opt("attention.scale") or 0.0)
+    if opt("rope.scaling.finetuned") is False:  # llama.cpp's switch for Granite without rotary embedding
+        raise ValueError(
+            f"{path}: '{config.architecture}.rope.scaling.finetuned' = false (Granite without rotary embedding) is not supported"
+        )
+
+
+def _gemma(config: ModelConfig, opt, default_window: int, default_pattern: int) -> None:
+    """What Gemma 2 and Gemma 3 share: embedding x sqrt(hidden), post-norms, GeGLU, tied head, sliding layers."""
+    config.embedding_scale = math.sqrt(config.hidden_size)
+    config.post_norms = True
+    config.activation = "gelu_tanh"
+    window = int(opt("attention.sliding_window", default_window) or 0)
+    if window > 0:
+        config.sliding_window = window
+        pattern = opt("attention.sliding_window_pattern", default_pattern)
+        config.swa_layers = _layer_pattern(
+            config.num_layers, pattern, f"{config.architecture}.attention.sliding_window_pattern"
+        )
+    # llama.cpp: 1 / sqrt(head_dim), except the 27B models (by layer count), which use hidden / heads
+    big = {"gemma2": 46, "gemma3": 62}[config.architecture] == config.num_layers
+    config.attention_scale = 1.0 / math.sqrt(config.hidden_size // config.num_heads if big else config.head_dim)
+
+
+def _gemma2(config: ModelConfig, get, opt, path: str) -> None:
+    """Gemma 2: attention-logit and final-logit soft-capping (llama.cpp's defaults 50 and 30), window 4096 on
+    every other layer unless the file says otherwise."""
+    _gemma(config, opt, default_window=4096, default_pattern=2)
+    config.attn_softcap = float(opt("attn_logit_softcapping", 50.0))
+    config.final_softcap = float(opt("final_logit_softcapping", 30.0))
+    config.rope_base_swa = float(opt("rope.freq_base_swa", config.rope_base))
+
+
+def _gemma3(config: ModelConfig, get, opt, path: str) -> None:
+    """Gemma 3: q/k norms, five sliding layers (rope base 10000, unscaled) per full one (rope.freq_base, scaled)."""
+    _gemma(config, opt, default_window=0, default_pattern=6)
+    config.final_softcap = float(opt("final_logit_softcapping", 0.0) or 0.0)
+    if config.sliding_window:
+        config.rope_base_swa = float(opt("rope.freq_base_swa", 10000.0))
+        config.rope_scale_swa = 1.0
+
+
+_FAMILIES = {"phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3}

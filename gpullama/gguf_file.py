@@ -34,6 +34,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
+    offset: int = 0  # of its data, from the start of the file's data section
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GGUFHeader:
     metadata: dict[str, Any]  # arrays of more than `max_array` items are `ArraySummary`s
     tensors: list[TensorInfo]
     config: ModelConfig
+    data_start: int = 0  # file offset of the (aligned) data section
 
 
 @dataclass
@@ -73,15 +75,16 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
-def read_header(path: str, max_array: int = 4096) -> GGUFHeader:
+def read_header(path: str, max_array: int | None = 4096) -> GGUFHeader:
     """Read a GGUF file's metadata and tensor list only (what `gpullama info` shows), fast: the tensor data is
-    never touched and arrays longer than `max_array` are skipped over, kept as their length. gguf's own reader
-    builds a view of every array item (seconds for a 150k-token vocabulary), so this walks the header itself."""
+    never touched and arrays longer than `max_array` (None: no limit) are skipped over, kept as their length.
+    gguf's own reader builds a view of every array item (seconds for a 150k-token vocabulary), so this walks the
+    header itself."""
     path = os.fspath(path)
     size = _check_file(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            return _parse_header(path, buf, max_array)
+            metadata, tensors, data_start = _parse_header(path, buf, max_array)
         except (struct.error, UnicodeDecodeError, KeyError, ValueError) as exc:
             if isinstance(exc, ModelFileError):
                 raise
@@ -89,9 +92,14 @@ def read_header(path: str, max_array: int = 4096) -> GGUFHeader:
                 f"{path}: corrupt or truncated GGUF file: its header and metadata do not parse within its {size} "
                 f"bytes ({type(exc).__name__}: {exc})"
             ) from None
+    # outside the parse: an unsupported architecture or a missing key is not a corrupt file
+    config = ModelConfig.from_metadata(metadata, path)
+    _set_tensor_flags(config, {t.name: t.shape for t in tensors})
+    return GGUFHeader(path, metadata, tensors, config, data_start)
 
 
-def _parse_header(path: str, buf: mmap.mmap, max_array: int) -> GGUFHeader:
+def _parse_header(path: str, buf: mmap.mmap, max_array: int | None) -> tuple[dict[str, Any], list[TensorInfo], int]:
+    """Metadata, tensor list and the file offset of the aligned data section."""
     pos = 4
 
     def take(fmt: str) -> Any:
@@ -113,7 +121,7 @@ def _parse_header(path: str, buf: mmap.mmap, max_array: int) -> GGUFHeader:
             return string()
         if kind == _ARRAY:
             item, count = take("<I"), take("<Q")
-            if count <= max_array:
+            if max_array is None or count <= max_array:
                 return [value(item) for _ in range(count)]
             if item == _STRING:
                 for _ in range(count):
@@ -140,11 +148,9 @@ def _parse_header(path: str, buf: mmap.mmap, max_array: int) -> GGUFHeader:
         name = string()
         dims = [take("<Q") for _ in range(take("<I"))]
         qtype = gguf.GGMLQuantizationType(take("<I"))
-        take("<Q")  # data offset
-        tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype))
-    config = ModelConfig.from_metadata(metadata, path)
-    _set_tensor_flags(config, {t.name: t.shape for t in tensors})
-    return GGUFHeader(path, metadata, tensors, config)
+        tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype, take("<Q")))
+    alignment = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    return metadata, tensors, -(-pos // alignment) * alignment
 
 
 def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -157,30 +163,32 @@ def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -
 
 
 def read_gguf(path: str) -> GGUFModel:
-    """Read metadata and tensors of a GGUF model file (memory-mapped, nothing dequantized)."""
-    from gpullama.quants import QTensor  # torch: only for a model that loads
+    """Read metadata and tensors of a GGUF model file (memory-mapped, nothing dequantized).
+
+    The header is walked by `read_header` (every array read whole: tenths of a second where gguf's reader takes
+    seconds on a large vocabulary) and each tensor is a zero-copy view of its bytes in a read-only memory map."""
+    import numpy as np
+
+    from gpullama.quants import QTensor, _from_numpy, expected_nbytes  # torch: only for a model that loads
 
     path = os.fspath(path)
-    size = _check_file(path)
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the reader fails with numpy errors deep inside on a cut file
-        raise ModelFileError(
-            f"{path}: corrupt or truncated GGUF file: its header and metadata do not parse within its {size} bytes "
-            f"({type(exc).__name__}: {exc})"
-        ) from None
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    header = read_header(path, max_array=None)
+    size = os.path.getsize(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: dict[str, QTensor] = {}
-    for t in reader.tensors:
-        if t.data_offset + int(t.n_bytes) > size:
-            raise ModelFileError(
-                f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {t.data_offset + int(t.n_bytes)}"
-                f" but the file has {size} bytes"
-            )
+    for t in header.tensors:
         try:
-            tensors[t.name] = QTensor.from_reader_tensor(t)
+            nbytes = expected_nbytes(t.qtype, t.shape, t.name)
         except ValueError as exc:
             raise ModelFileError(f"{path}: {exc}") from None
-    config = ModelConfig.from_metadata(metadata, path)
-    _set_tensor_flags(config, {name: t.shape for name, t in tensors.items()})
-    return GGUFModel(path=path, metadata=metadata, config=config, tensors=tensors)
+        start = header.data_start + t.offset
+        if start + nbytes > size:
+            raise ModelFileError(
+                f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {start + nbytes} but the file has "
+                f"{size} bytes"
+            )
+        try:
+            tensors[t.name] = QTensor(_from_numpy(data[start : start + nbytes]), t.qtype, t.shape, t.name)
+        except ValueError as exc:
+            raise ModelFileError(f"{path}: {exc}") from None
+    return GGUFModel(path=path, metadata=header.metadata, config=header.config, tensors=tensors)

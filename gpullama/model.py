@@ -1,14 +1,20 @@
-"""The decoder: one forward over a ragged batch, for llama / mistral / qwen2 / qwen3 through config flags."""
+"""The decoder: one forward over a ragged batch, for llama / mistral / qwen2 / qwen3 / phi3 / granite / gemma2 /
+gemma3 through config flags."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from gpullama.config import ModelConfig
+from gpullama.distributed import TensorParallel
 from gpullama.ops import BatchMetadata, TorchOps, rope_cos_sin
 from gpullama.quants import QTensor
+from gpullama.sharding import ShardPlan
+
+log = logging.getLogger("gpullama")
 
 
 @dataclass
@@ -24,6 +30,10 @@ class LayerWeights:
     down: object
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # gemma: norm of the attention output before the residual add
+    post_ffn_norm: torch.Tensor | None = None  # gemma: norm of the MLP output before the residual add
+    window: int = 0  # sliding window of this layer (0: full attention)
+    rope: int = 0  # index of this layer's rope table in `Decoder.rope_tables`
 
 
 def unpermute_qk_rows(rows: int, num_heads: int) -> torch.Tensor:
@@ -46,18 +56,35 @@ def concat_rows(parts: list[QTensor]) -> QTensor | None:
 
 
 class Decoder:
-    """Weights prepared for one ops backend, and the forward pass of one engine step."""
+    """Weights prepared for one ops backend, and the forward pass of one engine step.
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, QTensor], ops: TorchOps, max_positions: int):
+    Under tensor parallelism (`tp` of more than one rank) it holds this rank's shard of each weight (see
+    `gpullama.sharding`) and runs the forward over its heads and MLP rows, summing with `tp.all_reduce` after o,
+    down and the embedding and gathering the logits to rank 0; with one rank those calls return their input."""
+
+    def __init__(
+        self, config: ModelConfig, tensors: dict[str, QTensor], ops: TorchOps, max_positions: int,
+        tp: TensorParallel | None = None,
+    ):
         self.config = config
         self.ops = ops
+        self.tp = tp or TensorParallel()
+        plan = ShardPlan(config, self.tp.rank, self.tp.world_size)
+        plan.check(tensors)
+        # this rank's heads (all of them with one rank): the q/k/v widths and the KV pool's heads
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
         device = ops.device
 
+        def get(name: str) -> QTensor:
+            if name not in tensors:
+                raise ValueError(f"{config.architecture} model file has no tensor {name!r}")
+            return plan.local(name, tensors[name])
+
         def dense(name: str) -> torch.Tensor:
-            return tensors[name].dequantize(torch.float32).to(device)
+            return get(name).dequantize(torch.float32).to(device)
 
         def qk(name: str, heads: int) -> QTensor:
-            t = tensors[name]
+            t = get(name)
             return t.take_rows(unpermute_qk_rows(t.shape[0], heads)) if config.permuted_qk else t
 
         def qk_bias(name: str, heads: int) -> torch.Tensor:
@@ -69,40 +96,99 @@ class Decoder:
             return [ops.prepare_weight(joined)] if joined is not None else [ops.prepare_weight(p) for p in parts]
 
         c = config
+        self.rope_tables, table_of_layer = self._rope_tables(tensors, max_positions, device)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"blk.{i}."
-            q = qk(p + "attn_q.weight", c.num_heads)
-            k = qk(p + "attn_k.weight", c.num_kv_heads)
+            fused_qkv = p + "attn_qkv.weight" in tensors
+            if not fused_qkv:
+                q = qk(p + "attn_q.weight", self.num_heads)
+                k = qk(p + "attn_k.weight", self.num_kv_heads)
             bias = None
             if c.attention_bias:
                 bias = torch.cat(
                     [
-                        qk_bias(p + "attn_q.bias", c.num_heads),
-                        qk_bias(p + "attn_k.bias", c.num_kv_heads),
+                        qk_bias(p + "attn_q.bias", self.num_heads),
+                        qk_bias(p + "attn_k.bias", self.num_kv_heads),
                         dense(p + "attn_v.bias"),
                     ]
                 )
+            gate_up_fused = p + "ffn_gate.weight" not in tensors  # phi3: ffn_up holds gate then up, 2 I rows
             self.layers.append(
                 LayerWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
                     ffn_norm=dense(p + "ffn_norm.weight"),
-                    qkv=fused([q, k, tensors[p + "attn_v.weight"]]),
+                    qkv=[ops.prepare_weight(get(p + "attn_qkv.weight"))] if fused_qkv
+                    else fused([q, k, get(p + "attn_v.weight")]),
                     qkv_bias=bias,
-                    o=ops.prepare_weight(tensors[p + "attn_output.weight"]),
-                    gate_up=fused([tensors[p + "ffn_gate.weight"], tensors[p + "ffn_up.weight"]]),
-                    down=ops.prepare_weight(tensors[p + "ffn_down.weight"]),
+                    o=ops.prepare_weight(get(p + "attn_output.weight")),
+                    gate_up=[ops.prepare_weight(get(p + "ffn_up.weight"))] if gate_up_fused
+                    else fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
+                    down=ops.prepare_weight(get(p + "ffn_down.weight")),
                     q_norm=dense(p + "attn_q_norm.weight") if c.qk_norm else None,
                     k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm else None,
+                    post_attn_norm=dense(p + "post_attention_norm.weight") if c.post_norms else None,
+                    post_ffn_norm=dense(p + "post_ffw_norm.weight") if c.post_norms else None,
+                    window=c.sliding_window if c.is_sliding(i) else 0,
+                    rope=table_of_layer[i],
                 )
             )
-        self.embedding = ops.prepare_embedding(tensors["token_embd.weight"])
+        embedding = get("token_embd.weight")
+        self.embedding = ops.prepare_embedding(embedding)
         self.output_norm = dense("output_norm.weight")
-        head = tensors["token_embd.weight" if c.tied_embeddings else "output.weight"]
-        self.output = ops.prepare_weight(head)
-        freq_factors = tensors["rope_freqs.weight"].dequantize(torch.float32) if "rope_freqs.weight" in tensors else None
-        self.cos_sin = rope_cos_sin(c.head_dim, max_positions, c.rope_base, freq_factors).to(device)
-        self.scale = c.head_dim**-0.5
+        head_name = "token_embd.weight" if c.tied_embeddings else "output.weight"
+        self.output = ops.prepare_weight(get(head_name))
+        # this rank's vocabulary slice (all of it with one rank) and the real vocabulary the gathered logits keep
+        self.vocab_size = tensors[head_name].shape[0]
+        self.vocab_start = plan.vocab_start(tensors["token_embd.weight"].shape[0])
+        self.vocab_rows = embedding.shape[0]
+        self.scale = c.attention_scale or c.head_dim**-0.5
+
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        """The rope table of the full-attention layers (the one `ops.prepare_step` derives each step's rows of)."""
+        return self.rope_tables[0]
+
+    def _rope_tables(
+        self, tensors: dict[str, QTensor], max_positions: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """The cos|sin tables (one, or a second for sliding layers with their own rope base or scale: Gemma 3) and
+        each layer's table. Frequency factors: Llama 3's ``rope_freqs``, or Phi-3's LongRoPE ``rope_factors_long``
+        (when the context is longer than the original one, as llama.cpp picks them) / ``rope_factors_short``."""
+        c = self.config
+        factors = None
+        if "rope_freqs.weight" in tensors:
+            factors = tensors["rope_freqs.weight"]
+        elif "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+            if not c.rope_original_context:
+                raise ValueError(
+                    f"{c.architecture} model has LongRoPE factors but no metadata key "
+                    f"'{c.architecture}.rope.scaling.original_context_length'"
+                )
+            kind = "long" if max_positions > c.rope_original_context else "short"
+            name = f"rope_factors_{kind}.weight"
+            log.info("LongRoPE: %s factors for a context of %d tokens (original context %d)", kind, max_positions,
+                     c.rope_original_context)
+            if name not in tensors:
+                raise ValueError(f"{c.architecture} model file has no tensor {name!r}")
+            factors = tensors[name]
+        if factors is not None:
+            factors = factors.dequantize(torch.float32).reshape(-1)
+            if factors.numel() != c.rotary_dim // 2:
+                raise ValueError(
+                    f"rope frequency factors have {factors.numel()} values, expected {c.rotary_dim // 2} "
+                    f"(half the rotary dims)"
+                )
+
+        def table(base: float, scale: float) -> torch.Tensor:
+            return rope_cos_sin(c.rotary_dim, max_positions, base, factors, scale, c.rope_attn_factor).to(device)
+
+        tables = [table(c.rope_base, c.rope_scale)]
+        swa = (c.rope_base_swa or c.rope_base, c.rope_scale_swa)
+        if c.swa_layers and swa != (c.rope_base, c.rope_scale):
+            tables.append(table(*swa))
+            return tables, [1 if c.is_sliding(i) else 0 for i in range(c.num_layers)]
+        return tables, [0] * c.num_layers
 
     def _linear_parts(self, x: torch.Tensor, parts: list, bias: torch.Tensor | None = None) -> torch.Tensor:
         if len(parts) == 1:
@@ -115,24 +201,49 @@ class Decoder:
         self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
         """Run the batch's tokens through the decoder, writing their k/v into the pool; logits of `meta.logits_indices`."""
-        c, ops = self.config, self.ops
+        c, ops, tp = self.config, self.ops, self.tp
         t = token_ids.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        hidden = ops.embedding(token_ids, self.embedding)
+        q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
+        rs = c.residual_scale
+        act = ops.gelu_tanh_mul if c.activation == "gelu_tanh" else ops.silu_mul
+        # rotary rows of each further rope table, once per step (the first one's come with `meta`)
+        metas = [meta] + [ops.prepare_rope(meta, table) for table in self.rope_tables[1:]]
+        hidden = self._embed(token_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual)
+            x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
             qkv = self._linear_parts(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].view(t, c.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, c.num_kv_heads, c.head_dim)
+            q = qkv[:, :q_size].view(t, self.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = ops.head_rms_norm(q, layer.q_norm, c.rms_eps)
                 k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
-            q, k = ops.rope_and_cache(q, k, v, self.cos_sin, k_caches[i], v_caches[i], meta)
-            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale)
-            hidden = ops.linear(attn.reshape(t, q_size), layer.o)
-            x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual)
-            hidden = ops.linear(ops.silu_mul(self._linear_parts(x, layer.gate_up)), layer.down)
-        x, _ = ops.rms_norm(hidden[meta.logits_indices], self.output_norm, c.rms_eps, residual[meta.logits_indices])
-        return ops.linear(x, self.output).float()
+            table = self.rope_tables[layer.rope]
+            q, k = ops.rope_and_cache(q, k, v, table, k_caches[i], v_caches[i], metas[layer.rope])
+            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap)
+            hidden = tp.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o))
+            if layer.post_attn_norm is not None:
+                hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
+            x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
+            hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
+            if layer.post_ffn_norm is not None:
+                hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
+        rows = meta.logits_indices
+        x, _ = ops.rms_norm(hidden[rows], self.output_norm, c.rms_eps, residual[rows], rs)
+        logits = ops.linear(x, self.output)
+        if c.logit_scale != 1.0 or c.final_softcap:  # elementwise: the same on each rank's slice as on the whole
+            logits = ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
+        # rank 0 gets every rank's vocabulary slice, less the padding of the last one (one rank: `logits` itself)
+        return tp.gather_last_dim(logits.float())[:, : self.vocab_size]
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``[T, H]`` float32; under tensor parallelism each rank looks up the ids of its vocabulary
+        slice (zero rows for the rest) and the all-reduce sums them."""
+        c, ops = self.config, self.ops
+        if self.tp.world_size == 1:
+            return ops.embedding(token_ids, self.embedding, c.embedding_scale)
+        local = token_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_rows)
+        rows = ops.embedding(torch.where(inside, local, 0), self.embedding, c.embedding_scale)
+        return self.tp.all_reduce(rows * inside[:, None])

@@ -25,15 +25,29 @@ class TokenLogprob:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt (``SamplingParams.n`` of them per prompt), as vLLM's ``CompletionOutput``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (then `error` says why)
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass
 class Completion:
-    """The finished output of one prompt."""
+    """The finished output of one prompt: its first sample's fields, and every sample in `outputs`."""
 
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (then `error` says why)
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)  # all n samples, index order
 
 
 @dataclass
@@ -48,3 +62,4 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
+    error: BaseException | None = None  # with finish_reason "error": why this request alone failed

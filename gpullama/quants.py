@@ -426,6 +426,43 @@ class QTensor:
         picked = self.data.index_select(0, flat).reshape(*index.shape, *self.data.shape[1:])
         return QTensor(picked, self.qtype, (*index.shape, *self.shape[1:]), self.name)
 
+    def slice_rows(self, start: int, stop: int) -> QTensor:
+        """Rows ``start:stop`` of the first dim, same type: a view of the stored data (a file's pages stay unread
+        until used). A 1-D tensor slices its values, which only a float type allows."""
+        if len(self.shape) == 1 and self.qtype not in FLOAT_TYPES:
+            raise ValueError(f"cannot slice the values of a 1-D {self.qtype.name} tensor{_where(self.name)}")
+        if not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"rows {start}:{stop}{_where(self.name)} are outside [0, {self.shape[0]}]")
+        return QTensor(self.data[start:stop], self.qtype, (stop - start, *self.shape[1:]), self.name)
+
+    def slice_cols(self, start: int, stop: int) -> QTensor:
+        """Columns ``start:stop`` of the last dim, same type, in whole blocks (a copy); ValueError naming the tensor
+        when a bound cuts a block."""
+        bs = block_size(self.qtype)
+        cols = self.shape[-1]
+        if not 0 <= start <= stop <= cols:
+            raise ValueError(f"columns {start}:{stop}{_where(self.name)} are outside [0, {cols}]")
+        if start % bs or stop % bs:
+            raise ValueError(
+                f"columns {start}:{stop}{_where(self.name)} cut a {self.qtype.name} block of {bs} values"
+            )
+        if self.qtype in FLOAT_TYPES:
+            data = self.data[..., start:stop]
+        else:
+            ts = type_size(self.qtype)
+            data = self.data[..., start // bs * ts : stop // bs * ts]
+        return QTensor(data.contiguous(), self.qtype, (*self.shape[:-1], stop - start), self.name)
+
+    def pad_rows(self, rows: int) -> QTensor:
+        """This tensor with rows of zeros appended up to `rows` (all-zero bytes are the value 0 in every GGUF type)."""
+        extra = rows - self.shape[0]
+        if extra < 0:
+            raise ValueError(f"cannot pad {self.shape[0]} rows{_where(self.name)} to {rows}")
+        if extra == 0:
+            return self
+        zeros = self.data.new_zeros((extra, *self.data.shape[1:]))
+        return QTensor(torch.cat([self.data, zeros]), self.qtype, (rows, *self.shape[1:]), self.name)
+
     def to(self, device: torch.device | str) -> QTensor:
         """The same tensor with its data on `device` (self if already there)."""
         data = self.data.to(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from functools import lru_cache
 from typing import Any
 
@@ -34,6 +35,12 @@ _TEKKEN_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o; Phi-4-mini): tekken's case-aware words with English contractions attached, digits in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # tokenizer.ggml.pre -> (pre-tokenizer kind, ignore_merges, default add_bos). ignore_merges and the BOS default
 # follow llama.cpp: for the Llama 3 family and tekken a word that is itself a token is emitted whole.
@@ -43,6 +50,7 @@ _PRE: dict[str, tuple[str, bool, bool]] = {
     **{name: ("llama3", False, False) for name in ("dbrx", "smaug-bpe")},
     **{name: ("qwen2", False, False) for name in ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez")},
     "tekken": ("tekken", True, True),
+    **{name: ("gpt-4o", False, False) for name in ("gpt-4o", "llama4")},
     # llama.cpp (and SmolLM2's own tokenizer.json) isolate every \p{N} character before the GPT-2 regex for
     # "smollm"; transformers' GGUF loader does not. SmolLM2's merges hold no digit, so the two differ only where a
     # space or a second numeric character precedes a non-ASCII numeric one (" ½", " ²"). The project requires
@@ -99,7 +107,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
             split(r"[\p{P}\$\+<=>\^~\|]+"), split(_GPT2_SPLIT), split(r"\p{N}+"), split(r"[0-9][0-9][0-9]"),
             byte_level,
         ])
-    regex = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}[kind]
+    regex = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT, "gpt-4o": _GPT4O_SPLIT}[kind]
     return pre_tokenizers.Sequence([split(regex), byte_level])
 
 
@@ -158,6 +166,8 @@ class Tokenizer:
         if self.add_eos_token and self.eos_token_id is None:
             raise ValueError("tokenizer.ggml.add_eos_token is set but tokenizer.ggml.eos_token_id is missing")
         self.special_token_ids: set[int] = {i for i, t in enumerate(self._types) if t in (CONTROL, USER_DEFINED)}
+        # the tokens the backend holds as special (see _add_special_tokens): the ones skip_special_tokens drops
+        self._skipped_ids = frozenset(i for i, t in enumerate(self._types) if t in (CONTROL, UNKNOWN))
         self.eos_token_ids: set[int] = self._eog_ids(meta)
         self._token_bytes: list[bytes] | None = None
 
@@ -203,9 +213,21 @@ class Tokenizer:
                 ids = [*ids, self.eos_token_id]
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids` (invalid UTF-8 becomes U+FFFD); optionally without control tokens."""
-        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False,
+               preserved_token_ids: Collection[int] = ()) -> str:
+        """Text of `ids` (invalid UTF-8 becomes U+FFFD); optionally without control tokens, except those in
+        `preserved_token_ids`."""
+        ids = list(ids)
+        if skip_special_tokens and preserved_token_ids:
+            # what skipping does (the backend drops its special tokens before decoding), less the preserved ones
+            keep = set(preserved_token_ids)
+            ids = [i for i in ids if i in keep or i not in self._skipped_ids]
+            skip_special_tokens = False
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """The vocabulary's own strings of `ids` (such as ``Ġthe``), as transformers' method of that name."""
+        return [self._tokens[i] for i in ids]
 
     def token_bytes(self, id: int) -> bytes:
         """Raw bytes of one token (byte-level map undone, `<0xNN>` as its byte, `▁` as a space)."""

@@ -13,7 +13,7 @@ import transformers
 from gpullama.chat_template import CHATML_TEMPLATE, ChatTemplate
 from gpullama.tokenizer import Tokenizer
 from tests.fixtures.vocabs import CHATML_TEMPLATE as SMOLLM2_TEMPLATE
-from tests.fixtures.vocabs import vocab_metadata, write_tokenizer_gguf
+from tests.fixtures.vocabs import GEMMA_TEMPLATE, vocab_metadata, write_tokenizer_gguf
 
 # Llama 2 style: a system-prompt branch, bos/eos tokens, and raise_exception on non-alternating roles.
 LLAMA2_TEMPLATE = (
@@ -69,6 +69,31 @@ TOOLS_TEMPLATE = """{{- bos_token }}
 {% endif %}{% endif %}
 {{- '(' ~ ns.n ~ ' turns)' }}"""
 
+# Phi-3 style (written for these tests): <|role|> headers, <|end|> after each turn, EOS when not generating.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and message['content'] %}{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+# Granite 3.x style (written for these tests): a dated default system prompt, tools as an `available_tools` turn.
+GRANITE_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "Knowledge Cutoff Date: April 2024.\nToday's Date: " + strftime_now('%B %d, %Y') + ".\nYou are Granite." %}
+    {%- if tools %}{%- set system_message = system_message + " You can call these tools." %}{%- endif %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\n' }}
+{%- if tools %}{{- '<|start_of_role|>available_tools<|end_of_role|>' + tools | tojson(indent=4) + '<|end_of_text|>\n' }}{%- endif %}
+{%- for message in loop_messages %}
+    {{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\n' }}
+    {%- if loop.last and add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}
+{%- endfor %}"""
+
 CHATS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hi!"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
@@ -87,11 +112,11 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """transformers' tokenizers (the reference) for the gpt2-smollm (ChatML) and llama-spm vocabularies."""
+    """transformers' tokenizers (the reference) for the gpt2-smollm (ChatML), llama-spm and gemma-spm vocabularies."""
     root = tmp_path_factory.mktemp("chat_ggufs")
     out = {}
-    for kind in ("gpt2-smollm", "llama-spm"):
-        path = Path(write_tokenizer_gguf(str(root / f"{kind}.gguf"), vocab_metadata(kind)))
+    for kind, arch in (("gpt2-smollm", "llama"), ("llama-spm", "llama"), ("gemma-spm", "gemma3")):
+        path = Path(write_tokenizer_gguf(str(root / f"{kind}.gguf"), vocab_metadata(kind), arch))
         out[kind] = transformers.AutoTokenizer.from_pretrained(str(root), gguf_file=path.name)
     return out
 
@@ -102,7 +127,8 @@ def _ours(kind: str, template: str) -> Tokenizer:
 
 @pytest.mark.parametrize("kind,template", [
     ("gpt2-smollm", SMOLLM2_TEMPLATE), ("llama-spm", LLAMA2_TEMPLATE), ("gpt2-smollm", TOOLS_TEMPLATE),
-    ("llama-spm", TOOLS_TEMPLATE), ("gpt2-smollm", CHATML_TEMPLATE),
+    ("llama-spm", TOOLS_TEMPLATE), ("gpt2-smollm", CHATML_TEMPLATE), ("llama-spm", PHI3_TEMPLATE),
+    ("gemma-spm", GEMMA_TEMPLATE), ("gpt2-smollm", GRANITE_TEMPLATE),
 ])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_render_matches_transformers(kind: str, template: str, add_generation_prompt: bool,
@@ -122,6 +148,26 @@ def test_smollm2_template_is_the_gguf_one(refs: dict[str, Any]) -> None:
     for chat in CHATS:
         assert tok.apply_chat_template(chat) == ref.apply_chat_template(chat, tokenize=False,
                                                                          add_generation_prompt=True)
+
+
+def test_gemma_template_is_the_gguf_one(refs: dict[str, Any]) -> None:
+    # transformers reads the Gemma vocabulary's template from the GGUF: `model` turns, BOS written by the template
+    ref, tok = refs["gemma-spm"], Tokenizer.from_metadata(vocab_metadata("gemma-spm"))
+    for chat in CHATS:
+        want = ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert tok.apply_chat_template(chat) == want
+        assert want.startswith("<bos><start_of_turn>user\n") and want.endswith("<start_of_turn>model\n")
+    chat = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(ValueError, match="roles must alternate"):
+        tok.apply_chat_template(chat)
+
+
+def test_granite_template_with_tools(refs: dict[str, Any]) -> None:
+    ref, tok = refs["gpt2-smollm"], _ours("gpt2-smollm", GRANITE_TEMPLATE)
+    want = ref.apply_chat_template(CHATS[0], chat_template=GRANITE_TEMPLATE, tools=TOOLS, tokenize=False,
+                                   add_generation_prompt=True)
+    got = tok.apply_chat_template(CHATS[0], tools=TOOLS)
+    assert got == want and "<|start_of_role|>available_tools<|end_of_role|>" in got
 
 
 def test_tools_list_content_and_extra_kwargs(refs: dict[str, Any]) -> None:

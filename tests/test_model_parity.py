@@ -10,10 +10,22 @@ import pytest
 import torch
 
 import gpullama
-from tests.fixtures.tiny_models import ARCHS, TinyModel, build_tiny_model, llama3_rope_factors, load_gguf_reference
+from tests.fixtures.tiny_models import (
+    ARCHS,
+    GGUF_LOADABLE,
+    PHI3_ORIGINAL_CONTEXT,
+    SLIDING_WINDOW,
+    TinyModel,
+    build_tiny_model,
+    llama3_rope_factors,
+    load_gguf_reference,
+)
 
-SEQ_LEN = 20
+SEQ_LEN = 20  # longer than every tiny model's sliding window
 TOLERANCE = 1e-4  # max |got - want| / max |want|, float32 on both sides
+# Phi-3 runs with its context (256) past the original one (32), so it uses LongRoPE's long factors; transformers
+# picks them for sequences longer than the original context: its prompts are that long.
+PROMPT_LEN = {"phi3": PHI3_ORIGINAL_CONTEXT + 8}
 
 # (arch, weight type) pairs checked against transformers loading the very same quantized file.
 QUANTIZED_CASES = [
@@ -23,6 +35,9 @@ QUANTIZED_CASES = [
     ("qwen3", "Q4_0"),
     ("llama", "Q4_K"),
     ("llama", "Q6_K"),
+    ("phi3", "Q8_0"),
+    ("gemma2", "Q4_0"),
+    ("gemma3", "Q4_K"),
 ]
 
 
@@ -68,7 +83,12 @@ def gpullama_llm() -> Callable[[TinyModel], gpullama.LLM]:
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def test_prompts_reach_past_the_sliding_windows() -> None:
+    """The parity prompts are longer than every tiny model's window, so windowed attention is exercised."""
+    assert min(SEQ_LEN, *PROMPT_LEN.values()) > max(SLIDING_WINDOW.values())
+
+
+@pytest.mark.parametrize("arch", GGUF_LOADABLE)
 def test_gguf_writer_round_trips_through_transformers(tiny_model, arch: str) -> None:
     """transformers loading our F32 GGUF (un-permuting Q/K itself) gives back the original model exactly."""
     tiny = tiny_model(arch, "F32")
@@ -78,7 +98,7 @@ def test_gguf_writer_round_trips_through_transformers(tiny_model, arch: str) -> 
     assert set(got_state) == set(want_state)
     for name, value in want_state.items():
         assert torch.equal(got_state[name], value), f"{arch}: {name} differs after the GGUF round trip"
-    ids = token_ids(tiny.config.vocab_size)
+    ids = token_ids(tiny.config.vocab_size, n=PROMPT_LEN.get(arch, SEQ_LEN))
     assert_close(hf_logits(reference, ids), hf_logits(tiny.hf_model, ids), f"{arch} transformers-from-GGUF")
 
 
@@ -109,10 +129,19 @@ def test_f32_logits_match_transformers(tiny_model, gpullama_llm, arch: str) -> N
     """F32 file: gpullama's logits equal the original transformers model's."""
     tiny = tiny_model(arch, "F32")
     llm = gpullama_llm(tiny)
-    ids = token_ids(tiny.config.vocab_size)
+    ids = token_ids(tiny.config.vocab_size, n=PROMPT_LEN.get(arch, SEQ_LEN))
     got = llm.logits(ids)
     assert got.dtype == torch.float32
     assert_close(got, hf_logits(tiny.hf_model, ids), f"{arch} F32")
+
+
+def test_phi3_short_factors_within_the_original_context(tiny_model) -> None:
+    """Phi-3 served within its original context uses LongRoPE's short factors (as llama.cpp picks them), which is
+    what transformers uses for sequences that short."""
+    tiny = tiny_model("phi3", "F32")
+    llm = gpullama.LLM(str(tiny.path), device="cpu", dtype="float32", max_model_len=PHI3_ORIGINAL_CONTEXT)
+    ids = token_ids(tiny.config.vocab_size, n=PHI3_ORIGINAL_CONTEXT - 1)  # (scoring leaves room for one token)
+    assert_close(llm.logits(ids), hf_logits(tiny.hf_model, ids), "phi3 short factors")
 
 
 @pytest.mark.parametrize(("arch", "weight_type"), QUANTIZED_CASES)
@@ -122,11 +151,20 @@ def test_quantized_logits_match_transformers_from_gguf(
     """Quantized file: gpullama's logits equal transformers' loading (and dequantizing) the very same GGUF."""
     tiny = tiny_model(arch, weight_type)
     llm = gpullama_llm(tiny)
-    ids = token_ids(tiny.config.vocab_size)
+    ids = token_ids(tiny.config.vocab_size, n=PROMPT_LEN.get(arch, SEQ_LEN))
     assert_close(llm.logits(ids), hf_logits(load_gguf_reference(tiny), ids), f"{arch} {weight_type}")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q6_K"])
+def test_granite_quantized_logits_match_transformers(tiny_model, gpullama_llm, weight_type: str) -> None:
+    """Granite (whose GGUF transformers does not load) against its HF model holding the file's dequantized
+    weights."""
+    tiny = tiny_model("granite", weight_type)
+    ids = token_ids(tiny.config.vocab_size)
+    assert_close(gpullama_llm(tiny).logits(ids), hf_logits(tiny.hf_model, ids), f"granite {weight_type}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_prefix_logits_equal_first_rows_of_longer_sequence(tiny_model, gpullama_llm, arch: str) -> None:
     """Causality: the logits of a prefix are the first rows of the logits of a longer sequence."""
     tiny = tiny_model(arch, "F32")
@@ -139,7 +177,7 @@ def test_prefix_logits_equal_first_rows_of_longer_sequence(tiny_model, gpullama_
 
 def test_build_rejects_unknown_arch_and_weight_type(tmp_path) -> None:
     """Bad fixture arguments raise one ValueError naming the value and the supported ones."""
-    with pytest.raises(ValueError, match="unknown arch 'gpt2'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="unknown arch 'gpt2'.*llama, mistral, qwen2, qwen3, phi3, granite"):
         build_tiny_model("gpt2", tmp_path)
     with pytest.raises(ValueError, match="unknown weight_type 'Q5_1'.*Q4_K"):
         build_tiny_model("llama", tmp_path, "Q5_1")

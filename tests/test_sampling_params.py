@@ -9,6 +9,8 @@ import pytest
 from gpullama import SamplingParams
 
 INVALID: list[tuple[str, object]] = [
+    ("n", 0),
+    ("n", 1.5),
     ("max_tokens", 0),
     ("max_tokens", -5),
     ("max_tokens", 2.5),
@@ -43,6 +45,17 @@ INVALID: list[tuple[str, object]] = [
     ("logprobs", 2.0),
     ("logit_bias", {5: 101.0}),
     ("logit_bias", {5: -150.0}),
+    # integers of any size are refused by name, never an OverflowError or a conversion-limit error from inside
+    ("temperature", 10**400),
+    ("top_p", -(10**400)),
+    ("presence_penalty", 10**400),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
+    ("logit_bias", {5: 10**400}),
+    ("logit_bias", {"9" * 5000: 1.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"abc": 1.0}),
+    ("logit_bias", {5: math.nan}),
 ]
 
 VALID: list[dict[str, object]] = [
@@ -54,6 +67,8 @@ VALID: list[dict[str, object]] = [
     {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3},
     {"stop": ["\n", "END"], "stop_token_ids": [0, 2], "logprobs": 0},
     {"logprobs": SamplingParams.MAX_LOGPROBS, "logit_bias": {0: -100, 7: 100}},
+    {"top_k": 2**64, "seed": 2**64 - 1, "max_tokens": 2**70},  # checked against the model at admission
+    {"seed": -(2**63)},
 ]
 
 

@@ -13,9 +13,12 @@ import transformers
 import transformers.convert_slow_tokenizer
 
 from gpullama.tokenizer import Tokenizer
-from tests.fixtures.vocabs import KINDS, vocab_metadata, write_tokenizer_gguf
+from tests.fixtures.vocabs import KINDS, SENTENCEPIECE_KINDS, spm_model, vocab_metadata, write_tokenizer_gguf
 
-BYTE_LEVEL_KINDS = [k for k in KINDS if k != "llama-spm"]
+BYTE_LEVEL_KINDS = [k for k in KINDS if k not in SENTENCEPIECE_KINDS]
+# The architecture a vocabulary's reference tokenizer is built for (transformers picks its SentencePiece builder by
+# architecture: Gemma's rebuilds merges from the token order and respells whitespace tokens).
+REFERENCE_ARCH = {"gemma-spm": "gemma3"}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Corpus: varied strings (code, numbers, whitespace runs, accents, CJK, emoji, special tokens inside text).
@@ -253,11 +256,13 @@ def _load_hf(path: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def hf_vocab(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Factory `hf_vocab(kind, architecture="llama")`: transformers' tokenizer for a tokenizer-only GGUF."""
+    """Factory `hf_vocab(kind, architecture=REFERENCE_ARCH or "llama")`: transformers' tokenizer for a
+    tokenizer-only GGUF."""
     root = tmp_path_factory.mktemp("vocab_ggufs")
     built: dict[tuple[str, str], Any] = {}
 
-    def get(kind: str, architecture: str = "llama") -> Any:
+    def get(kind: str, architecture: str | None = None) -> Any:
+        architecture = architecture or REFERENCE_ARCH.get(kind, "llama")
         if (kind, architecture) not in built:
             path = root / f"{kind}-{architecture}.gguf"
             write_tokenizer_gguf(str(path), vocab_metadata(kind), architecture)
@@ -338,17 +343,37 @@ def test_token_bytes_and_str(kind: str, ours: Any, hf_vocab: Any) -> None:
     byte_decoder = {c: b for b, c in transformers.convert_slow_tokenizer.bytes_to_unicode().items()}
     for i in range(tok.vocab_size):
         piece = ref.convert_ids_to_tokens(i)
-        if kind == "llama-spm":
+        if kind in SENTENCEPIECE_KINDS:
             want = bytes([int(piece[3:5], 16)]) if piece.startswith("<0x") else piece.replace("▁", " ").encode()
         elif i in tok.special_token_ids:
             want = piece.encode()
         else:
             want = bytes(byte_decoder[c] for c in piece)
         assert tok.token_bytes(i) == want, (i, piece)
-        if kind != "llama-spm":  # (the SentencePiece decoder strips the leading space of a lone token)
+        if kind not in SENTENCEPIECE_KINDS:  # (the SentencePiece decoder strips the leading space of a lone token)
             assert tok.token_to_str(i) == ref.decode([i]), (i, piece)
     with pytest.raises(ValueError, match="out of range"):
         tok.token_bytes(tok.vocab_size)
+
+
+@pytest.mark.parametrize("kind", BYTE_LEVEL_KINDS)
+def test_decode_keeps_only_the_preserved_special_tokens(kind: str, ours: Any, hf_vocab: Any) -> None:
+    """skip_special_tokens with preserved_token_ids: the preserved control token's text stays where it was, every
+    other control token goes (transformers' skipping decode of the parts around it, joined by the token's text)."""
+    tok, ref = ours(kind), hf_vocab(kind)
+    types = vocab_metadata(kind)["tokenizer.ggml.token_type"]
+    control = [i for i, t in enumerate(types) if t == 3]
+    keep = control[-1]
+    for s in CORPUS[:40]:
+        ids = ref.encode(s, add_special_tokens=True)
+        half = len(ids) // 2
+        before, after = ids[:half] + control[:2], control[:1] + ids[half:]
+        got = tok.decode(before + [keep] + after, skip_special_tokens=True, preserved_token_ids=[keep])
+        want = ref.decode(before, skip_special_tokens=True) + ref.decode([keep]) + \
+            ref.decode(after, skip_special_tokens=True)
+        assert got == want
+        assert tok.decode(ids, skip_special_tokens=True, preserved_token_ids=[keep]) == \
+            ref.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -358,15 +383,19 @@ def test_special_tokens_and_ids(kind: str, ours: Any, hf_vocab: Any) -> None:
     assert tok.special_token_ids == {i for i, t in enumerate(types) if t in (3, 4)}
     # transformers adds every control / user-defined token (plus the unknown token) as an added token
     unk = {i for i, t in enumerate(types) if t == 2}
+    # ... except Gemma's runs of spaces, which it respells as `▁` pieces and reaches by merges (we, llama.cpp and
+    # sentencepiece match them whole in the text)
+    spaces = {i for i, t in enumerate(meta["tokenizer.ggml.tokens"]) if t.isspace() and types[i] == 4}
     # (ids past the GGUF vocabulary are transformers' invented "<|endoftext|>", see above)
-    assert tok.special_token_ids | unk == {i for i in ref.added_tokens_decoder if i < tok.vocab_size}
+    assert tok.special_token_ids | unk == {i for i in ref.added_tokens_decoder if i < tok.vocab_size} | spaces
     assert (tok.bos_token, tok.eos_token) == (ref.bos_token, ref.eos_token)
     assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
     assert tok.eos_token_id in tok.eos_token_ids
     for name in ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>"):
         if name in meta["tokenizer.ggml.tokens"]:
             assert ref.convert_tokens_to_ids(name) in tok.eos_token_ids, name
-    assert ref.convert_tokens_to_ids("<|im_start|>") not in tok.eos_token_ids
+    if "<|im_start|>" in meta["tokenizer.ggml.tokens"]:
+        assert ref.convert_tokens_to_ids("<|im_start|>") not in tok.eos_token_ids
 
 
 def test_gpt2_pre_tokenizer_matches_transformers(tmp_path: Path) -> None:
@@ -413,6 +442,31 @@ def test_spm_known_difference_from_transformers_llama(ours: Any, hf_vocab: Any) 
     # ... and a leading space still gets the prefix (transformers: only when the text has no leading `▁` yet)
     for text in ("  two", " one", "\u2581x"):
         assert tok.encode(text) == ref.encode("\u2581" + text, add_special_tokens=False)
+
+
+def test_gemma_spm_matches_sentencepiece(ours: Any) -> None:
+    # Gemma's own tokenizer is SentencePiece: the trained model is the oracle (text holding no special token, which
+    # sentencepiece would not parse). Runs of spaces are user-defined pieces, matched whole.
+    tok, sp = ours("gemma-spm"), spm_model("gemma-spm")
+    specials = [t for i, t in enumerate(vocab_metadata("gemma-spm")["tokenizer.ggml.tokens"])
+                if (i in tok.special_token_ids and not t.isspace()) or t == "<unk>"]
+    plain = [s for s in CORPUS if not any(t in s for t in specials)]
+    assert len(plain) > 200 and any("   " in s for s in plain)
+    bad = [f"{s!r}: got {tok.encode(s)}, want {sp.encode(s)}" for s in plain if tok.encode(s) != sp.encode(s)]
+    assert not bad, f"{len(bad)} strings differ from sentencepiece:\n" + "\n".join(bad[:10])
+    assert tok.encode("hi", add_special_tokens=True)[0] == tok.bos_token_id == 2  # BOS added, no space prefix
+    assert tok.decode(tok.encode(" a  b")) == sp.decode(sp.encode(" a  b")) == " a  b"
+
+
+def test_gemma_spm_matches_transformers_but_long_space_runs(ours: Any, hf_vocab: Any) -> None:
+    # transformers' Gemma builder reaches runs of spaces through merges (rebuilt from the token order); it agrees
+    # with sentencepiece except on runs longer than the longest space piece (4 here): five spaces are `▁▁▁▁ ▁` for
+    # sentencepiece (leftmost longest piece) and `▁▁ ▁▁▁` for transformers.
+    tok, ref = ours("gemma-spm"), hf_vocab("gemma-spm")
+    plain = [s for s in CORPUS if "     " not in s]
+    assert len(plain) > 200
+    _assert_parity(tok, ref, plain)
+    assert tok.encode("a     b") == spm_model("gemma-spm").encode("a     b") != ref.encode("a     b")
 
 
 def test_spm_without_space_prefix(ours: Any) -> None:

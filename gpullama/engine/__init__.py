@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpullama.engine.admission import RequestError
     from gpullama.engine.args import EngineArgs, EngineConfig
-    from gpullama.engine.async_engine import AsyncEngine, EngineError
+    from gpullama.engine.async_engine import AsyncEngine
+    from gpullama.engine.errors import EngineError, EngineStopped
     from gpullama.engine.llm_engine import LLMEngine
 
 _EXPORTS = {
     "AsyncEngine": "gpullama.engine.async_engine",
-    "EngineError": "gpullama.engine.async_engine",
+    "EngineError": "gpullama.engine.errors",
+    "EngineStopped": "gpullama.engine.errors",
     "EngineArgs": "gpullama.engine.args",
     "EngineConfig": "gpullama.engine.args",
     "LLMEngine": "gpullama.engine.llm_engine",
@@ -28,6 +30,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "EngineError",
+    "EngineStopped",
     "LLMEngine",
     "RequestError",
 ]

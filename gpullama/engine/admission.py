@@ -1,10 +1,24 @@
-"""Admission: the one check a request passes before it may join the batch (the library and the server both use it)."""
+"""Admission: the one check a request passes before it may join the batch (the library and the server both use it).
+
+Everything a request carries is checked here, once, against fixed limits: the type and range of every sampling
+field, the caps on list sizes (the OpenAI API's where it has one), token ids against the vocabulary, and the
+prompt plus completion against the context and the KV pool. A refusal is a `RequestError` naming the field, so
+one bad request is answered on its own and never reaches a step that other requests share.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gpullama.sampling_params import SamplingParams
+
+MAX_N = 16  # choices per request (n, or n times the number of prompts)
+MAX_STOP = 4  # stop strings, as the OpenAI API allows
+MAX_STOP_TOKEN_IDS = 1024  # extra stop token ids (vLLM's field; no OpenAI cap exists)
+MAX_LOGIT_BIAS = 300  # logit_bias entries, as the OpenAI API allows
+MAX_MESSAGES = 2048  # chat messages, as the OpenAI API allows
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles chat templates know
 
 
 class RequestError(ValueError):
@@ -24,25 +38,91 @@ class AdmissionLimits:
     kv_capacity_tokens: int
 
 
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_count(name: str, count: int, limit: int) -> None:
+    """Refuse a list field holding more than `limit` items (checked before its items are looked at)."""
+    if count > limit:
+        raise RequestError(f"'{name}' holds {count} items; at most {limit} are allowed", name)
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    """`n` choices for each of `num_prompts` prompts: n >= 1 and n times the prompts at most `MAX_N`."""
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    if num_prompts > MAX_N:
+        raise RequestError(f"'prompt' takes at most {MAX_N} prompts, got {num_prompts}", "prompt")
+    if num_prompts * n > MAX_N:
+        raise RequestError(f"'n' times the number of prompts must be at most {MAX_N}, got {num_prompts * n}", "n")
+
+
+def check_messages(messages: Any) -> None:
+    """A chat: a non-empty list of at most `MAX_MESSAGES` objects, each with a `role` string from
+    `MESSAGE_ROLES`; `content` is a string, a list of parts, or absent. Raises RequestError naming the field
+    (``messages[3].role``)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"'messages' must be a non-empty list of message objects, got {_kind(messages)}",
+                           "messages")
+    check_count("messages", len(messages), MAX_MESSAGES)
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"'{where}' must be an object, got {_kind(message)}", where)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in MESSAGE_ROLES:
+            shown = repr(role) if isinstance(role, str) else _kind(role)
+            raise RequestError(f"'{where}.role' must be one of {list(MESSAGE_ROLES)}, got {shown[:40]}",
+                               f"{where}.role")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError(f"'{where}.content' must be a string or a list of parts, got {_kind(content)}",
+                               f"{where}.content")
+
+
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """Every sampling field's type and range, the list caps, and every token id within the vocabulary.
+    A `top_k` of the vocabulary size or more keeps every token, the same as 0 (the sampler treats it so)."""
+    try:
+        params.validate()
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise RequestError(str(exc).replace("SamplingParams.", "", 1), name) from None
+    check_count("stop", len(params.stop), MAX_STOP)
+    check_count("stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS)
+    check_count("logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS)
+    check_count("preserved_token_ids", len(params.preserved_token_ids), MAX_STOP_TOKEN_IDS)
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                      ("preserved_token_ids", params.preserved_token_ids)):
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise RequestError(
+                f"'{name}' holds token id {outside[0]}, outside the vocabulary of {vocab_size} tokens", name)
+
+
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: AdmissionLimits) -> int:
     """Validate a request against the model and the engine; returns its resolved max_tokens (the rest of the
     context when `params.max_tokens` is None). Raises RequestError naming the field, the limit and both numbers."""
+    if not isinstance(prompt_token_ids, list):
+        raise RequestError(f"the prompt must be a list of token ids, got {_kind(prompt_token_ids)}", "prompt")
     n = len(prompt_token_ids)
     limit = limits.max_model_len
     vocab = limits.vocab_size
+    if params.n != 1:
+        raise RequestError(f"one engine request is one sample, got n={params.n}: LLM.generate/chat and the server "
+                           "run n samples as n requests", "n")
     if n == 0:
         raise RequestError("the prompt is empty: it needs at least one token", "prompt")
-    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
-    if bad:
-        raise RequestError(f"prompt token id {bad[0]!r} is out of range: the vocabulary has {vocab} tokens", "prompt")
-    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-        outside = [t for t in ids if t >= vocab]
-        if outside:
-            raise RequestError(f"'{name}' holds token id {outside[0]}, outside the vocabulary of {vocab} tokens", name)
-    if n >= limit:
+    if n >= limit:  # before looking at each id: a prompt of millions of ids is refused by its length alone
         raise RequestError(
             f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens, leaving no room "
             f"for the completion (at most {limit - 1} prompt tokens). Please shorten the prompt.", "prompt")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+    if bad:
+        raise RequestError(f"prompt token id {str(bad[0])[:30]} is out of range: the vocabulary has {vocab} tokens",
+                           "prompt")
+    check_sampling(params, vocab)
     max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
     if n + max_tokens > limit:
         raise RequestError(

@@ -73,6 +73,10 @@ class EngineArgs:
     block_size: int = _arg(16, "tokens per KV cache block (default: %(default)s)", type=positive_int)
     enable_prefix_caching: bool = _arg(True, "do not reuse KV blocks of shared prefixes", flag="--no-prefix-caching")
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode steps")
+    tensor_parallel_size: int = _arg(
+        1, "ranks the model is split across (tensor parallelism over torch.distributed: one process per rank and "
+        "device, rank r on cuda:r with NCCL; on the CPU the ranks share the cores, over gloo) (default: %(default)s)",
+        short="-tp", type=positive_int)
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -87,7 +91,7 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

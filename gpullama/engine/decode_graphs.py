@@ -77,18 +77,22 @@ class DecodeGraphs:
             max_seq_len=max_seq_len,
         )
 
+    def captured_forward(self, size: int) -> torch.Tensor:
+        """The forward a graph of `size` rows records: the first `size` rows of the static buffers, full-width block
+        tables (replays read the values the buffers hold then, so one graph serves every context length)."""
+        meta = self._meta(size, self.max_blocks_per_seq * self.block_size, self.max_blocks_per_seq)
+        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)
+
     def _capture(self) -> None:
         """Capture one decode graph per batch size (largest first, sharing one memory pool)."""
         pool = None
-        max_len = self.max_blocks_per_seq * self.block_size
         for size in reversed(self.batch_sizes):
-            meta = self._meta(size, max_len, self.max_blocks_per_seq)
             for _ in range(2):  # compile the kernels and settle the allocator outside the capture
-                self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)
+                self.captured_forward(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)
+                logits = self.captured_forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
             self.graph_logits[size] = logits
@@ -103,6 +107,19 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` of one decode step: row i adds `token_ids[i]` at `positions[i]` (its k/v go to
         `slot_mapping[i]`) and attends over the blocks of `block_tables[i]`."""
+        batch = len(token_ids)
+        size, width = self.load(token_ids, positions, slot_mapping, block_tables)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.graph_logits[size][:batch]
+        meta = self.model.ops.prepare_step(self._meta(size, max(positions) + 1, width), self.model.cos_sin, self.block_size)
+        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)[:batch]
+
+    def load(
+        self, token_ids: list[int], positions: list[int], slot_mapping: list[int], block_tables: list[list[int]]
+    ) -> tuple[int, int]:
+        """Copy one decode step's inputs into the static buffers, padded rows after them; returns (the padded
+        size, the widest block table)."""
         batch = len(token_ids)
         size = self.padded_size(batch)
         assert size is not None, f"a decode batch of {batch} rows is larger than the static buffers"
@@ -122,8 +139,4 @@ class DecodeGraphs:
         self.slot_mapping[batch:size].fill_(self.scratch_slot)
         self.seq_lens[batch:size].fill_(1)
         self.block_tables[batch:size].fill_(self.scratch_block)
-        if size in self.graphs:
-            self.graphs[size].replay()
-            return self.graph_logits[size][:batch]
-        meta = self.model.ops.prepare_step(self._meta(size, max(positions) + 1, width), self.model.cos_sin, self.block_size)
-        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)[:batch]
+        return size, width

@@ -13,41 +13,46 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def output_text(self, seq: Sequence, drop_last: bool = False, finishing: bool = False) -> str:
-        """The output text so far. Decodes only a window of recent tokens (as vLLM does): the window starts a few
-        tokens back so a SentencePiece leading space survives, and text is added only once its UTF-8 is complete
-        (or the sequence is finishing)."""
+    def _new_text(self, seq: Sequence, drop_last: bool = False, finishing: bool = False) -> str:
+        """The output text decoded since the last call. Decodes only a window of recent tokens (as vLLM does): the
+        window starts a few tokens back so a SentencePiece leading space survives, and text is added only once its
+        UTF-8 is complete (or the sequence is finishing)."""
         start = max(0, seq.num_prompt_tokens - CONTEXT_TOKENS)  # ids are indexed from the prompt's last tokens
         if seq.read_offset < 0:
             seq.prefix_offset, seq.read_offset = 0, seq.num_prompt_tokens - start
         end = seq.num_tokens - start - (1 if drop_last else 0)
         if end > seq.read_offset:
             ids = seq.token_ids[start + seq.prefix_offset : start + end]
-            prefix = self.tokenizer.decode(ids[: seq.read_offset - seq.prefix_offset], skip_special_tokens=True)
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            keep = seq.params.preserved_token_ids  # special tokens the request keeps in its text (tool-call markers)
+            prefix = self.tokenizer.decode(ids[: seq.read_offset - seq.prefix_offset], skip_special_tokens=True,
+                                           preserved_token_ids=keep)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True, preserved_token_ids=keep)
             if len(text) > len(prefix) and (finishing or not text.endswith("\ufffd")):
-                seq.decoded_text += text[len(prefix) :]
                 seq.prefix_offset, seq.read_offset = seq.read_offset, end
-        return seq.decoded_text
+                return text[len(prefix) :]
+        return ""
 
     def update(self, seq: Sequence, finishing: bool, drop_last: bool = False) -> tuple[str, bool]:
         """Decode after a new token: returns (new text to send, whether a stop string ended the sequence).
-        `drop_last` leaves out the last token (a stop token, whose text is never shown)."""
-        text = self.output_text(seq, drop_last, finishing)
+        `drop_last` leaves out the last token (a stop token, whose text is never shown).
+
+        Incremental: only the text not yet sent is searched. That is the new text plus the held-back tail, which is
+        shorter than the longest stop string (no stop string can begin in text already sent, since any tail that
+        could begin one is held back), so a step costs the same at the 10th token as at the 10,000th."""
         stops = seq.params.stop
+        text = seq.held_text + self._new_text(seq, drop_last, finishing)
         stopped = False
         if stops:
-            window = max(0, seq.sent_text_len - max(len(s) for s in stops))
-            hits = [i for i in (text.find(s, window) for s in stops) if i >= 0]
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
             if hits:
                 text, stopped = text[: min(hits)], True
         ready = len(text)
         if not (stopped or finishing):
             ready -= _stop_prefix_len(text, stops)  # a tail that may grow into a stop string waits
-        ready = max(ready, seq.sent_text_len)
-        delta = text[seq.sent_text_len : ready]
-        seq.sent_text_len = ready
-        seq.text = text[:ready]
+        delta, seq.held_text = text[:ready], text[ready:]
+        if delta:
+            seq.text_parts.append(delta)
+            seq.sent_text_len += len(delta)
         return delta, stopped
 
 

@@ -12,13 +12,16 @@ from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.detokenizer import Detokenizer
 from gpullama.engine.model_runner import ModelRunner
 from gpullama.engine.sampler import sample_batch
-from gpullama.engine.scheduler import Scheduler
+from gpullama.engine.scheduler import ScheduledBatch, Scheduler
 from gpullama.engine.sequence import Sequence
+from gpullama.engine.stats import EngineStats
+from gpullama.engine.structured_output import StructuredOutputManager
 from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
 from gpullama.sampling_params import SamplingParams
 
 log = logging.getLogger("gpullama")
+GRAMMAR_WAIT_S = 0.05  # longest idle wait for a compiling grammar before the step loop looks at its commands again
 
 
 class LLMEngine:
@@ -36,6 +39,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.stats = EngineStats()  # token counters for the status line
+        self.structured_output = StructuredOutputManager(tokenizer, model.config.vocab_size, model.ops.device)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -47,7 +52,10 @@ class LLMEngine:
         """Check a request once (see `gpullama.engine.admission`) and build its sequence, without queueing it.
         Reads only fixed limits, so any thread may call it; raises RequestError (a ValueError) naming the field."""
         max_tokens = check_request(prompt_token_ids, params, self.limits)
-        return Sequence(request_id, prompt_token_ids, params, max_tokens)
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens)
+        if params.structured_output is not None:  # compiles off this thread while the prompt waits and prefills
+            seq.grammar = self.structured_output.submit(params.structured_output)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         """Queue an admitted sequence; it joins the batch at the next step with room."""
@@ -78,21 +86,99 @@ class LLMEngine:
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one batched forward for the scheduled tokens and return each request's delta."""
+        """Run one batched forward for the scheduled tokens and return each request's delta.
+
+        If the step fails, only the request that caused it fails: its rows are found by running the step's halves
+        again (their k/v are rewritten with the same values, the seeded generators are rewound), the request gets
+        a last delta with finish reason "error", and every other request goes on with the tokens it would have had.
+        """
         deltas, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.running or self.scheduler.waiting:  # only grammars being compiled hold them back
+                self.structured_output.wait(self.scheduler.running + list(self.scheduler.waiting), GRAMMAR_WAIT_S)
             return deltas
-        logits = self.runner.execute(batch)
+        self.stats.observe(batch)
+        sampled, failed = self._run_isolated(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            old = seq.num_computed_tokens
-            seq.num_computed_tokens += n
-            self.block_manager.commit_full_blocks(seq, old)
-        if batch.sampling:
-            tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
-            for row, (seq, token) in enumerate(zip(batch.sampling, tokens)):
-                deltas.append(self._advance(seq, token, logprobs[row] if logprobs is not None else None))
+            if seq not in failed:
+                old = seq.num_computed_tokens
+                seq.num_computed_tokens += n
+                self.block_manager.commit_full_blocks(seq, old)
+        for seq in batch.sampling:
+            if seq in failed:
+                continue
+            token, logprobs = sampled[seq]
+            try:
+                deltas.append(self._advance(seq, token, logprobs))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails (detokenizer, logprobs)
+                log.exception("request %s failed after its token was sampled", seq.request_id)
+                failed[seq] = exc
+        for seq, exc in failed.items():
+            deltas.append(self._fail(seq, exc))
         return deltas
+
+    def _forward_and_sample(self, batch: ScheduledBatch) -> tuple[dict[Sequence, tuple[int, torch.Tensor | None]],
+                                                                  dict[Sequence, BaseException]]:
+        """One forward over `batch`, then the next token (and log-probabilities when asked) of each sampling row,
+        its grammar's mask applied first; changes nothing but the rows' k/v and their generators. Also returns the
+        rows whose grammar failed to compile (not sampled: that request alone fails)."""
+        logits = self.runner.execute(batch)
+        if not batch.sampling:
+            return {}, {}
+        failed = self.structured_output.mask(logits, batch.sampling)  # constrained rows only, in place
+        tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
+        sampled = {seq: (token, logprobs[row] if logprobs is not None else None)
+                   for row, (seq, token) in enumerate(zip(batch.sampling, tokens)) if row not in failed}
+        return sampled, {batch.sampling[row]: exc for row, exc in failed.items()}
+
+    def _run_isolated(self, batch: ScheduledBatch):
+        """`_forward_and_sample` over the batch; when it raises, over halves of it, down to the rows at fault.
+        Returns (sampled rows, {failed sequence: exception})."""
+        rng = {seq: seq.generator.get_state() for seq in batch.sampling if seq.generator is not None}
+        try:
+            return self._forward_and_sample(batch)
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(batch) == 1:
+                log.error("step failed for request %s: %s: %s", batch.seqs[0].request_id, type(exc).__name__, exc,
+                          exc_info=exc)
+                return {}, {batch.seqs[0]: exc}
+            log.warning("a step of %d requests failed (%s: %s); running its rows again to find the request at fault",
+                        len(batch), type(exc).__name__, exc)
+        sampled: dict[Sequence, tuple[int, torch.Tensor | None]] = {}
+        failed: dict[Sequence, Exception] = {}
+        pending = [list(range(len(batch)))]
+        while pending:
+            rows = pending.pop()
+            part = ScheduledBatch()
+            for i in rows:
+                part.add(batch.seqs[i], batch.num_new_tokens[i])
+            for seq in part.sampling:
+                if seq in rng:
+                    seq.generator.set_state(rng[seq])  # the same draws as in the full step
+            try:
+                part_sampled, part_failed = self._forward_and_sample(part)
+                sampled.update(part_sampled)
+                failed.update(part_failed)
+            except Exception as exc:  # noqa: BLE001 - narrowed further, or this row's request fails
+                if len(rows) == 1:
+                    log.error("step failed for request %s: %s: %s", part.seqs[0].request_id, type(exc).__name__, exc,
+                              exc_info=exc)
+                    failed[part.seqs[0]] = exc
+                else:
+                    half = len(rows) // 2
+                    pending += [rows[half:], rows[:half]]
+        return sampled, failed
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> StreamDelta:
+        """End one request whose step failed (or whose grammar did not compile): free its blocks; its last delta
+        has finish reason "error" and the exception; the others go on."""
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq, "error")
+        seq.error = exc
+        delta = self._delta(seq, "", [], "error")
+        delta.error = exc
+        return delta
 
     def _advance(self, seq: Sequence, token: int, logprobs: torch.Tensor | None) -> StreamDelta:
         """Append a sampled token, check the finish conditions and produce the request's delta."""
@@ -104,6 +190,11 @@ class LLMEngine:
         p = seq.params
         reason = None
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if seq.grammar is not None:
+            terminated = self.structured_output.accept(seq, token)
+            if terminated is None:
+                return self._fail(seq, RuntimeError(f"token {token} was sampled against the grammar"))
+            stop_token = stop_token or terminated  # a grammar terminates on an end-of-sequence token
         if stop_token:
             reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:

@@ -3,11 +3,18 @@
 Built once per loaded model. The scheduler hands it a `ScheduledBatch` that says what it is; the runner turns
 it into token ids and `BatchMetadata` on the device and runs the forward: replayed from static buffers (CUDA
 graphs where the ops support them) when the batch is a uniform decode, eagerly otherwise.
+
+Under tensor parallelism every rank has a runner over its own KV pool (its heads, the same block ids on each):
+rank 0's broadcasts each step's `StepInputs` before running it, the other ranks' `follow` runs what they receive.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import mmap
+import threading
 
 import torch
 
@@ -16,6 +23,7 @@ from gpullama.engine.args import EngineConfig
 from gpullama.engine.decode_graphs import DecodeGraphs
 from gpullama.engine.scheduler import ScheduledBatch
 from gpullama.engine.sequence import Sequence
+from gpullama.engine.step_inputs import StepBroadcast, StepInputs, step_buffer_size
 from gpullama.model import Decoder
 from gpullama.ops import BatchMetadata
 
@@ -36,6 +44,13 @@ def kv_pool_blocks(
     """How many blocks the KV pool gets: `config.kv_cache_memory` bytes when given, else the device default
     (1 GiB on the CPU, 85% of free GPU memory) capped at what `max_num_seqs` full-length sequences can use.
     Raises ValueError when the pool cannot hold one sequence of `max_model_len` tokens."""
+    return kv_pool_size(model_config, config, kv_dtype, device)[0]
+
+
+def kv_pool_size(
+    model_config: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device
+) -> tuple[int, str]:
+    """`kv_pool_blocks` with the limit that decided it, in words for the load log."""
     per_block = kv_block_bytes(model_config, config.block_size, kv_dtype)
     per_seq = -(-config.max_model_len // config.block_size)
     memory = config.kv_cache_memory
@@ -43,41 +58,76 @@ def kv_pool_blocks(
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             memory = int(free * GPU_MEMORY_FRACTION)
+            why = f"{GPU_MEMORY_FRACTION:.0%} of free GPU memory"
         else:
             memory = CPU_KV_CACHE_BYTES
-        num_blocks = min(memory // per_block, config.max_num_seqs * per_seq)  # more can never be used
+            why = f"the CPU default of {CPU_KV_CACHE_BYTES / 2**30:g} GiB"
+        usable = config.max_num_seqs * per_seq  # more can never be used
+        if usable <= memory // per_block:
+            num_blocks = usable
+            why = f"max_num_seqs {config.max_num_seqs} x max_model_len {config.max_model_len}"
+        else:
+            num_blocks = memory // per_block
     else:
         num_blocks = memory // per_block
+        why = "kv_cache_memory"
     if num_blocks < per_seq:
         raise ValueError(
             f"KV cache of {memory} bytes holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
             f"{config.max_model_len}: give more kv_cache_memory or a smaller max_model_len"
         )
-    return int(num_blocks)
+    return int(num_blocks), why
+
+
+def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor. On the CPU it lies in anonymous mapped memory, which the OS hands out as zero pages
+    when first written: the pool costs resident memory only as far as requests fill it (`torch.zeros` would write
+    every page at load)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 class ModelRunner:
-    """Owns the KV pool and the static decode buffers of one model; runs each scheduled batch's forward."""
+    """Owns the KV pool and the static decode buffers of one model (of this rank's heads under tensor parallelism);
+    runs each scheduled batch's forward."""
 
     def __init__(self, model: Decoder, config: EngineConfig):
         self.model = model
         self.config = config
+        self.tp = model.tp
         ops = model.ops
         self.device = ops.device
         # the CPU keeps k/v in float32 (its attention computes in float32); devices keep them in the compute dtype
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else ops.dtype
         mc = model.config
-        self.num_blocks = config.num_blocks or kv_pool_blocks(mc, config, self.kv_dtype, self.device)
+        local = dataclasses.replace(mc, num_kv_heads=model.num_kv_heads)  # this rank's share of each block
+        if config.num_blocks:
+            self.num_blocks, self.kv_pool_limit = config.num_blocks, "num_blocks"
+        else:
+            self.num_blocks, self.kv_pool_limit = kv_pool_size(local, config, self.kv_dtype, self.device)
+        # every rank's pool holds the same block ids: the smallest any rank's memory allows
+        agreed = self.tp.agree_min(self.num_blocks)
+        if agreed < self.num_blocks:
+            self.num_blocks, self.kv_pool_limit = agreed, "the smallest pool of the tensor-parallel ranks"
+        max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.steps = None
+        self._step_lock = threading.Lock()  # a step and the stop broadcast never interleave
+        if self.tp.world_size > 1:
+            max_tokens = max(config.max_num_batched_tokens, config.max_model_len)  # scoring runs a whole context
+            self.steps = StepBroadcast(self.tp, step_buffer_size(config.max_num_seqs, max_tokens, max_blocks_per_seq))
         # one block past the managed ones: the scratch block that padded decode rows write into
-        shape = (self.num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(mc.num_layers)]
+        shape = (self.num_blocks + 1, config.block_size, model.num_kv_heads, mc.head_dim)
+        self.k_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
+        self.v_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs
         self.decode_graphs = None
         if use_graphs or config.static_decode:
             self.decode_graphs = DecodeGraphs(
                 model, self.k_caches, self.v_caches, max_num_seqs=config.max_num_seqs,
-                max_blocks_per_seq=-(-config.max_model_len // config.block_size),
+                max_blocks_per_seq=max_blocks_per_seq,
                 scratch_block=self.num_blocks, use_graphs=use_graphs,
             )
 
@@ -91,55 +141,88 @@ class ModelRunner:
         """Whether decode steps replay captured CUDA graphs."""
         return self.decode_graphs is not None and bool(self.decode_graphs.graphs)
 
+    @property
+    def failure(self) -> str | None:
+        """Why this runner cannot run another step (a tensor-parallel rank is gone), None while it can."""
+        return self.tp.failure
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Write the batch's k/v into the pool and return the logits of `batch.sampling`, in that order."""
-        if batch.is_decode and self.decode_graphs is not None:
-            return self._decode(batch)
-        token_ids, meta = self._prepare(batch)
-        return self.model.forward(token_ids, meta, self.k_caches, self.v_caches)
+        return self._lead(StepInputs.from_batch(batch))
 
     def score(self, seq: Sequence) -> torch.Tensor:
         """Logits after every token of `seq` (whose blocks are allocated, none computed): ``[num_tokens, vocab]``."""
-        batch = ScheduledBatch()
-        batch.add(seq, seq.num_tokens)
-        token_ids, meta = self._prepare(batch, every_row=True)
+        return self._lead(StepInputs.for_scoring(seq))
+
+    def follow(self) -> None:
+        """Ranks > 0: run each step rank 0 broadcasts, until it stops them (`stop_followers`)."""
+        while (step := self.steps.receive()) is not None:
+            self._run(step)
+
+    def stop_followers(self, timeout: float = 10.0) -> bool:
+        """Rank 0: end the other ranks' `follow` loops after the step in flight, if it ends within `timeout`;
+        whether the stop was sent (not with one rank, nor once a rank is gone). No step can run afterwards."""
+        if self.steps is None or self.tp.failure is not None or not self._step_lock.acquire(timeout=timeout):
+            return False
+        try:
+            self.steps.send_stop()
+            return True
+        finally:
+            self.tp.failure = "the tensor-parallel workers were shut down"
+            self._step_lock.release()
+
+    def _lead(self, step: StepInputs) -> torch.Tensor:
+        """Rank 0: hand `step` to the other ranks, then run it."""
+        if self.steps is None:
+            return self._run(step)
+        with self._step_lock:
+            if self.tp.failure is not None:
+                raise RuntimeError(f"tensor parallelism is down: {self.tp.failure}")
+            try:
+                self.steps.send(step)
+                return self._run(step)
+            except BaseException as exc:  # the ranks are out of step (the others ran on into collectives alone)
+                self.tp.failure = f"a step failed on rank 0 ({type(exc).__name__}: {exc}); the ranks are out of step"
+                raise
+
+    def _run(self, step: StepInputs) -> torch.Tensor:
+        """The forward of one step on this rank: the static decode buffers for a decode step, else eagerly."""
+        if step.decode and self.decode_graphs is not None:
+            return self._decode(step)
+        token_ids, meta = self._prepare(step)
         return self.model.forward(token_ids, meta, self.k_caches, self.v_caches)
 
-    def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _decode(self, step: StepInputs) -> torch.Tensor:
         bs = self.config.block_size
-        positions = [seq.num_computed_tokens for seq in batch.seqs]
-        tables = [seq.block_table for seq in batch.seqs]
+        positions = step.num_computed
+        tables = step.block_tables
         return self.decode_graphs.run(
-            [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)],
+            step.token_ids,
             positions,
             [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)],
             tables,
         )
 
-    def _prepare(self, batch: ScheduledBatch, every_row: bool = False) -> tuple[torch.Tensor, BatchMetadata]:
+    def _prepare(self, step: StepInputs) -> tuple[torch.Tensor, BatchMetadata]:
         """Token ids and metadata of a ragged batch; logits rows: each sampling sequence's last token (or every
         token with `every_row`)."""
         bs = self.config.block_size
-        ids: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            first = seq.num_computed_tokens
-            ids.extend(seq.token_ids[first : first + n])
+        for first, n, table, samples in zip(step.num_computed, step.num_new, step.block_tables, step.samples):
             positions.extend(range(first, first + n))
-            table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
             starts.append(starts[-1] + n)
             seq_lens.append(first + n)
-            if first + n == seq.num_tokens and not every_row:
+            if samples and not step.every_row:
                 logits_rows.append(starts[-1] - 1)
-        if every_row:
+        if step.every_row:
             logits_rows = list(range(starts[-1]))
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        width = max(len(table) for table in step.block_tables)
+        tables = [table + [0] * (width - len(table)) for table in step.block_tables]
         device = self.device
         meta = BatchMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -148,11 +231,11 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
-            max_query_len=max(batch.num_new_tokens),
+            max_query_len=max(step.num_new),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
         # per-step tensors the ops read (rotary rows, decode context slots), derived here once, not per layer
         meta = self.model.ops.prepare_step(meta, self.model.cos_sin, bs)
-        return torch.tensor(ids, dtype=torch.long, device=device), meta
+        return torch.tensor(step.token_ids, dtype=torch.long, device=device), meta

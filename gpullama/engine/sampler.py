@@ -49,9 +49,14 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], ops: TorchOps) -> t
     tokens = ops.sample(
         logits,
         torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=device),
+        torch.tensor([_top_k(p.top_k, logits.shape[-1]) for p in params], dtype=torch.int32, device=device),
         torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         torch.tensor(uniform, dtype=torch.float32, device=device),
     )
     return tokens.tolist(), logprobs
+
+
+def _top_k(top_k: int, vocab_size: int) -> int:
+    """The sampler's top-k: 0 (off) for 0, -1, or any k that keeps the whole vocabulary, so any int fits int32."""
+    return top_k if 0 < top_k < vocab_size else 0

@@ -79,7 +79,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._num_new_tokens(seq, budget)
+            if n == 0:
+                continue  # its grammar is compiling and only its sampling token is left
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -99,10 +101,20 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.add(seq, n)
-            budget -= n
+            n = self._num_new_tokens(seq, budget)
+            if n:
+                batch.add(seq, n)
+                budget -= n
         return batch
+
+    @staticmethod
+    def _num_new_tokens(seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute now: the rest of it within the budget, but never its sampling token while
+        its grammar compiles (the prompt prefills meanwhile; the step thread never waits for a compilation)."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        if seq.waits_for_grammar:
+            left -= 1
+        return max(0, min(left, budget))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of the engine and free its blocks."""

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpullama.outputs import TokenLogprob
 from gpullama.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpullama.engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -38,10 +42,19 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.output_counts: dict[int, int] = {}  # token id -> times generated (presence/frequency penalties)
         self.sent_text_len = 0  # characters of output text already handed out
-        self.text = ""  # output text so far (stop strings removed at the end)
-        self.decoded_text = ""  # all output text decoded so far (complete characters only)
+        self.text_parts: list[str] = []  # the output text handed out, piece by piece (joined by `text`)
+        self.held_text = ""  # decoded text not handed out yet: a tail that may begin a stop string
         self.prefix_offset = 0  # detokenizer window: ids before read_offset were already turned into text
         self.read_offset = -1
+        self.grammar: SequenceGrammar | None = None  # set by the engine when params.structured_output is given
+        self.error: Exception | None = None  # why the engine failed this request alone (finish_reason "error")
+
+    @property
+    def text(self) -> str:
+        """The output text handed out so far (without any stop string)."""
+        if len(self.text_parts) > 1:  # join once, so reading it again costs nothing
+            self.text_parts = ["".join(self.text_parts)]
+        return self.text_parts[0] if self.text_parts else ""
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +75,11 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """How many tokens were generated."""
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """True while its grammar is still compiling: it may prefill but not reach its sampling token."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def is_finished(self) -> bool:

@@ -12,6 +12,10 @@ kernel gathers its k/v rows per token through the block table, so any block_size
 - Prefill / mixed batches: grid ``(cdiv(max_query_len, BLOCK_M), B, Hq)``; a program takes BLOCK_M queries of
   one head, the bottom-right aligned causal mask (query j of a sequence of q_len new tokens sits at position
   ``seq_len - q_len + j``), and walks keys from 0 (cached prefix included) up to its last query's position.
+Sliding window: a query at position p sees keys above ``p - WINDOW`` only (full-attention layers pass WINDOW =
+NO_WINDOW, beyond any context, so one code path serves both); decode splits the window's span instead of the
+whole context, prefill starts its key walk at the first key its first query sees.
+Soft-capping (HAS_SOFTCAP, Gemma 2): scores become ``SOFTCAP * tanh(scores / SOFTCAP)`` before the mask.
 Scores and softmax are float32; 16-bit pools multiply in their dtype. Torch reference: `TorchOps.attention`.
 """
 
@@ -21,7 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gpullama.kernels.common import dot, interpreting, pow2, sm_count, tl_dtype
+from gpullama.kernels.common import dot, interpreting, pow2, sm_count, tanh, tl_dtype
+
+NO_WINDOW = 1 << 30
+"""The WINDOW of a full-attention layer: larger than any context (and far from int32 overflow)."""
 
 
 @triton.jit
@@ -33,21 +40,32 @@ def _load_kv(cache_ptr, block_table_row, pos, valid, kvh, block_size, stride_b, 
 
 
 @triton.jit
+def _capped(s, SOFTCAP, HAS_SOFTCAP: tl.constexpr):
+    """Scores soft-capped at ``SOFTCAP * tanh(s / SOFTCAP)`` when HAS_SOFTCAP."""
+    if HAS_SOFTCAP:
+        return SOFTCAP * tanh(s / SOFTCAP)
+    else:
+        return s
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, part_out_ptr, part_lse_ptr,
-    scale, GROUP, D, block_size, num_splits,
+    scale, GROUP, D, block_size, num_splits, WINDOW, SOFTCAP,
     stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch,
-    DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One split of one sequence's context for the query heads of one kv head."""
+    """One split of one sequence's context (of its window's span, on a sliding layer) for the query heads of one
+    kv head."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     token = tl.load(query_start_ptr + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = tl.maximum(seq_len - WINDOW, 0)  # the first key the new token sees
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -63,7 +81,8 @@ def _decode_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         k = _load_kv(k_cache_ptr, table_row, pos, valid, kvh, block_size, stride_cb, stride_cs, stride_ch, dims, D)
-        s = dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), DOT_DTYPE, EMULATE) * scale
+        s = _capped(dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), DOT_DTYPE, EMULATE) * scale,
+                    SOFTCAP, HAS_SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -103,12 +122,12 @@ def _combine_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    scale, GROUP, D, block_size,
+    scale, GROUP, D, block_size, WINDOW, SOFTCAP,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """BLOCK_M new tokens of one sequence and one query head against their causal context."""
+    """BLOCK_M new tokens of one sequence and one query head against their causal (windowed) context."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -125,16 +144,20 @@ def _prefill_kernel(
                 mask=m_mask[:, None] & d_mask, other=0.0)
     q_pos = seq_len - q_len + offs  # context position of each query
     end = tl.where(pid_m * BLOCK_M < q_len, tl.minimum(seq_len, seq_len - q_len + (pid_m + 1) * BLOCK_M), 0)
+    # a sliding layer: keys from the first one the block's first query sees
+    start = tl.maximum(seq_len - q_len + pid_m * BLOCK_M - WINDOW + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         k = _load_kv(k_cache_ptr, table_row, pos, valid, kvh, block_size, stride_cb, stride_cs, stride_ch, dims, D)
-        s = dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE, EMULATE) * scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = _capped(dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_DTYPE, EMULATE) * scale,
+                    SOFTCAP, HAS_SOFTCAP)
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(valid[None, :] & seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -163,8 +186,11 @@ def paged_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens ``q [T, Hq, D]`` over their paged context: float32 ``[T, Hq, D]``."""
+    """Causal attention of the new tokens ``q [T, Hq, D]`` over their paged context: float32 ``[T, Hq, D]``;
+    `window` > 0 limits each query to its last `window` positions, `softcap` > 0 soft-caps the scores."""
     t, hq, d = q.shape
     num_blocks, block_size, hk, d_cache = k_cache.shape
     if d_cache != d or hq % hk or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
@@ -178,7 +204,10 @@ def paged_attention(
     dot_dtype = tl.float32 if k_cache.dtype == torch.float32 else tl_dtype(k_cache.dtype, "attention KV pool")
     group = hq // hk
     block_d = pow2(d, 16)
-    common = dict(DOT_DTYPE=dot_dtype, EMULATE=interpreting())
+    if window < 0 or softcap < 0:
+        raise ValueError(f"attention: window and softcap must be >= 0 (0: off), got {window}, {softcap}")
+    common = dict(DOT_DTYPE=dot_dtype, EMULATE=interpreting(), HAS_SOFTCAP=softcap > 0)
+    span = int(window) if window else NO_WINDOW
     if max_query_len == 1:
         splits = num_splits or decode_splits(b, hk, q.device)
         block_n = block_n or 64
@@ -186,7 +215,7 @@ def paged_attention(
         part_lse = torch.empty((b, hq, splits), device=q.device, dtype=torch.float32)
         _decode_kernel[(b, hk, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
-            scale, group, d, block_size, splits,
+            scale, group, d, block_size, splits, span, float(softcap or 1.0),
             q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             BLOCK_G=pow2(group, 16), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **common,
         )
@@ -199,7 +228,7 @@ def paged_attention(
     block_n = block_n or 64
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), b, hq)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale, group, d, block_size,
+        scale, group, d, block_size, span, float(softcap or 1.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **common,

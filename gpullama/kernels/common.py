@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -19,6 +20,30 @@ TL_DTYPES: dict[torch.dtype, tl.dtype] = {
 def interpreting() -> bool:
     """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Let triton 3.6's interpreter take runtime scalars as loop bounds under NumPy >= 2.4.
+
+    Its tensors' ``__index__`` (what ``range(0, K, BLOCK_K)`` calls on a scalar argument) is ``int(data)`` of a
+    shape-(1,) array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted"); later Tritons
+    squeeze the array first. Applied only where the installed interpreter still has the old line.
+    """
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or "int(self.handle.data)" not in inspect.getsource(patch):
+        return
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreting():
+    _fix_interpreter_scalar_index()
 
 
 def tl_dtype(dtype: torch.dtype, what: str = "tensor") -> tl.dtype:
@@ -74,3 +99,16 @@ def dot(a, b, acc, DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+
+
+@triton.jit
+def tanh(x):
+    """tanh of float32 `x` from `tl.exp` (no libdevice call, so any Triton version has it): an odd Taylor
+    polynomial below |x| = 1/4, ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` above; within a few float32 ulps."""
+    a = tl.abs(x)
+    a2 = a * a
+    # tanh a = a - a^3/3 + 2a^5/15 - 17a^7/315 + 62a^9/2835 - ...; the next term is below 1e-8 * a at a = 1/4
+    poly = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    e = tl.exp(-2.0 * a)
+    t = tl.where(a < 0.25, poly, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)

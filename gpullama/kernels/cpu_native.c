@@ -227,6 +227,12 @@ static inline vf vf_exp(vf x) {
     return vf_ldexp(p, n);
 }
 
+/* tanh x = 1 - 2 / (e^2x + 1): within a few 1e-8 of it (absolute), exactly +-1 far out */
+static inline vf vf_tanh(vf x) {
+    vf e = vf_exp(vf_add(x, x));
+    return vf_sub(vf_set1(1.0f), vf_div(vf_set1(2.0f), vf_add(e, vf_set1(1.0f))));
+}
+
 
 /* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory) */
 static void *scratch(int which, size_t bytes) {
@@ -554,17 +560,17 @@ static inline void rotate(float *x, const float *cs, int64_t half) {
     }
 }
 
-/* rotate q [T, Hq, D] and k [T, Hk, D] in place (row strides ldq, ldk; `cos_sin` [max_pos, D] is cos | sin of
-   each half), then write k and v (row stride ldv) to the pool rows `slots`: v_cache is [pool rows, Hk, D]; k_cache
+/* rotate the first R dims of each head of q [T, Hq, D] and k [T, Hk, D] in place (row strides ldq, ldk;
+   `cos_sin` [max_pos, R] is cos | sin of each half; R < D: partial rotary, the last D - R dims stay), then write k and v (row stride ldv) to the pool rows `slots`: v_cache is [pool rows, Hk, D]; k_cache
    keeps each block transposed, [blocks, Hk, D, block_size] (see gl_attention) */
 void gl_rope_and_cache(float *q, int64_t ldq, float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T,
-                       int64_t Hq, int64_t Hk, int64_t D, const float *cos_sin, const int64_t *positions,
+                       int64_t Hq, int64_t Hk, int64_t D, int64_t R, const float *cos_sin, const int64_t *positions,
                        const int64_t *slots, int64_t block_size, float *k_cache, float *v_cache, int threads) {
 #pragma omp parallel for num_threads(threads) if (T >= 64)
     for (int64_t t = 0; t < T; t++) {
-        const float *cs = cos_sin + positions[t] * D;
-        for (int64_t h = 0; h < Hq; h++) rotate(q + t * ldq + h * D, cs, D / 2);
-        for (int64_t h = 0; h < Hk; h++) rotate(k + t * ldk + h * D, cs, D / 2);
+        const float *cs = cos_sin + positions[t] * R;
+        for (int64_t h = 0; h < Hq; h++) rotate(q + t * ldq + h * D, cs, R / 2);
+        for (int64_t h = 0; h < Hk; h++) rotate(k + t * ldk + h * D, cs, R / 2);
         int64_t block = slots[t] / block_size, slot = slots[t] % block_size;
         for (int64_t h = 0; h < Hk; h++) {
             float *kt = k_cache + (block * Hk + h) * D * block_size + slot;
@@ -588,6 +594,36 @@ void gl_silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int thr
     }
 }
 
+/* out [T, I] = gelu_tanh(gate) * up for gate_up [T, 2I] (gate first), with gelu_tanh(g) = g (1 + tanh y) / 2 =
+   g / (1 + e^(-2y)), y = sqrt(2 / pi) (g + 0.044715 g^3) (the exponent is clamped: no overflow) */
+void gl_gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            int n = I - i < 16 ? (int)(I - i) : 16;
+            vf gv = vf_load_n(g + i, n);
+            vf y = vf_mul(vf_set1(-1.5957691216057308f), vf_fma(vf_mul(vf_set1(0.044715f), gv), vf_mul(gv, gv), gv));
+            vf s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(y)));
+            vf_store_n(out + t * I + i, vf_mul(s, vf_load_n(u + i, n)), n);
+        }
+    }
+}
+
+/* x [T, n] (row stride ldx) in place: x * scale, then cap * tanh(x / cap) when cap > 0 (final logits) */
+void gl_soft_cap(float *x, int64_t T, int64_t n, int64_t ldx, float scale, float cap, int threads) {
+#pragma omp parallel for num_threads(threads) if (T * n >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = x + t * ldx;
+        for (int64_t i = 0; i < n; i += 16) {
+            int c = n - i < 16 ? (int)(n - i) : 16;
+            vf v = vf_mul(vf_load_n(row + i, c), vf_set1(scale));
+            if (cap > 0.0f) v = vf_mul(vf_tanh(vf_div(v, vf_set1(cap))), vf_set1(cap));
+            vf_store_n(row + i, v, c);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------------------
    paged attention
    ------------------------------------------------------------------------------------------------------------ */
@@ -595,23 +631,29 @@ void gl_silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int thr
 #define TILE_ROWS 16 /* query rows (positions x heads of one kv head) that share each key and value load */
 
 /* One tile: query rows r = (position p0 + i, head h0 + j) of sequence b, all on kv head hk, each over the keys it
-   sees. A row's arithmetic does not depend on the tile: score j = sum over d of q[d] k_j[d] (FMAs in d order, key j
-   in lane j % 16), times scale; an exact max; exponentials and their sum over 16 lanes in key order, then the tree;
-   the weighted sum of values in key order. */
+   sees (keys lo[r] .. n[r] - 1: lo = 0, or the first inside a sliding window). A row's arithmetic does not depend on
+   the tile: score j = sum over d of q[d] k_j[d] (FMAs in d order, key j in lane j % 16), times scale (then
+   softcap * tanh(score / softcap) with a soft cap); an exact max; exponentials and their sum over 16 lanes in key
+   order from the vector holding key lo (lanes outside the row's keys add 0), then the tree; the weighted sum of
+   values in key order. */
 static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t bs,
                         int64_t Hq, int64_t Hk, int64_t D, const int32_t *table, int64_t seq_len, int64_t q_len,
-                        int64_t t0, int64_t p0, int np, int64_t hk, int64_t h0, int nh, float scale, float *scores,
-                        float *out) {
+                        int64_t t0, int64_t p0, int np, int64_t hk, int64_t h0, int nh, float scale, int64_t window,
+                        float softcap, float *scores, float *out) {
     int R = np * nh;
     int64_t n_max = seq_len - q_len + p0 + np, width = (n_max + 15) / 16 * 16;
     const float *qr[TILE_ROWS];
-    int64_t n[TILE_ROWS];
+    int64_t n[TILE_ROWS], lo[TILE_ROWS];
     for (int i = 0; i < np; i++)
         for (int j = 0; j < nh; j++) {
             qr[i * nh + j] = q + (t0 + p0 + i) * ldq + (h0 + j) * D;
             n[i * nh + j] = seq_len - q_len + p0 + i + 1;
+            lo[i * nh + j] = window > 0 && n[i * nh + j] > window ? n[i * nh + j] - window : 0;
         }
-    for (int64_t kb = 0; kb < width; kb += 16) {
+    static const float lanes[48] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                    1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    vf cap = vf_set1(softcap), inv_cap = vf_set1(softcap > 0.0f ? 1.0f / softcap : 0.0f);
+    for (int64_t kb = lo[0] / 16 * 16; kb < width; kb += 16) { /* lo[0] is the tile's smallest */
         const float *kt = k_cache + ((int64_t)table[kb / bs] * Hk + hk) * D * bs + kb % bs; /* [D][bs] */
         vf acc[TILE_ROWS];
         for (int r = 0; r < R; r++) acc[r] = vf_zero();
@@ -619,21 +661,25 @@ static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const
             vf kv = vf_load(kt + d * bs);
             for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_set1(qr[r][d]), kv, acc[r]);
         }
-        for (int r = 0; r < R; r++) vf_store(scores + r * width + kb, vf_mul(acc[r], vf_set1(scale)));
+        for (int r = 0; r < R; r++) {
+            vf sc = vf_mul(acc[r], vf_set1(scale));
+            if (softcap > 0.0f) sc = vf_mul(vf_tanh(vf_mul(sc, inv_cap)), cap);
+            vf_store(scores + r * width + kb, sc);
+        }
     }
     float inv[TILE_ROWS];
     for (int r = 0; r < R; r++) {
         float *sr = scores + r * width;
         vf mx = vf_set1(-INFINITY);
-        int64_t j = 0;
+        int64_t j = lo[r];
         for (; j + 16 <= n[r]; j += 16) mx = vf_max(mx, vf_load(sr + j));
         float m = vf_hmax(mx);
         for (; j < n[r]; j++) m = sr[j] > m ? sr[j] : m;
         vf sum = vf_zero(), mv = vf_set1(m);
-        for (j = 0; j < n[r]; j += 16) {
-            int c = n[r] - j < 16 ? (int)(n[r] - j) : 16;
+        for (j = lo[r] / 16 * 16; j < n[r]; j += 16) {
+            int c = n[r] - j < 16 ? (int)(n[r] - j) : 16, skip = j < lo[r] ? (int)(lo[r] - j) : 0;
             vf p = vf_exp(vf_sub(vf_load_n(sr + j, c), mv));
-            if (c < 16) p = vf_mul(p, vf_load_n((const float[16]){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, c));
+            if (c < 16 || skip) p = vf_mul(p, vf_mul(vf_load(lanes + 16 - skip), vf_load(lanes + 32 - c)));
             vf_store(sr + j, p);
             sum = vf_add(sum, p);
         }
@@ -644,10 +690,10 @@ static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const
         vf o[4][GL_MAX_HEAD_DIM / 16];
         for (int r = 0; r < rn; r++)
             for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_zero();
-        for (int64_t j = 0; j < n[r0 + rn - 1]; j++) {
+        for (int64_t j = lo[r0]; j < n[r0 + rn - 1]; j++) {
             const float *vr = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * Hk + hk) * D;
             for (int r = 0; r < rn; r++) {
-                if (j >= n[r0 + r]) continue;
+                if (j >= n[r0 + r] || j < lo[r0 + r]) continue;
                 vf p = vf_set1(scores[(r0 + r) * width + j]);
                 for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_fma(p, vf_load(vr + 16 * c), o[r][c]);
             }
@@ -660,7 +706,9 @@ static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const
     }
 }
 
-/* Causal attention of every query row over its sequence's context in the paged pool.
+/* Causal attention of every query row over its sequence's context in the paged pool; window > 0: a query at
+   position p sees the keys after p - window only (a sliding-window layer); softcap > 0: Gemma 2's soft-capped
+   scores.
    q [T, Hq, D] (row stride ldq; D a multiple of 16, at most GL_MAX_HEAD_DIM), out [T, Hq, D]; v_cache
    [blocks * block_size, Hk, D]; k_cache [blocks, Hk, D, block_size] (each block transposed, block_size a multiple
    of 16); sequence b owns query rows query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens in
@@ -668,8 +716,8 @@ static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const
    Returns 0, or -1 when out of memory. */
 int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
                  int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
-                 const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, float *out,
-                 int threads) {
+                 const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, int64_t window,
+                 float softcap, float *out, int threads) {
     int64_t G = Hq / Hk, nh = G < TILE_ROWS ? G : TILE_ROWS, np = TILE_ROWS / nh, head_tiles = (G + nh - 1) / nh;
     int64_t *first = scratch(1, sizeof(int64_t) * (B + 1)); /* first tile of each sequence */
     if (!first) return -1;
@@ -704,7 +752,7 @@ int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float 
             int64_t h0 = hk * G + ht * nh, p0 = pt * np;
             attend_tile(q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, block_tables + b * ldb, seq_lens[b], q_len,
                         query_start[b], p0, (int)(q_len - p0 < np ? q_len - p0 : np), hk, h0,
-                        (int)(G - ht * nh < nh ? G - ht * nh : nh), scale, scores, out);
+                        (int)(G - ht * nh < nh ? G - ht * nh : nh), scale, window, softcap, scores, out);
         }
     }
     return failed ? -1 : 0;

@@ -37,9 +37,11 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _SIGNATURES = {
     "gl_matmul": [_I32, _I32, _I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
     "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
-    "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32],
+    "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32],
     "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
-    "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _P, _I32],
+    "gl_gelu_tanh_mul": [_P, _I64, _I64, _P, _I32],
+    "gl_soft_cap": [_P, _I64, _I64, _I64, _F32, _F32, _I32],
+    "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P, _I32],
     "gl_embedding": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
 }
@@ -158,13 +160,13 @@ def rope_and_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 ) -> None:
-    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place (NeoX halves; `cos_sin` ``[max_pos, D]``, int64
-    `positions`), then write k and v to pool rows `slots` (int64): v_cache ``[blocks, block_size, Hk, D]`` as it
+    """Rotate the first R dims of each head of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place (NeoX halves;
+    `cos_sin` ``[max_pos, R]``, R <= D: partial rotary; int64 `positions`), then write k and v to pool rows `slots` (int64): v_cache ``[blocks, block_size, Hk, D]`` as it
     is, k_cache's memory as ``[blocks, Hk, D, block_size]`` (each block transposed, for `attention`). q, k and v may
     be row-strided views (each head contiguous)."""
     t, hq, d = q.shape
     _lib.gl_rope_and_cache(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hq,
-                           k.shape[1], d, cos_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                           k.shape[1], d, cos_sin.shape[1], cos_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                            k_cache.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads())
 
 
@@ -174,17 +176,30 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [T, I] = gelu_tanh(gate) * up`` for `gate_up` ``[T, 2I]`` (GeGLU)."""
+    _lib.gl_gelu_tanh_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def soft_cap(x: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """In place on x ``[T, n]`` (unit column stride): ``x * scale``, then ``cap * tanh(. / cap)`` when cap > 0."""
+    _lib.gl_soft_cap(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), scale, cap, torch.get_num_threads())
+    return x
+
+
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, out: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of q ``[T, Hq, D]`` (row-strided view allowed) over the paged pool as `rope_and_cache`
     writes it: sequence b's rows are ``query_start[b]:query_start[b + 1]``, its context ``seq_lens[b]`` tokens in
-    the blocks of ``block_tables[b]`` (int32 all three); `out` ``[T, Hq, D]``."""
+    the blocks of ``block_tables[b]`` (int32 all three); `out` ``[T, Hq, D]``. `window` > 0: a query at position p
+    sees positions above ``p - window`` only; `softcap` > 0: scores become ``softcap * tanh(scores / softcap)``."""
     _, hq, d = q.shape
     if _lib.gl_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], hq,
                          k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(), seq_lens.data_ptr(),
-                         block_tables.data_ptr(), block_tables.stride(0), scale, out.data_ptr(),
+                         block_tables.data_ptr(), block_tables.stride(0), scale, window, softcap, out.data_ptr(),
                          torch.get_num_threads()):
         raise MemoryError("no memory for the attention scores")
     return out

@@ -1,5 +1,8 @@
-"""`CpuOps`: the CPU fast path: `TorchOps` with the matmuls, norms, rotary, attention and SwiGLU in the C kernels
-of `gpullama.kernels.cpu_native`; the weights stay quantized (`gpullama.ops.cpu_weights`), activations float32.
+"""`CpuOps`: the CPU fast path: `TorchOps` with the matmuls, norms, rotary (partial too), attention (sliding
+windows and soft-capping too), SwiGLU, GeGLU and the final soft cap in the C kernels of
+`gpullama.kernels.cpu_native`; the weights stay quantized (`gpullama.ops.cpu_weights`), activations float32.
+Shapes the kernels do not take (a head dim not a multiple of 16, a matrix row not a multiple of 32 values) run
+`TorchOps`' op instead.
 
 Each kernel computes a row on its own in a fixed order, so a request's tokens are the same alone or batched;
 weights are dequantized exactly, so the results differ from the exact float32 path only by the order of the
@@ -50,14 +53,21 @@ class CpuOps(TorchOps):
         """The kernels read the metadata as it is."""
         return meta
 
-    def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor | CpuWeight) -> torch.Tensor:
-        """Rows of the embedding table for `ids`, float32 ``[T, H]``."""
+    def prepare_rope(self, meta: BatchMetadata, cos_sin: torch.Tensor) -> BatchMetadata:
+        """The kernels read a layer's rope table itself (`rope_and_cache`); the torch fallback derives its rows."""
+        return meta
+
+    def embedding(
+        self, ids: torch.Tensor, table: QTensor | torch.Tensor | CpuWeight, scale: float = 1.0
+    ) -> torch.Tensor:
+        """Rows of the embedding table for `ids` times `scale` (Gemma, Granite), float32 ``[T, H]``."""
         if not isinstance(table, CpuWeight):
-            return super().embedding(ids, table)
+            return super().embedding(ids, table, scale)
         out = torch.empty(ids.shape[0], table.blocks.shape[1] * 32)
         ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
-        return cpu_native.embedding(table.fmt, table.group, table.half_scales, table.blocks, table.out_features, ids,
+        rows = cpu_native.embedding(table.fmt, table.group, table.half_scales, table.blocks, table.out_features, ids,
                                     out)
+        return rows.mul_(scale) if scale != 1.0 else rows
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, float32."""
@@ -67,12 +77,30 @@ class CpuOps(TorchOps):
         return out if bias is None else out.add_(bias)
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        x_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual) * weight, x + residual)``; the sum is written over `x` (a step's fresh activations)."""
+        """``(norm(x * x_scale + residual) * weight, x * x_scale + residual)`` (`x_scale` only with a residual:
+        Granite); the sum is written over `x` (a step's fresh activations)."""
         if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
-            return super().rms_norm(x, weight, eps, residual)
+            return super().rms_norm(x, weight, eps, residual, x_scale)
+        if residual is not None and x_scale != 1.0:
+            x.mul_(x_scale)  # rounds as TorchOps' x * x_scale does, before the add
         return cpu_native.rms_norm(x, residual, weight, eps, torch.empty_like(x)), x
+
+    def post_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of a block's output ``[T, H]`` before it joins the residual stream (Gemma), float32."""
+        x = x.contiguous()
+        return cpu_native.rms_norm(x, None, weight, eps, torch.empty_like(x))
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of ``[T, heads, D]`` (Qwen3's and Gemma 3's q/k norm), float32."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # q or k out of the fused qkv output: row-strided
+        return cpu_native.rms_norm(rows, None, weight, eps, torch.empty_like(rows)).view(x.shape)
 
     def rope_and_cache(
         self,
@@ -91,13 +119,21 @@ class CpuOps(TorchOps):
         return q, k
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over its context in the paged pool: ``[T, Hq, D]``."""
+        """Causal attention of each sequence's new tokens over its context in the paged pool: ``[T, Hq, D]``
+        (`window`: a sliding-window layer; `softcap`: Gemma 2's soft-capped scores)."""
         if not self._kernel_attention(q, k_cache):
-            return super().attention(q, k_cache, v_cache, meta, scale)
+            return super().attention(q, k_cache, v_cache, meta, scale, window, softcap)
         return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                    scale, q.new_empty(q.shape))
+                                    scale, q.new_empty(q.shape), window, softcap)
 
     @staticmethod
     def _kernel_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -123,6 +159,17 @@ class CpuOps(TorchOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
         return cpu_native.silu_mul(gate_up, gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): ``gelu_tanh(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
+        return cpu_native.gelu_tanh_mul(gate_up, gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+
+    def soft_cap(self, x: torch.Tensor, cap: float, scale: float = 1.0) -> torch.Tensor:
+        """Final logits: ``x * scale``, then ``cap * tanh(. / cap)`` when `cap` > 0; in place on the step's fresh
+        logits (float32, unit column stride), else `TorchOps`' op."""
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            return super().soft_cap(x, cap, scale)
+        return cpu_native.soft_cap(x, scale, cap)
 
 
 def _key(weight: QTensor) -> tuple:

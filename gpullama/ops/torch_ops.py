@@ -55,12 +55,18 @@ class TorchOps:
             derived["context_slots"], derived["context_mask"] = decode_context(meta, block_size)
         return dataclasses.replace(meta, **derived)
 
+    def prepare_rope(self, meta: BatchMetadata, cos_sin: torch.Tensor) -> BatchMetadata:
+        """`meta` with the rotary rows of another rope table (Gemma 3's sliding layers), once per step."""
+        return dataclasses.replace(meta, **dict(zip(("rope_cos", "rope_sin"), rope_rows(cos_sin, meta.positions))))
+
     # -- ops -------------------------------------------------------------------------------------
-    def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor) -> torch.Tensor:
-        """Rows of the embedding table for `ids`, float32 ``[T, H]``."""
+    def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Rows of the embedding table for `ids` times `scale` (Gemma, Granite), float32 ``[T, H]``."""
         if isinstance(table, QTensor):
-            return table.take_rows(ids).dequantize(torch.float32)
-        return table[ids].float()
+            rows = table.take_rows(ids).dequantize(torch.float32)
+        else:
+            rows = table[ids].float()
+        return rows * scale if scale != 1.0 else rows
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` in float32."""
@@ -74,13 +80,24 @@ class TorchOps:
         return out
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        x_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm fused with the residual add: returns ``(norm(x + residual) * weight, x + residual)``; the sum
-        keeps the residual's dtype (float32 on the CPU)."""
+        """RMSNorm fused with the residual add: returns ``(norm(x * x_scale + residual) * weight, x * x_scale +
+        residual)`` (`x_scale`: Granite's residual multiplier, used only with a residual); the sum keeps the
+        residual's dtype (float32 on the CPU)."""
         if residual is not None:
-            x = x + residual
+            x = (x.float() * x_scale if x_scale != 1.0 else x) + residual
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight, x  # F.rms_norm is slower on the CPU
+
+    def post_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of a block's output ``[T, H]`` before it joins the residual stream (Gemma), float32."""
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
     def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of ``[T, heads, D]`` (Qwen3's q/k norm), in the weight's dtype."""
@@ -97,7 +114,8 @@ class TorchOps:
         v_cache: torch.Tensor,
         meta: BatchMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k (NeoX halves; `cos_sin` is ``[max_pos, D]`` = cos|sin of each half) and write k, v to the pool."""
+        """Rotate q and k (NeoX halves; `cos_sin` is ``[max_pos, R]`` = cos|sin of each half, rotating the first
+        R <= D dims of each head: partial rotary) and write k, v to the pool."""
         cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else rope_rows(cos_sin, meta.positions)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
@@ -107,11 +125,21 @@ class TorchOps:
         return q, k
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over its whole context in the paged pool: ``[T, Hq, D]``."""
+        """Causal attention of each sequence's new tokens over its context in the paged pool: ``[T, Hq, D]``.
+
+        `window` > 0: a query at position p sees only positions above ``p - window`` (a sliding-window layer);
+        `softcap` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2)."""
         if meta.is_decode:
-            return self._decode_attention(q, k_cache, v_cache, meta, scale)
+            return self._decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         hq, hk = q.shape[1], k_cache.shape[2]
@@ -125,6 +153,21 @@ class TorchOps:
             blocks = meta.block_tables[i, :n_blocks].long()
             keys = k_cache[blocks].flatten(0, 1)[:seq_len].float()
             values = v_cache[blocks].flatten(0, 1)[:seq_len].float()
+            if window or softcap:  # keys from the first one the first query sees (SDPA has no soft-capping)
+                first = max(0, seq_len - q_len - window + 1) if window else 0
+                rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+                cols = torch.arange(first, seq_len, device=q.device)[None, :]
+                visible = (cols <= rows) & (cols > rows - window) if window else cols <= rows
+                keys, values = keys[first:], values[first:]
+                if softcap:
+                    out[q_start:q_end] = rowwise_attention(q[None, q_start:q_end], keys[None], values[None],
+                                                           visible[None], scale, softcap)[0]
+                else:
+                    o = F.scaled_dot_product_attention(q[q_start:q_end].transpose(0, 1), keys.transpose(0, 1),
+                                                       values.transpose(0, 1), attn_mask=visible, scale=scale,
+                                                       enable_gqa=hq != hk)
+                    out[q_start:q_end] = o.transpose(0, 1)
+                continue
             qi = q[q_start:q_end].transpose(0, 1)  # [Hq, L, D]
             ki = keys.transpose(0, 1)  # [Hk, S, D]
             vi = values.transpose(0, 1)
@@ -138,7 +181,14 @@ class TorchOps:
         return out
 
     def _decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """One new token per sequence: gather every context into one padded batch and attend in a single call."""
         slots, valid = meta.context_slots, meta.context_mask
@@ -146,9 +196,14 @@ class TorchOps:
             slots, valid = decode_context(meta, k_cache.shape[1])
         batch, width = slots.shape
         hk, d = k_cache.shape[2:]
+        if window:  # the new token at seq_len - 1 sees positions from seq_len - window on
+            position = torch.arange(width, device=slots.device)
+            valid = valid & (position[None, :] >= meta.seq_lens[:, None] - window)[:, None, None, :]
         flat = slots.view(-1)
         keys = k_cache.view(-1, hk, d).index_select(0, flat).view(batch, width, hk, d)
         values = v_cache.view(-1, hk, d).index_select(0, flat).view(batch, width, hk, d)
+        if softcap:
+            return rowwise_attention(q[:, None], keys, values, valid.view(batch, 1, width), scale, softcap)[:, 0]
         o = F.scaled_dot_product_attention(
             q[:, :, None, :], keys.transpose(1, 2).float(), values.transpose(1, 2).float(), attn_mask=valid,
             scale=scale, enable_gqa=q.shape[1] != hk,
@@ -187,6 +242,17 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): ``gelu_tanh(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def soft_cap(self, x: torch.Tensor, cap: float, scale: float = 1.0) -> torch.Tensor:
+        """Final logits: ``x * scale`` (Granite's 1 / logit_scale), then ``cap * tanh(. / cap)`` when `cap` > 0
+        (Gemma 2's soft-capping); float32."""
+        x = x.float() * scale if scale != 1.0 else x.float()
+        return torch.tanh(x / cap) * cap if cap else x
+
 
 def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Which tokens each row keeps, in vLLM's order: min-p, top-k, then the top-p nucleus of what is left.
@@ -215,9 +281,37 @@ def _has_packed_linear() -> bool:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX-style rotary embedding: the first half of each head pairs with the second half (`cos` is the angles'
-    cosines for both halves, `sin` their sines with the first half negated); float32 out."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    """NeoX-style rotary embedding: the first half of the rotated dims pairs with the second half (`cos` is the
+    angles' cosines for both halves, `sin` their sines with the first half negated); a head wider than the
+    ``R`` dims of `cos` keeps its last ``D - R`` dims as they are (partial rotary); float32 out."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :r], cos, sin), x[..., r:].float()), dim=-1)
+    return x * cos + x.roll(r // 2, dims=-1) * sin
+
+
+def rowwise_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention whose every row comes out the same however the batch around it is cut: ``q [B, L, Hq, D]`` over
+    ``keys``/``values [B, S, Hk, D]`` where ``visible [B, L, S]``; float32 ``[B, L, Hq, D]``. `softcap` > 0 caps
+    the scores at ``softcap * tanh(scores / softcap)`` (Gemma 2).
+
+    Computed in float64 (SDPA has no soft-capping), where the rounding differences of batch shapes sit far below
+    float32's.
+    """
+    b, n, hq, d = q.shape
+    hk = keys.shape[2]
+    g = hq // hk
+    qh = (q.to(torch.float64) * scale).view(b, n, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, n * g, d)
+    scores = torch.matmul(qh, keys.to(torch.float64).permute(0, 2, 3, 1))  # [B, Hk, L * G, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = visible[:, None, :, None, :].expand(b, 1, n, g, visible.shape[-1]).reshape(b, 1, n * g, -1)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    out = torch.matmul(probs, values.to(torch.float64).transpose(1, 2))  # [B, Hk, L * G, D]
+    return out.view(b, hk, n, g, d).permute(0, 2, 1, 3, 4).reshape(b, n, hq, d).float()
 
 
 def rope_rows(cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,12 +332,19 @@ def decode_context(meta: BatchMetadata, block_size: int) -> tuple[torch.Tensor, 
 
 
 def rope_cos_sin(
-    head_dim: int, max_positions: int, base: float, freq_factors: torch.Tensor | None = None
+    head_dim: int,
+    max_positions: int,
+    base: float,
+    freq_factors: torch.Tensor | None = None,
+    scale: float = 1.0,
+    attn_factor: float = 1.0,
 ) -> torch.Tensor:
-    """The ``[max_positions, head_dim]`` table of cos|sin for NeoX rotary embedding; `freq_factors` divides the
-    frequencies (Llama 3's ``rope_freqs`` tensor)."""
+    """The ``[max_positions, head_dim]`` table of cos|sin for NeoX rotary embedding of `head_dim` rotated dims;
+    `freq_factors` divides the frequencies (Llama 3's ``rope_freqs``, Phi-3's LongRoPE factors), so does `scale`
+    (linear rope scaling); `attn_factor` multiplies cos and sin (LongRoPE's attention factor)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.to(torch.float64)
+    inv_freq = inv_freq / scale
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    return (torch.cat((angles.cos(), angles.sin()), dim=-1) * attn_factor).float()

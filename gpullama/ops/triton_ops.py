@@ -12,7 +12,9 @@ from gpullama.kernels.rms_norm import head_rms_norm as _head_rms_norm
 from gpullama.kernels.rms_norm import rms_norm as _rms_norm
 from gpullama.kernels.rotary import rope_and_cache as _rope_and_cache
 from gpullama.kernels.sampling import sample as _sample
+from gpullama.kernels.silu_mul import gelu_tanh_mul as _gelu_tanh_mul
 from gpullama.kernels.silu_mul import silu_mul as _silu_mul
+from gpullama.kernels.soft_cap import soft_cap as _soft_cap
 from gpullama.ops.metadata import BatchMetadata
 from gpullama.ops.torch_ops import TorchOps
 from gpullama.quants import QTensor
@@ -36,21 +38,34 @@ class TritonOps(TorchOps):
         """The kernels read the metadata as it is (rotary rows and context spans are looked up inside them)."""
         return meta
 
-    def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor) -> torch.Tensor:
-        """Rows of the table for `ids`, dequantized in the kernel: float32 ``[T, H]``."""
+    def prepare_rope(self, meta: BatchMetadata, cos_sin: torch.Tensor) -> BatchMetadata:
+        """The rotary kernel reads each table's rows itself."""
+        return meta
+
+    def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Rows of the table for `ids` times `scale`, dequantized in the kernel: float32 ``[T, H]``."""
         if isinstance(table, QTensor) and table.qtype not in QUANTIZED_KERNEL_TYPES and table.qtype.name not in _DENSE_TYPES:
-            return super().embedding(ids, table)
-        return _embedding(ids, table)
+            return super().embedding(ids, table, scale)
+        return _embedding(ids, table, scale=scale)
 
     def linear(self, x: torch.Tensor, weight: QTensor | torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` from GGUF blocks, multiplied in the compute dtype, float32 out."""
         return quant_linear(x, weight, bias, self.dtype)
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        x_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm fused with the residual add: ``(norm(x + residual) * weight, x + residual)``."""
-        return _rms_norm(x, weight, eps, residual)
+        """RMSNorm fused with the residual add: ``(norm(x * x_scale + residual) * weight, x * x_scale + residual)``."""
+        return _rms_norm(x, weight, eps, residual, x_scale)
+
+    def post_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of a block's output (Gemma), float32: the fused kernel without a residual."""
+        return _rms_norm(x, weight, eps)[0]
 
     def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each head of ``[T, heads, D]``."""
@@ -70,16 +85,33 @@ class TritonOps(TorchOps):
         return _rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Paged attention: split-K decode when every sequence adds one token, else varlen causal prefill."""
+        """Paged attention: split-K decode when every sequence adds one token, else varlen causal prefill (a
+        sliding window and soft-capping when given)."""
         return paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
+            window=window, softcap=softcap,
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the fused gate|up output."""
         return _silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU of the fused gate|up output."""
+        return _gelu_tanh_mul(gate_up)
+
+    def soft_cap(self, x: torch.Tensor, cap: float, scale: float = 1.0) -> torch.Tensor:
+        """Final logits times `scale`, soft-capped at `cap` when > 0."""
+        return _soft_cap(x, cap, scale)
 
     def sample(
         self,

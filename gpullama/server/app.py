@@ -8,82 +8,67 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import APIError, error_body
+from .chat_output import ChatOutputShaper
+from .common import JSONResponse, read_request_body, request_id, start_generation
+from .common import check_model as _check_model
+from .common import off_loop_if_large as _off_loop_if_large
+from .common import parse_json as _parse_json
+from .common import require_ready as _require_ready
+from .common import server_state as _state
+from .errors import APIError, error_body, internal_error
 from .generation import Generation, Job
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .middleware import AccessLogMiddleware, APIKeyMiddleware
+from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware
 from .protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion, sampling_params
 from .responses import ChunkBuilder, chat_completion, new_id, now, text_completion
+from .responses_api import create_response
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
+from .structured_request import ChatPlan, chat_format, plan_chat, response_format_spec
+from .tokenization import detokenize, tokenize, version
 
 log = logging.getLogger("gpullama.server")
-_THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
 
 
-class JSONResponse(Response):
-    """A JSON response serialised with orjson."""
-
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON; 413 past ``limit`` bytes, 400 when malformed."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit} bytes",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+def _prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan, str, list[int]]:
+    """Parse and validate a chat body (with its response_format, tools, tool_choice and template kwargs), render
+    the chat template and tokenize (a worker thread may run it)."""
+    body = _parse_json(raw)
+    req = parse_chat(body)
+    _check_model(state, req.model)
+    tok = state.llm.tokenizer
+    plan = plan_chat(body, req.messages, chat_format(tok))
+    if plan.spec is not None:
+        req.options.kwargs["structured_output"] = plan.spec
+    req.options.kwargs["preserved_token_ids"] = plan.preserved_token_ids
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from exc
+        text = tok.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
+                                       **plan.template_kwargs)
+    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
+        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
+    return req, plan, text, tok.encode(text, add_special_tokens=False)
 
 
-def _require_ready(state: ServerState) -> None:
-    if state.status == "loading":
-        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
-    if state.status != "ready" or state.engine is None:
-        raise APIError(503, f"the model is not available ({state.status}: {state.error})", code="model_unavailable")
-    if not getattr(state.engine, "is_alive", True):
-        raise APIError(503, "the generation engine has stopped; restart the server", code="engine_dead")
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
-                       param="model", code="model_not_found")
-
-
-async def _off_loop_if_long(size: int, fn, *args, **kwargs):
-    if size > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
+def _prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+    """Parse and validate a completions body and tokenize its prompts (a worker thread may run it)."""
+    body = _parse_json(raw)
+    req = parse_completion(body)
+    _check_model(state, req.model)
+    spec = response_format_spec(body)
+    if spec is not None:
+        req.options.kwargs["structured_output"] = spec
+    tok = state.llm.tokenizer
+    return req, [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in req.prompts]
 
 
 async def chat_completions(request: Request) -> Response:
@@ -91,19 +76,13 @@ async def chat_completions(request: Request) -> Response:
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    req: ChatRequest = parse_chat(await _read_json(request, state.config.max_body_bytes))
-    _check_model(state, req.model)
-    tok = state.llm.tokenizer
-    size = sum(len(m["content"]) for m in req.messages)
-    try:
-        text = await _off_loop_if_long(size, tok.apply_chat_template, req.messages, add_generation_prompt=True)
-    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
-        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-    ids = await _off_loop_if_long(size, tok.encode, text, add_special_tokens=False)
+    raw = await read_request_body(request)
+    req, plan, text, ids = await _off_loop_if_large(len(raw), _prepare_chat, state, raw)
     jobs = [Job(i, ids, sampling_params(req.options, seed_offset=i), prompt_param="messages",
                 max_tokens_param=req.options.max_tokens_param) for i in range(req.n)]
+    shaper = ChatOutputShaper(plan, text)
     answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
-                    include_usage=req.include_usage, arrival=arrival)
+                    include_usage=req.include_usage, arrival=arrival, shaper=shaper if shaper.active else None)
     return await _serve(request, state, answer, req.stream)
 
 
@@ -112,17 +91,14 @@ async def completions(request: Request) -> Response:
     arrival = time.perf_counter()
     state = _state(request)
     _require_ready(state)
-    req: CompletionRequest = parse_completion(await _read_json(request, state.config.max_body_bytes))
-    _check_model(state, req.model)
-    tok = state.llm.tokenizer
+    raw = await read_request_body(request)
+    req, prompt_ids = await _off_loop_if_large(len(raw), _prepare_completion, state, raw)
     jobs: list[Job] = []
     texts: list[str | None] = []
-    for p, prompt in enumerate(req.prompts):
+    for p, (prompt, ids) in enumerate(zip(req.prompts, prompt_ids)):
         if isinstance(prompt, str):
-            ids = await _off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=True)
             texts.append(prompt)
         else:
-            ids = list(prompt)
             texts.append(None if req.echo else "")  # echoed text is decoded once the engine accepted the ids
         for i in range(req.n):
             jobs.append(Job(p * req.n + i, ids, sampling_params(req.options, seed_offset=i), prompt_index=p,
@@ -143,6 +119,7 @@ class Answer:
     echo: bool
     include_usage: bool
     arrival: float
+    shaper: ChatOutputShaper | None = None  # chat: reasoning and tool calls read out of the text
 
 
 async def _serve(request: Request, state: ServerState, answer: Answer, stream: bool) -> Response:
@@ -150,12 +127,9 @@ async def _serve(request: Request, state: ServerState, answer: Answer, stream: b
     JSON object or an SSE stream."""
     for job in answer.jobs:
         job.request_id = f"{answer.id}-{job.index}"
-    gen = Generation(state.engine, answer.jobs, state.metrics, answer.arrival)
-    try:
-        await unless_disconnected(request.receive, gen.start)
-    except ClientDisconnected:
+    gen = await start_generation(request, state, answer.jobs, answer.arrival)
+    if gen is None:
         return Response(status_code=499)
-    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
     for job in answer.jobs:
         if answer.prompt_texts[job.prompt_index] is None:
             answer.prompt_texts[job.prompt_index] = state.llm.tokenizer.decode(job.prompt_ids)
@@ -183,6 +157,10 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
             await gen.close()
         choices = [{"index": job.index, "text": texts[job.index], "logprobs": logprobs[job.index],
                     "finish_reason": finish.get(job.index), "offset": 0} for job in jobs]
+        if answer.shaper is not None:
+            for c in choices:
+                c["message"] = answer.shaper.message(c["index"], c["text"])
+                c["finish_reason"] = answer.shaper.finish_reason(c["index"], c["finish_reason"])
         build = chat_completion if answer.chat else text_completion
         return build(answer.id, now(), model, choices, gen.usage())
 
@@ -198,6 +176,7 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse
     chunks = ChunkBuilder(answer.chat, answer.id, now(), model, answer.include_usage)
 
     async def events() -> AsyncIterator[bytes]:
+        # every stream ends with [DONE]: after the finish reasons (and usage), or after one error event
         offsets = {job.index: 0 for job in answer.jobs}
         try:
             for job in answer.jobs:
@@ -206,7 +185,18 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse
                     yield event(chunks.role(job.index))
                 elif answer.echo and text:
                     yield event(chunks.content(job.index, text, None))
+            shaper = answer.shaper
             async for index, delta in gen.deltas():
+                if shaper is not None:  # reasoning, content and tool-call pieces
+                    fields = shaper.delta(index, delta.text) if delta.text else None
+                    if fields or delta.logprobs:
+                        yield event(chunks.fields(index, fields or {}, delta.logprobs))
+                    if delta.finish_reason is not None:
+                        rest = shaper.finish(index)
+                        if rest:
+                            yield event(chunks.fields(index, rest, None))
+                        yield event(chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)))
+                    continue
                 if delta.text or delta.logprobs:
                     yield event(chunks.content(index, delta.text, delta.logprobs, offsets[index]))
                     offsets[index] += len(delta.text)
@@ -216,6 +206,9 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> SSEResponse
                 yield event(chunks.usage(gen.usage()))
         except APIError as exc:
             yield event(exc.body())
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: the client gets an error event, the log the detail
+            log.error("streaming %s failed (request id %s)", answer.id, gen.http_request_id, exc_info=exc)
+            yield event(internal_error(gen.http_request_id).body())
         finally:
             await gen.close()
         yield DONE
@@ -246,8 +239,8 @@ def _model_card(state: ServerState) -> dict:
 async def health(request: Request) -> Response:
     """``GET /health``: 200 ``{"status": "ok"}`` when ready, 503 while loading or when the engine is gone."""
     state = _state(request)
-    if state.status == "loading":
-        return JSONResponse({"status": "loading"}, status_code=503)
+    if state.status in ("loading", "stopping"):
+        return JSONResponse({"status": state.status}, status_code=503)
     if state.status != "ready" or state.engine is None:
         return JSONResponse({"status": "error", "message": f"{state.status}: {state.error}"}, status_code=503)
     if not getattr(state.engine, "is_alive", True):
@@ -278,10 +271,22 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                         headers=exc.headers)
 
 
-async def _server_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"),
-                        status_code=500)
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client hung up while sending its body: one quiet line, status 499 (nginx's "client closed request")."""
+    log.info("client disconnected during the upload of %s %s (request id %s)", request.method, request.url.path,
+             request_id(request))
+    return Response(status_code=499)
+
+
+def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:
+    """Outermost first: access log, request id and 500s, Host allow-list, CORS (when configured), API key."""
+    stack = [Middleware(AccessLogMiddleware, metrics=state.metrics), Middleware(RequestIdMiddleware),
+             Middleware(TrustedHostMiddleware, allowed_hosts=config.host_patterns(), www_redirect=False)]
+    if config.allowed_origins:  # before the key check: a browser's preflight carries no Authorization
+        stack.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                                allow_headers=["*"], expose_headers=["x-request-id"]))
+    stack.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+    return stack
 
 
 def create_app(config: ServerConfig, state: ServerState | None = None) -> Starlette:
@@ -290,6 +295,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         app.state.loader_task = asyncio.create_task(state.load())
         try:
             yield
@@ -300,14 +306,18 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
         ],
-        middleware=[Middleware(AccessLogMiddleware, metrics=state.metrics),
-                    Middleware(APIKeyMiddleware, api_key=config.api_key)],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
+        middleware=_middleware(config, state),
+        # unexpected exceptions are answered by RequestIdMiddleware (a 500 with only the request id)
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone},
         lifespan=lifespan,
     )
     app.state.server = state

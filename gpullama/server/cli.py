@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import uvicorn
 
 from gpullama.engine.args import EngineArgs, positive_int
 
 from .app import create_app
-from .state import DEFAULT_MAX_BODY_BYTES, ServerConfig, ServerState
+from .connection import head_timeout_protocol
+from .engine_log import DEFAULT_INTERVAL_S
+from .state import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_REQUEST_TIMEOUT,
+    LOOPBACK_HOSTS,
+    ServerConfig,
+    ServerState,
+)
+
+log = logging.getLogger("gpullama.server")
 
 
 def port_number(text: str) -> int:
@@ -26,6 +45,39 @@ def port_number(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def seconds_or_off(text: str) -> float:
+    """An argparse type: a duration in seconds, or 0 for no limit."""
+    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
+def name_list(text: str) -> list[str]:
+    """An argparse type: comma-separated names (hosts, origins)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected one or more comma-separated names")
+    return names
+
+
+def host_pattern_list(text: str) -> list[str]:
+    """An argparse type: comma-separated Host names; ``*`` for any, ``*.example.com`` for subdomains."""
+    names = name_list(text)
+    for name in names:
+        if "*" in name[1:] or (name.startswith("*") and name != "*" and not name.startswith("*.")):
+            raise argparse.ArgumentTypeError(f"a wildcard must look like '*.example.com' or '*', got {name!r}")
+    return [name.lower() for name in names]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags: the engine's (from `EngineArgs`) and the server's own."""
     p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
@@ -37,12 +89,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $GPULLAMA_API_KEY, else none)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    limits = p.add_argument_group("limits (docs/server.md, 'Limits')")
+    limits.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE,
+                        help="requests waiting for a place in the batch; past it new ones get 429 with Retry-After "
+                        f"(default: {DEFAULT_MAX_QUEUE})")
+    limits.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
+                        help=f"open connections; past it new requests get 503 (default: {DEFAULT_MAX_CONNECTIONS})")
+    limits.add_argument("--request-timeout", type=seconds_or_off, default=DEFAULT_REQUEST_TIMEOUT,
+                        help="seconds from a request's arrival to its last token, else it is ended with 504 (or an "
+                        f"error event); 0: no limit (default: {DEFAULT_REQUEST_TIMEOUT:g})")
+    limits.add_argument("--header-timeout", type=seconds, default=DEFAULT_HEADER_TIMEOUT,
+                        help="seconds for a connection to send a request's line and headers, else it is closed "
+                        f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
+    limits.add_argument("--body-timeout", type=seconds, default=DEFAULT_BODY_TIMEOUT,
+                        help=f"seconds to receive a request body, else 408 (default: {DEFAULT_BODY_TIMEOUT:g})")
+    limits.add_argument("--keep-alive-timeout", type=seconds, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+                        help="seconds an idle keep-alive connection stays open "
+                        f"(default: {DEFAULT_KEEP_ALIVE_TIMEOUT:g})")
+    security = p.add_argument_group("browser safety (docs/server.md, 'Local-server safety')")
+    security.add_argument("--allowed-hosts", type=host_pattern_list, default=None,
+                          help="comma-separated Host header values accepted, '*.example.com' for subdomains, '*' for "
+                          f"any (default: {', '.join(LOOPBACK_HOSTS)} when bound to a loopback address, else any)")
+    security.add_argument("--allowed-origins", type=name_list, default=[],
+                          help="comma-separated browser origins allowed by CORS, such as http://localhost:3000, or "
+                          "'*' (default: none, CORS off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-stats-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+                   help="log the engine's status line this often while it has work; 0 turns it off "
+                   f"(default: {DEFAULT_INTERVAL_S:g})")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the server until interrupted; exit status 1 when the model cannot be loaded."""
+    """Run the server until SIGINT/SIGTERM (exit status 0 once the open streams are ended and the engine stopped);
+    1 when the model cannot be loaded, 2 for bad arguments."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -52,12 +132,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = ServerConfig(engine=engine_args, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, api_key=args.api_key,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                          max_connections=args.max_connections, request_timeout=args.request_timeout or None,
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
+                          allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval)
     state = ServerState(config)
     app = create_app(config, state)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                                           log_level=args.log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                    log_level=args.log_level, access_log=False, lifespan="on",
+                                    http=head_timeout_protocol(config.header_timeout),
+                                    limit_concurrency=config.max_connections,
+                                    timeout_keep_alive=config.keep_alive_timeout,
+                                    timeout_graceful_shutdown=5), state)
     failed: list[BaseException] = []
 
     def on_load_failed(exc: BaseException) -> None:
@@ -68,8 +155,47 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("gpullama.server").info("gpullama-serve: model %s, device %s, address http://%s:%d%s",
                                               args.model, args.device, args.host, args.port,
                                               " (API key required)" if args.api_key else "")
+    if config.host_patterns() == ["*"]:
+        log.info("accepting any Host header (bound to %s): pass --allowed-hosts to restrict it", args.host)
     server.run()
-    return 1 if failed else 0
+    if failed:
+        return 1
+    if server.signalled:
+        log.info("gpullama-serve stopped (%s)", signal.Signals(server.signalled[0]).name)
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending the open streams at the first SIGINT/SIGTERM (a second SIGINT forces the exit)
+    and exiting with status 0 after such a clean stop instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.signalled: list[int] = []
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signalled.append(sig)
+        if self.should_exit:
+            self.force_exit = sig == signal.SIGINT or self.force_exit
+            return
+        self.should_exit = True
+        loop = self.state.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.state.begin_shutdown)  # streams end within one engine step
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -41,3 +45,9 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 def error_bytes(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
     """The error object serialised with orjson."""
     return orjson.dumps(error_body(status, message, param=param, code=code))
+
+
+def internal_error(request_id: str, code: str = "internal_error") -> APIError:
+    """The 500 a client sees for a failure on our side: only "internal error" and the request id that finds the
+    detail in the server's log (exception text can carry paths, data of other requests, or internals)."""
+    return APIError(500, f"internal error (request id {request_id})", code=code)

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpullama.engine.admission import RequestError
+from gpullama.engine.errors import EngineError, EngineStopped
 from gpullama.outputs import StreamDelta
 from gpullama.sampling_params import SamplingParams
 
-from .errors import APIError
+from .errors import APIError, internal_error
 from .metrics import ServerMetrics
+from .request_log import current_request
 from .responses import usage
 
 log = logging.getLogger("gpullama.server")
@@ -34,16 +36,20 @@ class Job:
     request_id: str = ""  # the engine's id, set when the answer gets its id
 
 
-def _api_error(exc: Exception, job: Job) -> APIError:
+def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestError):
         param = {"prompt": job.prompt_param, "max_tokens": job.max_tokens_param}.get(exc.param, exc.param)
         return APIError(400, str(exc), param=param)
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
-    log.exception("generation failed for request %s", job.request_id, exc_info=exc)
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="generation_failed")
+    if isinstance(exc, ValueError):  # a StructuredOutputError names its field
+        return APIError(400, str(exc), param=getattr(exc, "param", None))
+    if isinstance(exc, EngineStopped):
+        return APIError(503, str(exc), code="engine_stopped")
+    # the client gets the request id, not the detail; the engine already logged a failed step with its traceback
+    log.error("generation failed for %s (request id %s): %s", job.request_id, http_request_id, exc,
+              exc_info=None if isinstance(exc, EngineError) else exc)
+    return internal_error(http_request_id, code="generation_failed")
 
 
 class Generation:
@@ -53,8 +59,12 @@ class Generation:
     (a prompt that does not fit) become HTTP errors. ``close()`` aborts every choice that has not finished.
     """
 
-    def __init__(self, engine: Any, jobs: list[Job], metrics: ServerMetrics, arrival: float) -> None:
+    def __init__(self, engine: Any, jobs: list[Job], metrics: ServerMetrics, arrival: float,
+                 http_request_id: str = "-") -> None:
         self.engine = engine
+        self.http_request_id = http_request_id
+        self.interrupted: APIError | None = None  # why the request was ended early (timeout)
+        self._deadline: asyncio.TimerHandle | None = None
         self.jobs = jobs
         self.metrics = metrics
         self.arrival = arrival
@@ -67,6 +77,22 @@ class Generation:
         self._closed = False
         self._generated = 0
         self._cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
+        self.first_token_at: float | None = None  # perf_counter() of the request's first and last token
+        self.last_token_at: float | None = None
+        self.finish_reasons: dict[int, str] = {}  # choice index -> finish reason
+        record = current_request.get()
+        if record is not None:  # the access log line reports this request's tokens
+            record.generations.append(self)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated so far, over all choices."""
+        return self._generated
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache."""
+        return sum(self._cached.values())
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,7 +107,7 @@ class Generation:
         try:
             self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params)
         except Exception as exc:
-            raise _api_error(exc, job) from exc
+            raise _api_error(exc, job, self.http_request_id) from exc
 
     async def _pump(self, job: Job) -> None:
         assert self._queue is not None
@@ -96,8 +122,29 @@ class Generation:
         assert self._queue is not None
         index, delta, exc = await self._queue.get()
         if exc is not None:
-            raise _api_error(exc, self.jobs[index])
+            raise _api_error(exc, self.jobs[index], self.http_request_id)
+        self._check_interrupted(delta)
         return index, delta
+
+    def _check_interrupted(self, delta: StreamDelta | None) -> None:
+        """An "abort" that `interrupt` caused ends the request with the interrupting error."""
+        if self.interrupted is not None and delta is not None and delta.finish_reason == "abort":
+            raise self.interrupted
+
+    def set_deadline(self, seconds: float, error: APIError) -> None:
+        """Interrupt the request with `error` after `seconds` (unless it finished first)."""
+        self._deadline = asyncio.get_running_loop().call_later(max(0.0, seconds), self.interrupt, error)
+
+    def interrupt(self, error: APIError) -> None:
+        """End the request now: abort its unfinished choices on the engine (each ends within one step) and raise
+        `error` where its deltas are read, so a stream ends with that error event and ``[DONE]``."""
+        if self._closed or self.interrupted is not None:
+            return
+        self.interrupted = error
+        log.info("ending %s early: %s", self.jobs[0].request_id.rsplit("-", 1)[0], error.message)
+        for job in self.jobs:
+            if job.index not in self.finished and job.index in self._streams:
+                self.engine.abort(job.request_id)
 
     async def start(self) -> None:
         """Submit all choices and wait for each first delta; raises ``APIError`` (400 or 500) on failure."""
@@ -108,9 +155,11 @@ class Generation:
                 try:
                     first = await anext(self._streams[0])
                 except StopAsyncIteration:
-                    raise APIError(500, "the engine ended the request without output", code="generation_failed") from None
+                    log.error("the engine ended %s without output", self.jobs[0].request_id)
+                    raise internal_error(self.http_request_id, code="generation_failed") from None
                 except Exception as exc:
-                    raise _api_error(exc, self.jobs[0]) from exc
+                    raise _api_error(exc, self.jobs[0], self.http_request_id) from exc
+                self._check_interrupted(first)
                 self._buffer.append((0, first))
                 return
             self._queue = asyncio.Queue()
@@ -133,11 +182,17 @@ class Generation:
         self._buffer.clear()
         if len(self.jobs) == 1:
             if 0 not in self.finished:
-                async for delta in self._streams[0]:
-                    self._observe(0, delta)
-                    yield 0, delta
-                    if delta.finish_reason is not None:
-                        break
+                try:
+                    async for delta in self._streams[0]:
+                        self._check_interrupted(delta)
+                        self._observe(0, delta)
+                        yield 0, delta
+                        if delta.finish_reason is not None:
+                            break
+                except APIError:
+                    raise
+                except Exception as exc:
+                    raise _api_error(exc, self.jobs[0], self.http_request_id) from exc
             self.finished.add(0)
             return
         while len(self.finished) < len(self.jobs):
@@ -155,9 +210,13 @@ class Generation:
         self._cached[p] = max(self._cached.get(p, 0), delta.num_cached_tokens)
         if delta.finish_reason is not None:
             self.finished.add(index)
+            self.finish_reasons[index] = delta.finish_reason
         if not count:
             return
         now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
         last = self._last_time.get(index)
         if last is None:
             self.metrics.ttft.observe(now - self.arrival)
@@ -174,6 +233,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._deadline is not None:
+            self._deadline.cancel()
         for job in self.jobs:
             if job.index not in self.finished and job.index in self._streams:
                 self.finished.add(job.index)

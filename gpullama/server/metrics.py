@@ -8,7 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
-KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+                "/tokenize", "/detokenize", "/version"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -30,13 +31,22 @@ class ServerMetrics:
                              buckets=_TTFT_BUCKETS, registry=r)
         self.running = Gauge("gpullama_requests_running", "Requests in the engine's running batch.", registry=r)
         self.waiting = Gauge("gpullama_requests_waiting", "Requests queued in the engine.", registry=r)
+        self.kv_blocks_used = Gauge("gpullama_kv_blocks_used", "KV-cache blocks held by requests.", registry=r)
+        self.kv_blocks_total = Gauge("gpullama_kv_blocks_total", "KV-cache blocks in the pool.", registry=r)
+        self.kv_usage = Gauge("gpullama_kv_cache_usage_ratio", "Share of the KV-cache blocks held by requests (0 to 1).",
+                              registry=r)
 
     def observe_request(self, path: str, status: int) -> None:
         """Count one finished HTTP request (unknown paths share one label)."""
         self.requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()
 
     def render(self, engine: Any | None) -> bytes:
-        """The Prometheus text exposition, with the queue gauges read from ``engine`` now."""
+        """The Prometheus text exposition, with the queue and KV-pool gauges read from ``engine`` now."""
         self.running.set(engine.num_running if engine is not None else 0)
         self.waiting.set(engine.num_waiting if engine is not None else 0)
+        used = engine.kv_blocks_used if engine is not None else 0
+        total = engine.kv_blocks_total if engine is not None else 0
+        self.kv_blocks_used.set(used)
+        self.kv_blocks_total.set(total)
+        self.kv_usage.set(used / total if total else 0.0)
         return generate_latest(self.registry)

@@ -1,17 +1,21 @@
-"""Pure-ASGI middleware: bearer-key authentication and one access-log line (plus a metric) per request."""
+"""Pure-ASGI middleware: request ids and the 500 answer, bearer-key authentication, and one access-log line (plus a
+metric) per request."""
 
 from __future__ import annotations
 
 import hmac
 import logging
 import time
+import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_bytes
+from .errors import error_bytes, internal_error
 from .metrics import ServerMetrics
+from .request_log import RequestRecord, current_request
 
 access_log = logging.getLogger("gpullama.server.access")
+log = logging.getLogger("gpullama.server")
 
 
 async def send_json_error(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -20,6 +24,39 @@ async def send_json_error(send: Send, status: int, body: bytes, headers: list[tu
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 + (headers or [])})
     await send({"type": "http.response.body", "body": body})
+
+
+class RequestIdMiddleware:
+    """Give each request an id (``request.state.request_id`` and the ``x-request-id`` response header) and answer
+    any exception that escapes the app with a 500 saying only "internal error" and that id; the detail and the
+    traceback go to the log, once (Starlette's own handler would log it and re-raise it to uvicorn, which logs it
+    again)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 - every unexpected failure ends here, logged once
+            log.error("internal error on %s %s (request id %s)", scope["method"], scope["path"], request_id,
+                      exc_info=exc)
+            if not started:
+                body = error_bytes(500, internal_error(request_id).message, code="internal_error")
+                await send_json_error(send_with_id, 500, body, [(b"connection", b"close")])
 
 
 class APIKeyMiddleware:
@@ -41,7 +78,11 @@ class APIKeyMiddleware:
 
 
 class AccessLogMiddleware:
-    """Log ``client "METHOD path HTTP/v" status duration`` once the response is complete; count it by status."""
+    """Log ``client "METHOD path HTTP/v" status duration: details`` once the response is complete (details: a
+    generation's tokens, time to first token, speed and finish reason, or an error's message; see `request_log`);
+    health and metrics polls at debug level. Count each request by status."""
+
+    QUIET_PATHS = ("/health", "/metrics")
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -52,18 +93,25 @@ class AccessLogMiddleware:
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = 500
+        record = RequestRecord()
+        token = current_request.set(record)
 
         async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400:
+                record.keep_error_body(message.get("body", b""))
             await send(message)
 
         try:
             await self.app(scope, receive, send_status)
         finally:
+            current_request.reset(token)
             client = scope.get("client")
             where = f"{client[0]}:{client[1]}" if client else "-"
-            access_log.info('%s "%s %s HTTP/%s" %d %.1fms', where, scope["method"], scope["path"],
-                            scope.get("http_version", "1.1"), status, (time.perf_counter() - start) * 1000)
+            quiet = scope["path"] in self.QUIET_PATHS  # polled every few seconds (503 while loading included)
+            access_log.log(logging.DEBUG if quiet else logging.INFO, '%s "%s %s HTTP/%s" %d %s', where,
+                           scope["method"], scope["path"], scope.get("http_version", "1.1"), status,
+                           record.describe(status, time.perf_counter() - start))
             self.metrics.observe_request(scope["path"], status)

@@ -6,13 +6,23 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpullama.engine.admission import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    RequestError,
+    check_choices,
+    check_count,
+    check_messages,
+)
 from gpullama.sampling_params import SamplingParams
 
 from .errors import APIError
 
-MAX_N = 16
-MAX_STOP = 4
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# message fields passed on to the chat template as given (checked in structured_request: tool calls, tool results)
+PASSED_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning")
 
 
 @dataclass
@@ -52,6 +62,14 @@ class CompletionRequest:
 
 def _bad(name: str, message: str) -> APIError:
     return APIError(400, message, param=name)
+
+
+def _admitted(check, *args) -> None:
+    """Run one of the engine's admission checks; its RequestError becomes a 400 naming the field."""
+    try:
+        check(*args)
+    except RequestError as exc:
+        raise _bad(exc.param, str(exc)) from None
 
 
 def _kind(value: Any) -> str:
@@ -100,10 +118,12 @@ def _stop(body: dict) -> list[str]:
         return []
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+    if not isinstance(value, list):
         raise _bad("stop", "'stop' must be a string or a list of strings")
     if len(value) > MAX_STOP:
         raise _bad("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(value)}")
+    if not all(isinstance(s, str) for s in value):
+        raise _bad("stop", "'stop' must be a string or a list of strings")
     if not all(value):
         raise _bad("stop", "'stop' sequences must not be empty strings")
     return value
@@ -115,12 +135,17 @@ def _logit_bias(body: dict) -> dict[int, float]:
         return {}
     if not isinstance(value, dict):
         raise _bad("logit_bias", "'logit_bias' must be an object mapping token ids to numbers")
+    _admitted(check_count, "logit_bias", len(value), MAX_LOGIT_BIAS)
     out: dict[int, float] = {}
     for key, bias in value.items():
-        if not re.fullmatch(r"\d+", str(key)):
-            raise _bad("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
+        # ASCII digits only, and few: int() of thousands of digits raises, and no vocabulary has 10**10 tokens
+        if not re.fullmatch(r"[0-9]{1,10}", str(key)):
+            raise _bad("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got "
+                       f"{str(key)[:20]!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise _bad("logit_bias", f"'logit_bias' values must be numbers, got {_kind(bias)} for token {key}")
+        if not -100 <= bias <= 100:  # compared before float(): an integer of any size is refused, never overflows
+            raise _bad("logit_bias", f"'logit_bias' values must be in [-100, 100], got {str(bias)[:20]} for token {key}")
         out[int(key)] = float(bias)
     return out
 
@@ -129,7 +154,10 @@ def _stop_token_ids(body: dict) -> list[int]:
     value = body.get("stop_token_ids")
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if not isinstance(value, list):
+        raise _bad("stop_token_ids", "'stop_token_ids' must be a list of integers")
+    _admitted(check_count, "stop_token_ids", len(value), MAX_STOP_TOKEN_IDS)  # before looking at each item
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise _bad("stop_token_ids", "'stop_token_ids' must be a list of integers")
     return value
 
@@ -171,8 +199,7 @@ def _common(body: Any) -> tuple[str | None, int, bool, bool]:
     model = _str(body, "model")
     n = _int(body, "n")
     n = 1 if n is None else n
-    if not 1 <= n <= MAX_N:
-        raise _bad("n", f"'n' must be in [1, {MAX_N}], got {n}")
+    _admitted(check_choices, 1, n)
     stream = _bool(body, "stream")
     stream_options = body.get("stream_options")
     include_usage = False
@@ -204,13 +231,10 @@ def _messages(body: dict) -> list[dict[str, str]]:
     messages = body.get("messages")
     if messages is None:
         raise _bad("messages", "'messages' is a required field")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "'messages' must be a non-empty list of message objects")
+    _admitted(check_messages, messages)  # list, count, objects, role strings
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _bad(where, f"'{where}' must be an object, got {_kind(message)}")
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise _bad(f"{where}.role", f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}")
@@ -219,7 +243,9 @@ def _messages(body: dict) -> list[dict[str, str]]:
             content = ""
         elif content is None:
             raise _bad(f"{where}.content", f"'{where}.content' is required for role {role!r}")
-        out.append({"role": CHAT_ROLES[role], "content": _content(content, f"{where}.content")})
+        entry = {"role": CHAT_ROLES[role], "content": _content(content, f"{where}.content")}
+        entry.update((k, message[k]) for k in PASSED_MESSAGE_FIELDS if message.get(k) is not None)
+        out.append(entry)
     return out
 
 
@@ -248,6 +274,8 @@ def _prompts(body: dict) -> list[str | list[int]]:
     def is_ids(x: Any) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
 
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        _admitted(check_count, "prompt", len(prompt), MAX_N)  # a list of prompts: its length before its items
     if isinstance(prompt, str):
         prompts: list = [prompt]
     elif is_ids(prompt):
@@ -257,8 +285,6 @@ def _prompts(body: dict) -> list[str | list[int]]:
     else:
         raise _bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids "
                    "or a list of token-id lists (non-empty)")
-    if len(prompts) > MAX_N:
-        raise _bad("prompt", f"'prompt' takes at most {MAX_N} prompts, got {len(prompts)}")
     return prompts
 
 
@@ -266,8 +292,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     """Validate a text completions body; raises ``APIError`` (400) naming the bad field."""
     model, n, stream, include_usage = _common(body)
     prompts = _prompts(body)
-    if len(prompts) * n > MAX_N:
-        raise _bad("n", f"'n' times the number of prompts must be at most {MAX_N}, got {len(prompts) * n}")
+    _admitted(check_choices, len(prompts), n)
     opts = _options(body)
     logprobs = _int(body, "logprobs")
     if logprobs is not None:

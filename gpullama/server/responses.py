@@ -62,7 +62,7 @@ def chat_completion(rid: str, created: int, model: str, choices: list[dict], usa
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{
             "index": c["index"],
-            "message": {"role": "assistant", "content": c["text"]},
+            "message": c.get("message") or {"role": "assistant", "content": c["text"]},
             "logprobs": chat_logprobs(c["logprobs"]) if c["logprobs"] is not None else None,
             "finish_reason": c["finish_reason"],
         } for c in choices],
@@ -113,6 +113,12 @@ class ChunkBuilder:
                                 "finish_reason": None})
         return self._chunk({"index": index, "text": text,
                             "logprobs": completion_logprobs(logprobs, offset) if logprobs is not None else None,
+                            "finish_reason": None})
+
+    def fields(self, index: int, delta: dict, logprobs: list[TokenLogprob] | None) -> dict:
+        """A chat chunk carrying the given delta fields (content, reasoning_content, tool_calls)."""
+        return self._chunk({"index": index, "delta": delta,
+                            "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
                             "finish_reason": None})
 
     def finish(self, index: int, reason: str | None) -> dict:

@@ -50,12 +50,16 @@ class SSEResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
+        complete = False  # every event was sent: a disconnect from here on is the normal end of the response
 
         async def watch() -> None:
             nonlocal disconnected
             await _wait_disconnect(receive)
-            disconnected = True
-            tg.cancel_scope.cancel()
+            # once the last body message is sent, the server reports "disconnect" to anyone still listening;
+            # that is the end of a complete response, not a client going away
+            if not complete:
+                disconnected = True
+                tg.cancel_scope.cancel()
 
         try:
             async with anyio.create_task_group() as tg:
@@ -64,9 +68,10 @@ class SSEResponse:
                 try:
                     async for chunk in self.events:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    complete = True
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except OSError:
-                    disconnected = True
+                    disconnected = not complete
                 tg.cancel_scope.cancel()
         finally:
             aclose = getattr(self.events, "aclose", None)

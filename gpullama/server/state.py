@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import threading
 import time
@@ -11,12 +12,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpullama.engine.args import EngineArgs
+from gpullama.engine.errors import EngineStopped
 
+from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
 from .metrics import ServerMetrics
 
 log = logging.getLogger("gpullama.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_QUEUE = 256  # requests waiting for a place in the batch, then 429
+DEFAULT_MAX_CONNECTIONS = 512  # open connections, then uvicorn answers 503
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds from arrival to the last token, then 504 (llama.cpp's --timeout)
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request line and headers, then the connection is closed
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for the request body, then 408
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's default)
+LOOPBACK_HOSTS = ("localhost", "*.localhost", "127.0.0.1", "[::1]")  # names that only reach this machine
 
 
 @dataclass
@@ -29,6 +39,31 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT  # None or 0: no limit
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    allowed_hosts: list[str] | None = None  # None: loopback names when bound to a loopback address, else any
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: off
+    log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between engine status lines; 0: none
+
+    def host_patterns(self) -> list[str]:
+        """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        return list(LOOPBACK_HOSTS) if is_loopback(self.host) else ["*"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
@@ -36,7 +71,10 @@ def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
     from gpullama.engine.async_engine import AsyncEngine
     from gpullama.llm import LLM
 
+    from .structured_request import chat_format
+
     llm = LLM.from_engine_args(config.engine)
+    chat_format(llm.tokenizer)  # scans the vocabulary once, here rather than on the event loop
     return llm, lambda loaded: AsyncEngine(loaded.engine)
 
 
@@ -55,6 +93,8 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.on_load_failed: Callable[[BaseException], None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
+        self._status_task: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Load the model off the event loop, then start the engine; on failure record it and notify."""
@@ -74,6 +114,8 @@ class ServerState:
             return
         self.model_name = self.config.served_model_name or llm.model_name
         self.status = "ready"
+        if self.config.log_stats_interval > 0 and hasattr(llm, "engine"):
+            self._status_task = asyncio.create_task(log_engine_status(llm.engine, self.config.log_stats_interval))
         log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
                  self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
                  self.config.host, self.config.port)
@@ -101,9 +143,21 @@ class ServerState:
         threading.Thread(target=work, name="gpullama-load", daemon=True).start()
         return await future
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping (SIGINT/SIGTERM): refuse new requests and stop the engine after its current
+        step; every open stream then ends with an error event and ``[DONE]`` instead of waiting to be cut."""
+        if self.status in ("loading", "ready"):
+            self.status = "stopping"
+        if self.engine is not None:
+            self.engine.stop(EngineStopped("the server is shutting down"))
+
     def shutdown(self) -> None:
         """Stop the engine's step loop."""
+        if self._status_task is not None:
+            self._status_task.cancel()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if hasattr(self.llm, "shutdown"):  # tensor-parallel worker processes
+            self.llm.shutdown()
         self.status = "stopped"

@@ -164,6 +164,8 @@ class ToolParser:
     markers: tuple[str, ...] = ()  # open a call region anywhere in the content
     start_markers: tuple[str, ...] = ()  # open one only at the start of the text (after whitespace)
     start_chars: str = ""  # characters that open a region at the start of the text and belong to it
+    # the format's words that a vocabulary may hold as special tokens, which must then stay in the text it reads
+    token_markers: tuple[str, ...] = ()
     args_keys: tuple[str, ...] = ("arguments", "parameters")
 
     def __init__(self, tool_names: Iterable[str] | None = None, id_factory: Callable[[], str] = new_call_id) -> None:
@@ -493,6 +495,7 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
     CLOSE = "</tool_call>"
+    token_markers = ("<tool_call>", "</tool_call>")
 
     def _region_scan(self) -> Scan:
         c = yield from self._skip_ws((yield))
@@ -518,6 +521,7 @@ class Llama3ToolParser(ToolParser):
     name = "llama3"
     markers = ("<|python_tag|>",)
     start_chars = "{"
+    token_markers = ("<|python_tag|>",)
 
     def _region_scan(self) -> Scan:
         c = yield from self._skip_ws((yield))
@@ -542,6 +546,7 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
     ARGS = "[ARGS]"
+    token_markers = ("[TOOL_CALLS]", "[ARGS]")
 
     def _region_scan(self) -> Scan:
         c = yield from self._skip_ws((yield))

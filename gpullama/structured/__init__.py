@@ -1,24 +1,42 @@
 """Structured output: specs, a grammar-backend interface (xgrammar behind it), token bitmasks, tool-call grammars.
 
-Importing this package does not import xgrammar (about 5 s, and it pulls transformers); building a backend does.
+The names load on first use: importing the package (or `gpullama.structured.spec`, which `SamplingParams` reads)
+imports neither torch nor xgrammar. xgrammar (about 5 s, and it pulls transformers) loads when the first backend
+is built.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 import weakref
-from typing import TYPE_CHECKING
-
-from gpullama.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, compile_pool
-from gpullama.structured.bitmask import allocate_bitmask, allow_only, apply_bitmask, bitmask_to_bool, bitmask_width
-from gpullama.structured.reasoning_gate import ReasoningGatedMatcher, reasoning_token_ids
-from gpullama.structured.spec import StructuredOutput, StructuredOutputError, ToolCallGrammar, check_json_schema
-from gpullama.structured.tools import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_grammar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gpullama.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, compile_pool
+    from gpullama.structured.bitmask import (
+        allocate_bitmask,
+        allow_only,
+        apply_bitmask,
+        bitmask_to_bool,
+        bitmask_width,
+    )
+    from gpullama.structured.reasoning_gate import ReasoningGatedMatcher, reasoning_token_ids
+    from gpullama.structured.spec import StructuredOutput, StructuredOutputError, ToolCallGrammar, check_json_schema
+    from gpullama.structured.tools import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_grammar
     from gpullama.tokenizer import Tokenizer
 
 BACKENDS = ("xgrammar",)
+
+_EXPORTS = {
+    "CompiledGrammar": "backend", "GrammarBackend": "backend", "GrammarMatcher": "backend", "compile_pool": "backend",
+    "allocate_bitmask": "bitmask", "allow_only": "bitmask", "apply_bitmask": "bitmask", "bitmask_to_bool": "bitmask",
+    "bitmask_width": "bitmask",
+    "ReasoningGatedMatcher": "reasoning_gate", "reasoning_token_ids": "reasoning_gate",
+    "StructuredOutput": "spec", "StructuredOutputError": "spec", "ToolCallGrammar": "spec",
+    "check_json_schema": "spec",
+    "TOOL_CALL_FORMATS": "tools", "ToolCallFormat": "tools", "tool_call_grammar": "tools",
+}
 
 _backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -40,10 +58,15 @@ def get_backend(tokenizer: Tokenizer, vocab_size: int | None = None, name: str =
         return backend
 
 
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gpullama.structured' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"gpullama.structured.{_EXPORTS[name]}"), name)
+
+
 __all__ = [
     "BACKENDS", "TOOL_CALL_FORMATS", "CompiledGrammar", "GrammarBackend", "GrammarMatcher", "ReasoningGatedMatcher",
-    "StructuredOutput",
-    "StructuredOutputError", "ToolCallFormat", "ToolCallGrammar", "allocate_bitmask", "allow_only",
-    "apply_bitmask", "bitmask_to_bool", "bitmask_width", "check_json_schema", "compile_pool", "get_backend",
-    "reasoning_token_ids", "tool_call_grammar",
+    "StructuredOutput", "StructuredOutputError", "ToolCallFormat", "ToolCallGrammar", "allocate_bitmask",
+    "allow_only", "apply_bitmask", "bitmask_to_bool", "bitmask_width", "check_json_schema", "compile_pool",
+    "get_backend", "reasoning_token_ids", "tool_call_grammar",
 ]

@@ -140,8 +140,9 @@ class GrammarBackend(ABC):
         return allocate_bitmask(batch_size, self.vocab_size)
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
-                     rows: Sequence[int] | None = None) -> None:
-        """Fill row ``rows[i]`` (default i) of `bitmask` for ``matchers[i]``; other rows are left as they are."""
+                     rows: Sequence[int] | None = None, threads: int | None = None) -> None:
+        """Fill row ``rows[i]`` (default i) of `bitmask` for ``matchers[i]``; other rows are left as they are.
+        `threads`: how many threads a backend may fill rows on (None: its default)."""
         rows = range(len(matchers)) if rows is None else rows
         if len(rows) != len(matchers):
             raise ValueError(f"{len(matchers)} matchers but {len(rows)} rows")

@@ -66,9 +66,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     if rows is not None and len(rows) == 0:
         return
     mask = bitmask if rows is None else bitmask[list(rows)]
-    allowed = bitmask_to_bool(mask.to(logits.device, non_blocking=True), logits.shape[-1])
-    if rows is None:
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    # inference mode: the engine's logits are inference tensors, which refuse in-place writes outside it
+    with torch.inference_mode():
+        allowed = bitmask_to_bool(mask.to(logits.device, non_blocking=True), logits.shape[-1])
+        if rows is None:
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

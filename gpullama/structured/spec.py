@@ -76,6 +76,10 @@ class StructuredOutput:
     - ``choice``: exactly one of the given strings.
     - ``structural_tag``: an xgrammar structural tag (backend-specific).
     - ``tool_calls``: tool calls (build it with ``gpullama.structured.tool_call_grammar``).
+
+    ``reasoning`` (default True) lets a reasoning model think first: when the vocabulary has ``<think>`` and
+    ``</think>`` as single tokens, a reasoning block may open the output (or the prompt may have opened it) and
+    runs free until ``</think>``; the constraint applies to the answer after it. It is not part of the key.
     """
 
     json_schema: dict | str | None = None
@@ -85,6 +89,7 @@ class StructuredOutput:
     choice: tuple[str, ...] | list[str] | None = None
     structural_tag: dict | str | None = None
     tool_calls: ToolCallGrammar | None = None
+    reasoning: bool = field(default=True, compare=False)
     param: str | None = field(default=None, compare=False)  # request field it came from, for error messages
     _key: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -95,6 +100,9 @@ class StructuredOutput:
             raise StructuredOutputError(f"StructuredOutput needs exactly one constraint, got {which}", self.param)
         kind = given[0]
         param = self.param or kind
+        if not isinstance(self.reasoning, bool):
+            raise StructuredOutputError(f"StructuredOutput.reasoning must be True or False, got {self.reasoning!r}",
+                                        self.param)
         if kind == "json_schema":
             schema = check_json_schema(self.json_schema, param)
             object.__setattr__(self, "json_schema", schema)

@@ -58,3 +58,49 @@ def test_random_generation_streams_the_whole_decode(tiny_model) -> None:
         whole = tok.decode(prompt[-CONTEXT_TOKENS:] + done.token_ids, skip_special_tokens=True)
         assert done.text == whole[len(head) :]
         assert "".join(pieces) == done.text
+
+
+class _PieceTokenizer:
+    """Token i decodes to PIECES[i]; no special tokens (the oracle below needs exact text per token)."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, preserved_token_ids=()) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def _whole_text_release(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The oracle, on the whole text so far: everything before the first stop string (then the sequence stops),
+    else everything but the longest tail that could still grow into a stop string."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], True
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold], False
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_stop_strings_release_what_the_whole_text_allows(seed: int) -> None:
+    """Stop strings are checked on the unsent tail only; at every token the text released so far equals what a
+    check of the whole text releases, and the held-back tail stays shorter than the longest stop string."""
+    gen = torch.Generator().manual_seed(seed)
+    alphabet = "ab c\n"
+    pieces = ["".join(alphabet[i] for i in torch.randint(0, len(alphabet), (int(n),), generator=gen))
+              for n in torch.randint(1, 4, (40,), generator=gen)]
+    detok = Detokenizer(_PieceTokenizer(pieces))
+    stop_sets = [["ab c"], ["c\nc", "bb", "a a a"], ["\n\n", "cab"], ["abcabc ab"]]
+    for stops in stop_sets:
+        output = torch.randint(0, len(pieces), (300,), generator=gen).tolist()
+        seq = Sequence("r", [0], SamplingParams(stop=stops), max_tokens=len(output))
+        released = ""
+        for i, token in enumerate(output):
+            seq.append_token(token)
+            delta, stopped = detok.update(seq, finishing=False)
+            released += delta
+            whole = "".join(pieces[t] for t in output[: i + 1])
+            assert (released, stopped) == _whole_text_release(whole, stops), (stops, i)
+            if stopped:
+                break
+            assert len(seq.held_text) < max(map(len, stops))
+        assert seq.text == released

@@ -16,11 +16,11 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gpullama.kernels import attention, embedding, quant_matmul, rms_norm, rotary, sampling, silu_mul
+from gpullama.kernels import attention, embedding, quant_matmul, rms_norm, rotary, sampling, silu_mul, soft_cap
 from gpullama.kernels.gguf_blocks import sub_block_size
 
 HOPPER = GPUTarget("cuda", 90, 32)
-FLOAT_ARGS = {"scale", "eps"}
+FLOAT_ARGS = {"scale", "eps", "x_scale", "SOFTCAP", "cap"}
 WEIGHT_POINTER = {0: "*fp32", 1: "*fp16", 30: "*bf16"}  # quantized formats read bytes
 
 
@@ -55,19 +55,22 @@ def cases(everything: bool) -> list[tuple[str, object, dict, dict, int]]:
         out.append((f"rope {pool}", rotary._rope_and_cache_kernel,
                     dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", cos_sin_ptr="*fp32", positions_ptr="*i64",
                          slots_ptr="*i64", k_cache_ptr=pool, v_cache_ptr=pool),
-                    dict(POOL_DTYPE=dt, EMULATE=False, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=32), 4))
+                    dict(POOL_DTYPE=dt, EMULATE=False, HAS_REST=True, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=32,
+                         BLOCK_D=128), 4))
         ptrs = dict(q_ptr="*fp32", k_cache_ptr=pool, v_cache_ptr=pool, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     query_start_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*fp32")
         out.append((f"decode attention {pool}", attention._decode_kernel, ptrs,
-                    dict(DOT_DTYPE=dt, EMULATE=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64), 4))
+                    dict(DOT_DTYPE=dt, EMULATE=False, HAS_SOFTCAP=True, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64), 4))
         out.append((f"prefill attention {pool}", attention._prefill_kernel, ptrs,
-                    dict(DOT_DTYPE=dt, EMULATE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64), 4))
+                    dict(DOT_DTYPE=dt, EMULATE=False, HAS_SOFTCAP=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64), 4))
     out += [
         ("combine", attention._combine_kernel,
          dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*fp32", query_start_ptr="*i32"), dict(BLOCK_S=16, BLOCK_D=64), 1),
         ("rms_norm", rms_norm._rms_norm_kernel,
          dict(x_ptr="*fp32", residual_ptr="*fp32", weight_ptr="*fp32", out_ptr="*fp32", sum_ptr="*fp32"), dict(HAS_RESIDUAL=True, BLOCK=2048), 4),
-        ("silu_mul", silu_mul._silu_mul_kernel, dict(x_ptr="*fp32", out_ptr="*fp32"), dict(BLOCK=1024), 4),
+        ("silu_mul", silu_mul._silu_mul_kernel, dict(x_ptr="*fp32", out_ptr="*fp32"), dict(BLOCK=1024, GELU=False), 4),
+        ("gelu_tanh_mul", silu_mul._silu_mul_kernel, dict(x_ptr="*fp32", out_ptr="*fp32"), dict(BLOCK=1024, GELU=True), 4),
+        ("soft_cap", soft_cap._soft_cap_kernel, dict(x_ptr="*fp32", out_ptr="*fp32"), dict(HAS_CAP=True, BLOCK=1024), 4),
         ("sample", sampling._sample_kernel,
          dict(logits_ptr="*fp32", e_ptr="*fp32", out_ptr="*i64", temperature_ptr="*fp32", top_k_ptr="*i32",
               top_p_ptr="*fp32", min_p_ptr="*fp32", uniform_ptr="*fp32"), dict(BLOCK_V=1024), 8),

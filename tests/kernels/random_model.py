@@ -15,8 +15,7 @@ from gpullama.quants import QTensor
 
 Q = gguf.GGMLQuantizationType
 
-# f16 fields of each block type: (byte offset, low, high), drawn uniformly.
-_SCALE_FIELDS = {
+SCALE_FIELDS = {
     Q.Q8_0: ((0, -3e-4, 3e-4),),
     Q.Q4_0: ((0, -5e-3, 5e-3),),
     Q.Q4_1: ((0, -5e-3, 5e-3), (2, -0.04, 0.0)),
@@ -25,6 +24,7 @@ _SCALE_FIELDS = {
     Q.Q4_K: ((0, 2e-5, 6e-5), (2, 2e-5, 6e-5)),
     Q.Q6_K: ((208, 1e-5, 3e-5),),
 }
+"""f16 fields of each block type: (byte offset, low, high), drawn uniformly (weights of a trained model's spread)."""
 
 
 def llama_1b_config(num_layers: int = 16) -> ModelConfig:
@@ -46,14 +46,38 @@ def random_weight(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, device
     block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
     n_blocks = rows * cols // block
     blocks = torch.randint(0, 256, (n_blocks, size), device=device, dtype=torch.uint8, generator=g)
-    for offset, low, high in _SCALE_FIELDS[qtype]:
+    for offset, low, high in SCALE_FIELDS[qtype]:
         field = torch.rand(n_blocks, 1, device=device, generator=g) * (high - low) + low
         blocks[:, offset : offset + 2] = field.half().view(torch.uint8)
     return QTensor(blocks.view(rows, -1), qtype, (rows, cols))
 
 
-def random_tensors(config: ModelConfig, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0) -> dict[str, QTensor]:
-    """GGUF-named tensors of a random decoder: matmul weights (and the embedding) in `qtype`, norms in F32."""
+def gemma_like_config(vocab_size: int = 72) -> ModelConfig:
+    """Every Gemma flag at once on a tiny shape: q/k norms, post-norms, GeGLU, embedding scale, a sliding layer
+    (window 4, its own rope base) beside a full one (linear rope scaling), attention and final soft-capping."""
+    return ModelConfig(
+        "gemma3", 2, 256, 256, 4, 2, 64, vocab_size, 512, 1e6, 1e-6, qk_norm=True, tied_embeddings=True,
+        rope_scale=8.0, rope_base_swa=1e4, sliding_window=4, swa_layers=(True, False), attention_scale=0.1,
+        attn_softcap=20.0, embedding_scale=16.0, final_softcap=15.0, post_norms=True, activation="gelu_tanh",
+    )
+
+
+def phi_granite_like_config(vocab_size: int = 72) -> ModelConfig:
+    """Phi-3's partial rotary (32 of 64 dims) with a LongRoPE attention factor and a window on every layer, and
+    Granite's four multipliers (embedding, residual, attention, logits), on a tiny shape."""
+    return ModelConfig(
+        "phi3", 2, 256, 256, 4, 2, 64, vocab_size, 512, 1e4, 1e-5, rotary_dim=32, rope_attn_factor=1.2,
+        sliding_window=5, swa_layers=(True, True), attention_scale=0.05, embedding_scale=3.0, residual_scale=0.5,
+        logit_scale=4.0,
+    )
+
+
+def random_tensors(
+    config: ModelConfig, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0, fused: bool = False
+) -> dict[str, QTensor]:
+    """GGUF-named tensors of a random decoder: matmul weights (and the embedding) in `qtype`, norms in F32; the
+    config's q/k norms and post-norms when it has them, no output.weight when tied, and with `fused` phi3's
+    stored attn_qkv and gate|up ffn_up instead of the separate matrices."""
     g = torch.Generator(device=device).manual_seed(seed)
     c = config
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -63,24 +87,36 @@ def random_tensors(config: ModelConfig, qtype: gguf.GGMLQuantizationType, device
 
     tensors = {
         "token_embd.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
-        "output.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
         "output_norm.weight": norm(c.hidden_size),
     }
+    if not c.tied_embeddings:
+        tensors["output.weight"] = random_weight(qtype, c.vocab_size, c.hidden_size, device, g)
     for i in range(c.num_layers):
         p = f"blk.{i}."
-        shapes = {
-            "attn_q.weight": (q_rows, c.hidden_size),
-            "attn_k.weight": (kv_rows, c.hidden_size),
-            "attn_v.weight": (kv_rows, c.hidden_size),
-            "attn_output.weight": (c.hidden_size, q_rows),
-            "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
-            "ffn_up.weight": (c.intermediate_size, c.hidden_size),
-            "ffn_down.weight": (c.hidden_size, c.intermediate_size),
-        }
+        if fused:
+            shapes = {
+                "attn_qkv.weight": (q_rows + 2 * kv_rows, c.hidden_size),
+                "ffn_up.weight": (2 * c.intermediate_size, c.hidden_size),
+            }
+        else:
+            shapes = {
+                "attn_q.weight": (q_rows, c.hidden_size),
+                "attn_k.weight": (kv_rows, c.hidden_size),
+                "attn_v.weight": (kv_rows, c.hidden_size),
+                "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
+                "ffn_up.weight": (c.intermediate_size, c.hidden_size),
+            }
+        shapes["attn_output.weight"] = (c.hidden_size, q_rows)
+        shapes["ffn_down.weight"] = (c.hidden_size, c.intermediate_size)
         for name, (rows, cols) in shapes.items():
             tensors[p + name] = random_weight(qtype, rows, cols, device, g)
-        tensors[p + "attn_norm.weight"] = norm(c.hidden_size)
-        tensors[p + "ffn_norm.weight"] = norm(c.hidden_size)
+        names = ["attn_norm.weight", "ffn_norm.weight"]
+        names += ["post_attention_norm.weight", "post_ffw_norm.weight"] if c.post_norms else []
+        for name in names:
+            tensors[p + name] = norm(c.hidden_size)
+        if c.qk_norm:
+            tensors[p + "attn_q_norm.weight"] = norm(c.head_dim)
+            tensors[p + "attn_k_norm.weight"] = norm(c.head_dim)
     return tensors
 
 

@@ -44,7 +44,29 @@ def test_rope_and_cache_matches_torch(cache_dtype, llama3_factors, device):
         assert rel_err(got, want) < (1e-6 if cache_dtype == torch.float32 else 2**-8)
 
 
-def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device, **kernel_args):
+def test_rope_and_cache_partial_rotary_longrope(device):
+    """Partial rotary (16 of 32 dims, LongRoPE factors and attention factor in the table): the rotated dims, the
+    untouched ones and the pool equal TorchOps'."""
+    hq, hk, d, r, block_size = 4, 2, 32, 16, 4
+    meta = make_batch([7, 3], [3, 3], block_size, num_blocks=6)
+    t = meta.positions.shape[0]
+    cos_sin = rope_cos_sin(r, 16, 10000.0, torch.linspace(1.0, 6.0, r // 2), attn_factor=1.3)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hk, d, generator=g), torch.randn(t, hk, d, generator=g)
+    pools = [torch.randn(6, block_size, hk, d, generator=g) for _ in range(2)]
+    want_pools = [p.clone() for p in pools]
+    want_q, want_k = TorchOps(CPU).rope_and_cache(q.clone(), k.clone(), v, cos_sin, *want_pools, meta)
+    got_pools = [p.to(device) for p in pools]
+    got_q, got_k = TritonOps(device).rope_and_cache(q.to(device), k.to(device), v.to(device), cos_sin.to(device),
+                                                    *got_pools, meta_to(meta, device))
+    assert rel_err(got_q, want_q) < 1e-5 and rel_err(got_k, want_k) < 1e-5
+    assert torch.equal(got_q[..., r:].cpu(), q[..., r:])  # the unrotated dims stay as they were
+    for got, want in zip(got_pools, want_pools):
+        assert rel_err(got, want) < 1e-6
+
+
+def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device, window=0, softcap=0.0,
+                    **kernel_args):
     """(kernel output, TorchOps output) for one random batch."""
     meta = make_batch(seq_lens, q_lens, block_size, num_blocks=sum(-(-s // block_size) for s in seq_lens) + 3, seed=2)
     g = torch.Generator().manual_seed(3)
@@ -52,10 +74,10 @@ def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device
     k_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(cache_dtype)
     v_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(cache_dtype)
     q = torch.randn(meta.positions.shape[0], hq, d, generator=g)
-    want = TorchOps(CPU).attention(q, k_cache, v_cache, meta, d**-0.5)
+    want = TorchOps(CPU).attention(q, k_cache, v_cache, meta, d**-0.5, window, softcap)
     m = meta_to(meta, device)
     got = paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), m.block_tables, m.seq_lens,
-                          m.query_start_loc, m.max_query_len, d**-0.5, **kernel_args)
+                          m.query_start_loc, m.max_query_len, d**-0.5, window=window, softcap=softcap, **kernel_args)
     return got, want
 
 
@@ -79,6 +101,23 @@ def test_decode_attention_16bit_pool(cache_dtype, device):
 def test_prefill_attention_with_cached_prefix(block_n, device):
     """Varlen causal prefill: fresh prompts, prompts after a cached prefix, and a decode row in one batch."""
     got, want = _attention_case([5, 21, 30, 11], [5, 9, 1, 11], 6, 2, 16, 4, torch.float32, device, block_n=block_n)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (0, 2.0), (7, 2.0)], ids=["window", "softcap", "both"])
+def test_decode_attention_window_softcap(window, softcap, device):
+    """Sliding window (contexts shorter and longer than it) and soft-capped scores, over several splits."""
+    got, want = _attention_case([3, 13, 37], [1, 1, 1], 6, 2, 32, 4, torch.float32, device, window=window,
+                                softcap=softcap, num_splits=3, block_n=16)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (0, 2.0), (6, 2.0), (1, 0.0)],
+                         ids=["window", "softcap", "both", "window1"])
+def test_prefill_attention_window_softcap(window, softcap, device):
+    """Windowed and soft-capped prefill: fresh prompts, a chunk after a cached prefix, a decode row."""
+    got, want = _attention_case([5, 21, 30], [5, 9, 1], 4, 2, 16, 4, torch.float32, device, window=window,
+                                softcap=softcap, block_n=16)
     assert rel_err(got, want) < 1e-5
 
 

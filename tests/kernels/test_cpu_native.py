@@ -41,6 +41,25 @@ def test_silu_mul() -> None:
     assert torch.allclose(out, F.silu(gate_up[:, :72]) * gate_up[:, 72:], rtol=1e-5, atol=1e-6)
 
 
+def test_gelu_tanh_mul() -> None:
+    gate_up = torch.randn(3, 2 * 72, generator=gen()) * 4
+    gate_up[0, :4] = torch.tensor([-200.0, -30.0, 30.0, 0.0])  # far out: no overflow, no NaN
+    out = cpu_native.gelu_tanh_mul(gate_up, torch.empty(3, 72))
+    want = F.gelu(gate_up[:, :72], approximate="tanh") * gate_up[:, 72:]
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("scale", "cap"), [(0.5, 0.0), (1.0, 30.0), (0.25, 5.0)])
+def test_soft_cap_in_place_on_a_column_slice(scale: float, cap: float) -> None:
+    """Final logits are a column slice of the padded matmul output: only the slice changes."""
+    wide = torch.randn(3, 112, generator=gen()) * 40
+    copy = wide.clone()
+    want = TorchOps(torch.device("cpu")).soft_cap(wide[:, :100], cap, scale)
+    cpu_native.soft_cap(copy[:, :100], scale, cap)
+    assert torch.allclose(copy[:, :100], want, rtol=1e-5, atol=1e-5 * max(cap, 1.0))
+    assert torch.equal(copy[:, 100:], wide[:, 100:])
+
+
 def test_argmax_takes_the_first_of_equal_largest_values() -> None:
     x = torch.randn(4, 1000, generator=gen())
     x[1, 500] = x[1, 20] = 9.0  # a tie: the first index wins, as torch.argmax
@@ -71,43 +90,54 @@ def transposed(k_cache: torch.Tensor) -> torch.Tensor:
     return k_cache.permute(0, 2, 3, 1).contiguous().view(k_cache.shape)
 
 
-def attend(q, k_cache, v_cache, meta, scale):
+def attend(q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
     return cpu_native.attention(q, transposed(k_cache), v_cache, meta.query_start_loc, meta.seq_lens,
-                                meta.block_tables, scale, torch.empty_like(q))
+                                meta.block_tables, scale, torch.empty_like(q), window, softcap)
 
 
-@pytest.mark.parametrize(("head_dim", "block_size", "hq"), [(64, 16, 6), (128, 32, 6), (64, 16, 40)])
-def test_attention_matches_torch_over_a_ragged_batch(head_dim: int, block_size: int, hq: int) -> None:
+@pytest.mark.parametrize(("head_dim", "block_size", "hq", "window", "softcap"), [
+    (64, 16, 6, 0, 0.0), (128, 32, 6, 0, 0.0), (64, 16, 40, 0, 0.0),
+    (64, 16, 6, 7, 0.0), (256, 16, 2, 20, 0.0), (64, 16, 6, 0, 2.0), (64, 16, 40, 33, 1.5),
+])
+def test_attention_matches_torch_over_a_ragged_batch(head_dim: int, block_size: int, hq: int, window: int,
+                                                     softcap: float) -> None:
     """Prefill chunks, a whole prompt and decode rows in one batch, GQA (3 or 20 query heads a kv head), keys spread
-    over non-contiguous pool blocks."""
-    hk = 2
+    over non-contiguous pool blocks; sliding windows (shorter and longer than a tile of keys) and soft caps."""
+    hk = 2 if hq > 2 else 1
     k_cache = torch.randn(12, block_size, hk, head_dim, generator=gen(1))
     v_cache = torch.randn(12, block_size, hk, head_dim, generator=gen(2))
-    meta = metadata([5, 40, 1, 1], [37, 40, 1, 20], block_size, [[7, 2, 9], [3, 0, 11], [5], [4, 10]])
-    q = torch.randn(47, hq, head_dim, generator=gen(3))
-    want = TorchOps(torch.device("cpu")).attention(q, k_cache, v_cache, meta, head_dim**-0.5)
-    assert torch.allclose(attend(q, k_cache, v_cache, meta, head_dim**-0.5), want, rtol=1e-4, atol=1e-5)
+    q = torch.randn(47, hq, head_dim, generator=gen(3)) * (3.0 if softcap else 1.0)  # scores beyond the cap
+    ops = TorchOps(torch.device("cpu"))
+    for meta in (metadata([5, 40, 1, 1], [37, 40, 1, 20], block_size, [[7, 2, 9], [3, 0, 11], [5], [4, 10]]),
+                 metadata([1, 1, 1], [37, 1, 20], block_size, [[7, 2, 9], [5], [4, 10]])):  # decode only
+        t = len(meta.positions)
+        got = attend(q[:t], k_cache, v_cache, meta, head_dim**-0.5, window, softcap)
+        want = ops.attention(q[:t], k_cache, v_cache, meta, head_dim**-0.5, window, softcap)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_attention_row_is_the_same_alone_batched_or_chunked() -> None:
+@pytest.mark.parametrize("window", [0, 13])
+def test_attention_row_is_the_same_alone_batched_or_chunked(window: int) -> None:
     """A sequence's rows come out bit-identical whatever shares the batch and however its prompt is cut."""
     block_size, hq, hk, d = 16, 4, 2, 64
     k_cache = torch.randn(8, block_size, hk, d, generator=gen(4))
     v_cache = torch.randn(8, block_size, hk, d, generator=gen(5))
     q = torch.randn(30, hq, d, generator=gen(6))
-    alone = attend(q, k_cache, v_cache, metadata([30], [30], block_size, [[1, 6]]), 0.125)
-    first = attend(q[:11], k_cache, v_cache, metadata([11], [11], block_size, [[1, 6]]), 0.125)
+    alone = attend(q, k_cache, v_cache, metadata([30], [30], block_size, [[1, 6]]), 0.125, window)
+    first = attend(q[:11], k_cache, v_cache, metadata([11], [11], block_size, [[1, 6]]), 0.125, window)
     others = torch.randn(9, hq, d, generator=gen(7))
     batched = attend(torch.cat([others, q[11:]]), k_cache, v_cache,
-                     metadata([9, 19], [40, 30], block_size, [[2, 3, 4], [1, 6]]), 0.125)
+                     metadata([9, 19], [40, 30], block_size, [[2, 3, 4], [1, 6]]), 0.125, window)
     assert torch.equal(first, alone[:11])
     assert torch.equal(batched[9:], alone[11:])
 
 
-def test_rope_and_cache_matches_torch() -> None:
-    """Rotation in place on row-strided views of a fused qkv output, k and v written to their pool rows."""
+@pytest.mark.parametrize("rotary_dim", [64, 32, 8])
+def test_rope_and_cache_matches_torch(rotary_dim: int) -> None:
+    """Rotation in place on row-strided views of a fused qkv output (all of each head, or its first dims: partial
+    rotary), k and v written to their pool rows."""
     hq, hk, d, t = 4, 2, 64, 6
-    cos_sin = rope_cos_sin(d, 64, 10000.0)
+    cos_sin = rope_cos_sin(rotary_dim, 64, 10000.0)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen(8))
     q, k, v = (qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d),
                qkv[:, (hq + hk) * d:].view(t, hk, d))
@@ -120,15 +150,45 @@ def test_rope_and_cache_matches_torch() -> None:
     assert torch.allclose(caches[2], transposed(caches[0]), atol=1e-6) and torch.equal(caches[3], caches[1])
 
 
-def test_without_a_compiler_library_is_none_and_says_why(tmp_path: Path) -> None:
-    """No C compiler: `library()` gives None and `build_error()` the reason; `dtype="auto"` then loads the exact
-    float32 path instead of failing."""
-    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), GPULLAMA_KERNEL_CACHE=str(tmp_path / "cache"),
-               PYTHONPATH=str(REPO))
-    code = ("from gpullama.kernels import cpu_native; from gpullama.ops import select_ops; import torch;"
-            "print(cpu_native.library(), '|', cpu_native.build_error(), '|',"
-            " select_ops(torch.device('cpu'), torch.float32, quantized_cpu=True).name)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lib, error, ops = (s.strip() for s in out.stdout.split("|"))
-    assert lib == "None" and "no-such-cc" in error and ops == "torch"
+def run_python(code: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_without_a_compiler_auto_loads_the_exact_path_and_says_why(tmp_path: Path, tiny_model) -> None:
+    """No C compiler (CC names a missing binary, an empty kernel cache): `library()` gives None, `build_error()`
+    the reason, a warning says the torch path is used, and ``dtype="auto"`` on a quantized file loads the exact
+    float32 path (`TorchOps`) and generates instead of failing."""
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stderr)\n"
+        "from gpullama import LLM, SamplingParams; from gpullama.kernels import cpu_native\n"
+        f"llm = LLM({str(tiny_model('llama', 'Q4_0').path)!r}, device='cpu')\n"
+        "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]\n"
+        "print(cpu_native.library(), '|', cpu_native.build_error(), '|', type(llm.model.ops).__name__, '|',"
+        " llm.dtype, '|', len(out.token_ids))\n"
+    )
+    proc = run_python(code, {"CC": str(tmp_path / "no-such-cc"), "GPULLAMA_KERNEL_CACHE": str(tmp_path / "cache")})
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr
+    lib, error, ops, dtype, n = (part.strip() for part in stdout.split("|"))
+    assert lib == "None" and "no-such-cc" in error
+    assert (ops, dtype, n) == ("TorchOps", "torch.float32", "3")
+    assert "CPU kernels unavailable, using the torch path" in stderr and "no-such-cc" in stderr
+
+
+def test_processes_compiling_at_once_share_one_library(tmp_path: Path) -> None:
+    """Two processes building into the same empty cache at once (tensor-parallel ranks, a server beside a test
+    run) both load working kernels; the cache ends with one library and no half-written files."""
+    cache = tmp_path / "cache"
+    code = ("from gpullama.kernels import cpu_native; import torch\n"
+            "assert cpu_native.library() is not None, cpu_native.build_error()\n"
+            "x = torch.randn(3, 40)\n"
+            "out = cpu_native.silu_mul(x, torch.empty(3, 20))\n"
+            "assert torch.allclose(out, torch.nn.functional.silu(x[:, :20]) * x[:, 20:], atol=1e-6)\n"
+            "print(cpu_native.isa())\n")
+    procs = [run_python(code, {"GPULLAMA_KERNEL_CACHE": str(cache)}) for _ in range(2)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        assert stdout.strip() == cpu_native.isa()
+    assert [p.suffix for p in cache.iterdir()] == [".so"]

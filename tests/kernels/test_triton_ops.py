@@ -9,14 +9,20 @@ import torch
 from gpullama.model import Decoder
 from gpullama.ops import TorchOps
 from gpullama.ops.triton_ops import TritonOps
-from tests.kernels.random_model import batch_metadata, random_tensors, tiny_config
+from tests.kernels.random_model import (
+    batch_metadata,
+    gemma_like_config,
+    phi_granite_like_config,
+    random_tensors,
+    tiny_config,
+)
 
 Q = gguf.GGMLQuantizationType
 
 
-def _prefill_then_decode(ops: TorchOps, tensors: dict, block_size: int = 8) -> list[torch.Tensor]:
+def _prefill_then_decode(ops: TorchOps, tensors: dict, block_size: int = 8, config=None) -> list[torch.Tensor]:
     """Logits of a 2-sequence prefill (5 and 3 tokens) and of the decode step after it."""
-    config = tiny_config()
+    config = config or tiny_config()
     decoder = Decoder(config, tensors, ops, max_positions=64)
     pools = [torch.zeros(4, block_size, config.num_kv_heads, config.head_dim, device=ops.device) for _ in range(2 * config.num_layers)]
     k_caches, v_caches = pools[: config.num_layers], pools[config.num_layers :]
@@ -34,6 +40,19 @@ def test_decoder_logits_match_torch_ops(qtype, device):
     tensors = random_tensors(tiny_config(), qtype, torch.device("cpu"), seed=1)
     want = _prefill_then_decode(TorchOps(torch.device("cpu")), tensors)
     got = _prefill_then_decode(TritonOps(device), {k: v.to(device) for k, v in tensors.items()})
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max() / w.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize(("make_config", "fused"), [(gemma_like_config, False), (phi_granite_like_config, True)],
+                         ids=["gemma-like", "phi-granite-like"])
+def test_family_decoder_logits_match_torch_ops(make_config, fused, device):
+    """The new families' flags (sliding windows shorter than the prompts, two rope tables, partial rotary, post-norms,
+    GeGLU, soft-capping, the Granite multipliers, fused qkv / gate|up) chained through TritonOps equal TorchOps."""
+    config = make_config()
+    tensors = random_tensors(config, Q.Q8_0, torch.device("cpu"), seed=2, fused=fused)
+    want = _prefill_then_decode(TorchOps(torch.device("cpu")), tensors, config=config)
+    got = _prefill_then_decode(TritonOps(device), {k: v.to(device) for k, v in tensors.items()}, config=config)
     for g, w in zip(got, want):
         assert float((g - w).abs().max() / w.abs().max()) < 1e-4
 

@@ -1,4 +1,5 @@
-"""One real ``gpullama-serve`` process (default model, API key on) shared by every server test of the session."""
+"""Real ``gpullama-serve`` processes: one (default model, API key on) shared by every server test of the session,
+and one with small limits (queue, timeouts, connections, CORS) for the limit tests, which ends with a SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,19 +18,24 @@ import pytest
 
 from tests.server.helpers import API_KEY
 
-# A prompt (token ids) whose generation step is made to raise inside the engine thread, to check that a
-# generation failure answers 500 for that request alone. Only this launcher installs the fault; the server
-# code is the shipped one.
+# Prompts (token ids) whose sampling is made to raise inside the engine thread: the batched sampling of any step
+# that carries them fails for every row, as a poison value in a batched tensor would. FAULT_PROMPT fails at its
+# first token, LATE_FAULT_PROMPT once it has generated 3 tokens (mid-stream). They check that a generation
+# failure fails that request alone (500, or an error event then [DONE]) while the rest of the batch goes on. Only
+# this launcher installs the fault; the server code is the shipped one.
 FAULT_PROMPT = [17, 17, 17, 17, 17, 17, 17, 42]
+LATE_FAULT_PROMPT = [17, 17, 17, 17, 17, 17, 17, 43]
 _LAUNCHER = f"""
 import sys
-from gpullama.engine.llm_engine import LLMEngine
-_step = LLMEngine.step
-def step(self):
-    if any(seq.prompt_token_ids == {FAULT_PROMPT!r} for seq in self.requests.values()):
-        raise RuntimeError("injected fault for the server's 500 test")
-    return _step(self)
-LLMEngine.step = step
+import gpullama.engine.llm_engine as llm_engine
+_sample_batch = llm_engine.sample_batch
+def sample_batch(logits, seqs, ops):
+    for seq in seqs:
+        if seq.prompt_token_ids == {FAULT_PROMPT!r} or (
+                seq.prompt_token_ids == {LATE_FAULT_PROMPT!r} and seq.num_output_tokens >= 3):
+            raise RuntimeError("injected fault for the server's isolation tests")
+    return _sample_batch(logits, seqs, ops)
+llm_engine.sample_batch = sample_batch
 from gpullama.server.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -66,16 +72,14 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-@pytest.fixture(scope="session")
-def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    """Start the server on a free port; poll /health (recording the 503s while loading) until it is ready."""
+def start_server(model_path: Path, log_path: Path, extra_args: list[str] = ()) -> Server:
+    """Start a server on a free port; poll /health (recording the 503s while loading) until it is ready."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
     # float32: bfloat16 matmuls round differently with the batch's shape, so a near-tied greedy token can flip
     # between a request served alone and the same request in a batch of 8 (seen in the library itself, not only
     # here); the server tests check that concurrent requests do not interfere, which needs batch-invariant numbers.
-    args = ["--model", str(default_model_path), "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-            "--dtype", "float32"]
+    args = ["--model", str(model_path), "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
+            "--dtype", "float32", *extra_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     repo = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
@@ -103,13 +107,27 @@ def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
                 models = http.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
                 srv.loading_answers.append(("/v1/models", models.status_code, models.json()))
             time.sleep(0.25)
-    yield srv
+    return srv
+
+
+def stop_server(srv: Server) -> None:
+    """Terminate a server (if still running) and wait for it."""
+    process = srv.process
     process.terminate()
     try:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """The shared server: default limits, API key on."""
+    srv = start_server(default_model_path, tmp_path_factory.mktemp("server") / "server.log",
+                       ["--log-stats-interval", "1"])
+    yield srv
+    stop_server(srv)
 
 
 @pytest.fixture(scope="session")

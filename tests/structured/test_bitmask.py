@@ -75,3 +75,15 @@ def test_apply_masks_the_last_columns_of_a_width_not_a_multiple_of_32(xgr_backen
         allow_only(bm, 0, [3])
         apply(logits, bm)
         assert torch.isinf(logits[0, 64:]).all() and logits[0, 3] == 0 and torch.isinf(logits[0]).sum() == 69
+
+
+@pytest.mark.parametrize("rows", [None, [1]])
+def test_torch_apply_takes_inference_tensors(rows):
+    """The engine's logits come out of inference mode (the path every non-CPU device takes)."""
+    with torch.inference_mode():
+        logits = torch.zeros(2, 70)
+    bm = allocate_bitmask(2, 70)
+    allow_only(bm, 1, [5])
+    expected = _reference(logits.clone(), bm, rows)
+    apply_bitmask(logits, bm, rows)
+    assert np.array_equal(logits.numpy(), expected)

@@ -1,0 +1,120 @@
+"""Per-token cost of grammar-constrained decoding next to free decoding, at several batch sizes.
+
+    python benchmarks/bench_structured.py --model smollm2-135m --batch 1,16 --output-len 64 --repeats 3
+
+Each batch runs `--output-len` decode tokens per request in three modes, alternated within every repeat (each
+mode first in turn): free
+(EOS ignored), a JSON array of integers and a JSON array of strings. Both schemas need more items than the run
+has tokens (`minItems`), so every constrained row also decodes exactly `--output-len` tokens and the modes do the
+same work apart from the grammar. The first step (prefill and first token) is left out: the table is decode only.
+"Mask" is the time spent filling and applying the token bitmask (`StructuredOutputManager.mask`). The grammars
+are compiled (and xgrammar imported) before timing; their compile times are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+
+import torch
+from machine import cpu_name  # benchmarks/machine.py
+
+from gpullama import LLM, SamplingParams, StructuredOutput
+from gpullama.structured import get_backend
+
+SCHEMAS = {
+    "json: integers": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100000},
+                       "minItems": 1000},
+    "json: strings": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 1000},
+}
+PROMPT = "List as many numbers or words as you can, as JSON."
+
+
+class MaskTimer:
+    """Wraps an engine's `StructuredOutputManager.mask` to add up the seconds it takes."""
+
+    def __init__(self, manager) -> None:
+        self.seconds = 0.0
+        self._mask = manager.mask
+        manager.mask = self
+
+    def __call__(self, logits, sampling):
+        start = time.perf_counter()
+        try:
+            return self._mask(logits, sampling)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def run(llm: LLM, batch: int, params: SamplingParams, timer: MaskTimer, tag: str) -> tuple[float, float, int]:
+    """(decode seconds, mask seconds, decode tokens) of one batch: every step after the first."""
+    engine = llm.engine
+    ids = llm._encode_chat([{"role": "user", "content": PROMPT}])
+    seqs = [engine.add_request(f"{tag}-{i}", ids, params) for i in range(batch)]
+    engine.step()  # prefill and first token, not timed
+    timer.seconds = 0.0
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    tokens = sum(s.num_output_tokens for s in seqs) - batch
+    assert all(s.num_output_tokens == params.max_tokens for s in seqs), "a row ended early"
+    return elapsed, timer.seconds, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy, so that only the grammar differs between the modes")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=max(batches))
+    tok = llm.tokenizer
+    specs = {name: StructuredOutput(json_schema=s) for name, s in SCHEMAS.items()}
+    backend = get_backend(tok, llm.config.vocab_size)
+    compile_ms = {name: backend.compile(spec).compile_s * 1000 for name, spec in specs.items()}
+    t = args.temperature
+    modes = {"free": SamplingParams(temperature=t, seed=0, max_tokens=args.output_len, ignore_eos=True)}
+    modes.update({name: SamplingParams(temperature=t, seed=0, max_tokens=args.output_len, structured_output=spec)
+                  for name, spec in specs.items()})
+    timer = MaskTimer(llm.engine.structured_output)
+    for batch in batches:  # warm-up
+        for name, params in modes.items():
+            run(llm, batch, params, timer, f"warm-{name}")
+    results: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
+    names = list(modes)
+    for r in range(args.repeats):
+        for batch in batches:
+            for name in names[r % len(names):] + names[:r % len(names)]:  # each mode goes first in turn
+                results.setdefault((batch, name), []).append(run(llm, batch, modes[name], timer, f"{r}-{name}"))
+
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
+          f"model {llm.model_name} ({llm.model.ops.name}, {llm.model.ops.mode}, {llm.dtype}); vocabulary "
+          f"{llm.config.vocab_size}; {datetime.date.today()}")
+    print("compile ms (cold): " + ", ".join(f"{n} {ms:.0f}" for n, ms in compile_ms.items()))
+    print(f"decode only, {args.output_len} tokens per request, temperature {t}, median of {args.repeats} "
+          "alternated runs\n")
+    print("| batch | mode | ms / token | tokens/s | mask ms / step | vs free |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for batch in batches:
+        free = None
+        for name in modes:
+            runs = results[(batch, name)]
+            per_token = statistics.median(e / t for e, _, t in runs) * 1000
+            steps = args.output_len - 1
+            mask_step = statistics.median(m for _, m, _ in runs) / steps * 1000
+            free = per_token if name == "free" else free
+            ratio = "1.00" if name == "free" else f"{per_token / free:.2f}"
+            print(f"| {batch} | {name} | {per_token:.2f} | {1000 / per_token:.0f} | {mask_step:.2f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""One step's inputs as host lists: what the model runner builds a forward's tensors from, on every rank.
+
+Rank 0 makes them from the scheduler's batch. Under tensor parallelism it packs them into one int64 buffer of a
+size fixed at start-up, and one broadcast carries it to the other ranks, which unpack it and run the same forward
+(token ids and the per-sequence spans and block tables: positions, KV slots and logits rows follow from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpullama.distributed import TensorParallel
+from gpullama.engine.scheduler import ScheduledBatch
+from gpullama.engine.sequence import Sequence
+
+_STEP, _STOP = 1, 2  # message kinds
+_HEADER = 6  # kind, sequences, tokens, every_row, decode, table entries
+
+
+@dataclass
+class StepInputs:
+    """The tokens one forward computes: sequence i adds ``num_new[i]`` tokens after its ``num_computed[i]`` cached
+    ones, its k/v go to the blocks of ``block_tables[i]``; logits come for each sequence whose ``samples[i]`` (its
+    last new token), or for every token with `every_row` (scoring)."""
+
+    token_ids: list[int]
+    num_computed: list[int]
+    num_new: list[int]
+    block_tables: list[list[int]]
+    samples: list[bool]
+    every_row: bool = False
+    decode: bool = False  # every sequence adds one token and samples: the shape of the static decode buffers
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
+        """The inputs of a scheduled batch."""
+        ids: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+        return cls(
+            token_ids=ids,
+            num_computed=[seq.num_computed_tokens for seq in batch.seqs],
+            num_new=list(batch.num_new_tokens),
+            block_tables=[seq.block_table for seq in batch.seqs],
+            samples=[seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)],
+            decode=batch.is_decode,
+        )
+
+    @classmethod
+    def for_scoring(cls, seq: Sequence) -> StepInputs:
+        """Every token of `seq` (its blocks allocated, none computed), with logits after each."""
+        return cls(list(seq.token_ids), [0], [seq.num_tokens], [seq.block_table], [True], every_row=True)
+
+
+def step_buffer_size(max_num_seqs: int, max_tokens: int, max_blocks_per_seq: int) -> int:
+    """int64 entries of the step buffer that holds any step within these limits."""
+    return _HEADER + 4 * max_num_seqs + max_tokens + max_num_seqs * max_blocks_per_seq
+
+
+class StepBroadcast:
+    """Carries each step's inputs from rank 0 to the other ranks: one broadcast of one fixed-size buffer per step."""
+
+    def __init__(self, tp: TensorParallel, size: int):
+        self.tp = tp
+        self.buffer = torch.zeros(size, dtype=torch.long)
+
+    def send(self, step: StepInputs) -> None:
+        """Rank 0: hand `step` to the other ranks."""
+        b = len(step.num_new)
+        tables = [block for table in step.block_tables for block in table]
+        values = [_STEP, b, len(step.token_ids), int(step.every_row), int(step.decode), len(tables)]
+        values += step.num_computed + step.num_new + [len(t) for t in step.block_tables]
+        values += [int(s) for s in step.samples] + step.token_ids + tables
+        if len(values) > self.buffer.numel():
+            raise ValueError(f"a step of {len(values)} entries is larger than the step buffer ({self.buffer.numel()})")
+        self.buffer[: len(values)] = torch.tensor(values, dtype=torch.long)
+        self.tp.broadcast_from_first(self.buffer)
+
+    def send_stop(self) -> None:
+        """Rank 0: tell the other ranks that no step follows."""
+        self.buffer[0] = _STOP
+        self.tp.broadcast_from_first(self.buffer)
+
+    def receive(self) -> StepInputs | None:
+        """Ranks > 0: wait for rank 0's next step (None: stop)."""
+        self.tp.broadcast_from_first(self.buffer)
+        kind, b, t, every_row, decode, n_tables = self.buffer[:_HEADER].tolist()
+        if kind == _STOP:
+            return None
+        values = self.buffer[_HEADER : _HEADER + 4 * b + t + n_tables].tolist()
+        num_computed, num_new, table_lens = values[:b], values[b : 2 * b], values[2 * b : 3 * b]
+        samples = [bool(s) for s in values[3 * b : 4 * b]]
+        token_ids = values[4 * b : 4 * b + t]
+        flat = values[4 * b + t :]
+        tables, start = [], 0
+        for n in table_lens:
+            tables.append(flat[start : start + n])
+            start += n
+        return StepInputs(token_ids, num_computed, num_new, tables, samples, bool(every_row), bool(decode))

@@ -1,0 +1,164 @@
+"""Grammar-constrained sampling in the engine: each constrained sequence's spec compiles off the step thread
+(once per distinct spec), its matcher masks the logits of its row before sampling and accepts the sampled token.
+
+The step thread never waits for a compilation while other work is there: the scheduler holds back a sequence's
+last prompt token (the one that samples) until its grammar is ready, so the rest of its prompt prefills
+meanwhile. Rows without a grammar are never touched. A preempted sequence keeps its matcher: recomputation
+replays the same tokens, so the matcher's position is still right when it samples again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from gpullama.structured import get_backend
+from gpullama.structured.backend import GrammarBackend, GrammarMatcher, compile_pool
+from gpullama.structured.reasoning_gate import ReasoningGatedMatcher, reasoning_token_ids
+from gpullama.structured.spec import StructuredOutput
+
+if TYPE_CHECKING:
+    from gpullama.engine.sequence import Sequence
+    from gpullama.tokenizer import Tokenizer
+
+log = logging.getLogger("gpullama")
+
+
+class SequenceGrammar:
+    """One constrained sequence's grammar: the compilation in flight, then its matcher (made on the step thread
+    when the sequence first samples)."""
+
+    __slots__ = ("spec", "future", "matcher")
+
+    def __init__(self, spec: StructuredOutput, future: Future) -> None:
+        self.spec = spec
+        self.future = future
+        self.matcher: GrammarMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the compilation has finished (successfully or not): the sequence may sample."""
+        return self.matcher is not None or self.future.done()
+
+
+class StructuredOutputManager:
+    """The engine's grammar side: starts compilations, fills one bitmask per step for the constrained rows,
+    applies it to their logits and advances their matchers. The backend (xgrammar) is built on the compile pool
+    by the first constrained request, so an engine that never sees one never imports it."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)  # the logits width (may exceed the tokenizer's vocabulary)
+        # On the CPU the model's threads hold every core during a step: extra fill threads only contend with them.
+        self.fill_threads = 1 if torch.device(device).type == "cpu" else None
+        self._backend: GrammarBackend | None = None
+        self._reasoning_ids: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self._bitmask: torch.Tensor | None = None
+
+    # -- any thread -------------------------------------------------------------------------------------
+    def submit(self, spec: StructuredOutput) -> SequenceGrammar:
+        """Start compiling `spec` off the calling thread (a cache hit is ready at once); never blocks."""
+        backend = self._backend
+        if backend is not None:
+            return SequenceGrammar(spec, backend.compile_async(spec))
+        outer: Future = Future()
+        outer.set_running_or_notify_cancel()
+
+        def build() -> None:  # on the pool: build the backend (imports xgrammar), then compile without waiting
+            try:
+                inner = self._get_backend().compile_async(spec)
+            except BaseException as e:  # noqa: BLE001 - handed to the sequence
+                outer.set_exception(e)
+                return
+            inner.add_done_callback(lambda f: _copy_result(f, outer))
+
+        compile_pool().submit(build)
+        return SequenceGrammar(spec, outer)
+
+    def _get_backend(self) -> GrammarBackend:
+        with self._lock:
+            if self._backend is None:
+                backend = get_backend(self.tokenizer, self.vocab_size)
+                self._reasoning_ids = reasoning_token_ids(self.tokenizer)
+                self._backend = backend
+            return self._backend
+
+    # -- the step thread ---------------------------------------------------------------------------------
+    def wait(self, seqs: list[Sequence], timeout: float) -> None:
+        """Block up to `timeout` seconds until one of the grammars `seqs` wait for is ready (the engine calls
+        this only when it has nothing else to run)."""
+        pending = [s.grammar.future for s in seqs if s.grammar is not None and not s.grammar.ready]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def mask(self, logits: torch.Tensor, sampling: list[Sequence]) -> dict[int, BaseException]:
+        """Mask, in place, the logits of the constrained rows of `sampling` (row i is ``sampling[i]``) to the
+        tokens their grammars allow; other rows are untouched. Returns {row: error} for the sequences whose
+        grammar failed to compile (their rows are left as they are, and must not be advanced)."""
+        rows, matchers, failed = [], [], {}
+        for row, seq in enumerate(sampling):
+            if seq.grammar is None:
+                continue
+            try:
+                matcher = self._matcher(seq)
+            except Exception as e:  # noqa: BLE001 - the compile error of this request alone
+                failed[row] = e
+                continue
+            rows.append(row)
+            matchers.append(matcher)
+        if not rows:
+            return failed
+        backend = self._backend
+        assert backend is not None  # a matcher exists, so the backend was built
+        bitmask = self._bitmask
+        if bitmask is None or bitmask.shape[0] < len(sampling):
+            bitmask = self._bitmask = backend.allocate_bitmask(max(len(sampling), 8))
+        backend.fill_bitmask(matchers, bitmask, rows, threads=self.fill_threads)
+        backend.apply_bitmask(logits, bitmask, rows)
+        return failed
+
+    def accept(self, seq: Sequence, token: int) -> bool | None:
+        """Advance `seq`'s matcher by its sampled token: None if the grammar refused it, else whether the grammar
+        has terminated (the sequence is done)."""
+        matcher = seq.grammar.matcher
+        if not matcher.accept_token(token):
+            return None
+        return matcher.is_terminated()
+
+    def _matcher(self, seq: Sequence) -> GrammarMatcher:
+        grammar = seq.grammar
+        if grammar.matcher is None:
+            compiled = grammar.future.result(timeout=0)  # ready: the scheduler held the sequence back until then
+            backend = self._backend
+            matcher = backend.matcher(compiled)
+            ids = self._reasoning_ids
+            if grammar.spec.reasoning and ids is not None:
+                opened = prompt_opens_reasoning(seq.prompt_token_ids, *ids, self.tokenizer)
+                matcher = ReasoningGatedMatcher(matcher, *ids, backend.stop_token_ids, start_in_reasoning=opened)
+            grammar.matcher = matcher
+        return grammar.matcher
+
+
+def prompt_opens_reasoning(prompt_ids: list[int], open_id: int, close_id: int, tokenizer: Tokenizer) -> bool:
+    """Whether the prompt ends inside a reasoning block: its last open-tag token is not closed and only
+    whitespace follows it (as DeepSeek-R1 distill templates render the generation prompt)."""
+    try:
+        last_open = len(prompt_ids) - 1 - prompt_ids[::-1].index(open_id)
+    except ValueError:
+        return False
+    tail = prompt_ids[last_open + 1:]
+    return close_id not in tail and not tokenizer.decode(tail).strip()
+
+
+def _copy_result(source: Future, target: Future) -> None:
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())

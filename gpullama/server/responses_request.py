@@ -1,0 +1,291 @@
+"""A ``POST /v1/responses`` body checked and put in the chat shape, so both endpoints share one tool and
+structured-output pipeline (`structured_request.plan_chat`).
+
+`input` items and `instructions` become chat messages: message items as they are, ``function_call`` items as an
+assistant message's ``tool_calls``, ``function_call_output`` items as ``tool`` messages, a ``reasoning`` item as
+the next assistant message's ``reasoning_content``. The flat function `tools`, `tool_choice` and `text.format`
+become chat's `tools`, `tool_choice` and `response_format`; the errors `plan_chat` raises in chat's names are
+renamed back to the Responses fields (`chat_names_to_responses`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpullama.engine.admission import MAX_MESSAGES
+
+from .errors import APIError
+from .protocol import CHAT_ROLES, SamplingOptions, _options
+
+# message items' roles (tool results arrive as function_call_output items)
+INPUT_ROLES = {k: v for k, v in CHAT_ROLES.items() if k != "tool"}
+# the sampling fields a Responses request may carry: OpenAI's, and the extra ones the other endpoints take (as vLLM)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "stop_token_ids", "logit_bias", "ignore_eos")
+TEXT_PARTS = ("input_text", "output_text", "text")
+TOOL_CHOICES = ("none", "auto", "required")
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+# chat's field names in plan_chat's errors -> the Responses fields they came from
+_RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
+            (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
+            (re.compile(r"\bmessages(\[\d+\][\w.\[\]]*)?"), "input"))
+
+
+@dataclass
+class ResponsesRequest:
+    """A validated ``POST /v1/responses`` body: chat messages, sampling options, and the chat-shaped tool and
+    format fields for `plan_chat`."""
+
+    model: str | None
+    messages: list[dict[str, Any]]
+    options: SamplingOptions
+    stream: bool
+    instructions: str | None
+    chat_fields: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls, ...
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def chat_names_to_responses(error: APIError) -> APIError:
+    """`error` (raised in chat's field names: ``tools[0].function.name``, ``response_format.json_schema.schema``)
+    with the Responses names (``tools[0].name``, ``text.format.schema``)."""
+    param, message = error.param, error.message
+    for pattern, name in _RENAMES:
+        param = pattern.sub(name, param) if param else param
+        message = pattern.sub(name, message)
+    return APIError(error.status, message, param=param, code=error.code, headers=error.headers)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (``input_text``, ``output_text``) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, f"'{where}' must be a string or a list of content parts, got {_kind(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else _kind(part)
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise _bad(f"{where}[{j}]", f"'{where}[{j}]' must be an input_text or output_text part with a 'text' "
+                       f"string (only text is supported), got {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{where}.{key}", f"'{where}.{key}' must be a non-empty string, got {_kind(value)}")
+    return value
+
+
+def _function_call(item: dict, where: str) -> dict[str, Any]:
+    """A ``function_call`` input item as a chat ``tool_calls`` entry; its arguments must be a JSON object."""
+    call_id, name = _string(item, "call_id", where), _string(item, "name", where)
+    arguments = item.get("arguments")
+    if not isinstance(arguments, str):
+        raise _bad(f"{where}.arguments", f"'{where}.arguments' must be a string of JSON, got {_kind(arguments)}")
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise _bad(f"{where}.arguments", f"'{where}.arguments' must be a JSON object written as a string")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """The text of a ``reasoning`` input item: its ``reasoning_text`` content, else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise _bad(f"{where}.content", f"'{where}.content' must be a list of reasoning_text parts")
+    return "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """Chat messages of the `input` field: a string is one user message; a list holds message items
+    (``{"role", "content"}``, with or without ``"type": "message"``), ``function_call`` items (joined to the
+    assistant message before them, as its ``tool_calls``), ``function_call_output`` items (``tool`` messages) and
+    ``reasoning`` items (the next assistant message's ``reasoning_content``)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _bad("input", f"'input' must be a string or a non-empty list of input items, got {_kind(value)}")
+    if len(value) > MAX_MESSAGES:
+        raise _bad("input", f"'input' holds {len(value)} items, more than the limit of {MAX_MESSAGES}")
+    messages: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # call id -> function name, for the tool messages of their outputs
+    reasoning = ""
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        nonlocal reasoning
+        if reasoning:
+            message["reasoning_content"], reasoning = reasoning, ""
+        return message
+
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(where, f"'{where}' must be an object, got {_kind(item)}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if not isinstance(role, str) or role not in INPUT_ROLES:
+                shown = repr(role)[:40] if isinstance(role, str) else _kind(role)
+                raise _bad(f"{where}.role", f"'{where}.role' must be one of {sorted(INPUT_ROLES)}, got {shown}")
+            message = {"role": INPUT_ROLES[role], "content": _text(item.get("content"), f"{where}.content")}
+            messages.append(assistant(message) if message["role"] == "assistant" else message)
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            names[call["id"]] = call["function"]["name"]
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            if "output" not in item:
+                raise _bad(f"{where}.output", f"'{where}.output' is required")
+            message = {"role": "tool", "tool_call_id": call_id, "content": _text(item["output"], f"{where}.output")}
+            if call_id in names:
+                message["name"] = names[call_id]
+            messages.append(message)
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item, where)
+        else:
+            raise _bad(f"{where}.type", f"'{where}.type' {str(kind)[:40]!r} is not supported: input items are "
+                       f"{', '.join(INPUT_ITEM_TYPES)} (this server stores no items to reference)")
+    return messages
+
+
+def _tools(value: Any) -> tuple[list[dict] | None, list[dict]]:
+    """(chat-shaped tools for plan_chat, the tools as the response repeats them) of the flat function tools."""
+    if value is None or value == []:
+        return None, []
+    if not isinstance(value, list):
+        raise _bad("tools", f"'tools' must be a list of tool objects, got {_kind(value)}")
+    chat, echo = [], []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _bad(where, f"'{where}' must be an object, got {_kind(tool)}")
+        if tool.get("type") != "function":
+            raise _bad(f"{where}.type", f"'{where}.type' must be 'function' (this server has function tools only, "
+                       f"no hosted tools), got {str(tool.get('type'))[:40]!r}")
+        for key, kind in (("description", str), ("strict", bool)):
+            if tool.get(key) is not None and not isinstance(tool[key], kind):
+                raise _bad(f"{where}.{key}", f"'{where}.{key}' must be a {kind.__name__}, got {_kind(tool[key])}")
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        chat.append({"type": "function", "function": function})
+        echo.append({"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+                     "parameters": tool.get("parameters"), "strict": tool.get("strict")})
+    return chat, echo
+
+
+def _tool_choice(value: Any, tools: list | None) -> Any:
+    """The chat `tool_choice` of a Responses one (``{"type": "function", "name": N}`` named in chat's shape)."""
+    if value is None or (value == "auto" and not tools):  # "auto" without tools: nothing to choose from
+        return None
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise _bad("tool_choice", f"'tool_choice' must be one of {list(TOOL_CHOICES)} or "
+                       f"{{'type': 'function', 'name': ...}}, got {value[:40]!r}")
+        return value
+    if not isinstance(value, dict) or value.get("type") != "function":
+        raise _bad("tool_choice", "'tool_choice' must be one of 'none', 'auto', 'required' or "
+                   "{'type': 'function', 'name': ...} (function tools only)")
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        raise _bad("tool_choice.name", "'tool_choice.name' must be a non-empty string")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _response_format(text: Any) -> tuple[dict | None, dict]:
+    """(chat `response_format`, the format as the response repeats it) of ``text.format``."""
+    if text is None:
+        return None, {"type": "text"}
+    if not isinstance(text, dict):
+        raise _bad("text", f"'text' must be an object, got {_kind(text)}")
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise _bad("text.format", f"'text.format' must be an object, got {_kind(fmt)}")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}, {"type": kind}
+    if kind == "json_schema":
+        inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": inner}, {"type": "json_schema", **inner}
+    raise _bad("text.format.type", f"'text.format.type' must be one of 'text', 'json_object', 'json_schema', "
+               f"got {str(kind)[:40]!r}")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Fields whose feature this server does not have: one clear 400 each, rather than a silent different answer."""
+    if body.get("previous_response_id") is not None or body.get("conversation") is not None:
+        param = "previous_response_id" if body.get("previous_response_id") is not None else "conversation"
+        raise _bad(param, f"'{param}' is not supported: this server stores no responses; send the whole "
+                   "conversation in 'input'")
+    if body.get("background"):
+        raise _bad("background", "'background' responses are not supported")
+
+
+def parse_responses(body: Any) -> ResponsesRequest:
+    """Validate a Responses body; raises ``APIError`` (400) naming the bad field. The tool and format fields are
+    checked further by `plan_chat` (whose errors `chat_names_to_responses` renames)."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    _refuse_unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", "'model' must be a string")
+    if "input" not in body:
+        raise _bad("input", "'input' is a required field")
+    messages = input_messages(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad("instructions", f"'instructions' must be a string, got {_kind(instructions)}")
+        messages.insert(0, {"role": "system", "content": instructions})
+    tools, tools_echo = _tools(body.get("tools"))
+    response_format, format_echo = _response_format(body.get("text"))
+    chat_fields = {"tools": tools, "tool_choice": _tool_choice(body.get("tool_choice"), tools),
+                   "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": response_format}
+    opts = _options({name: body[name] for name in SAMPLING_FIELDS if name in body})
+    max_output = body.get("max_output_tokens")
+    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
+        raise _bad("max_output_tokens", f"'max_output_tokens' must be an integer >= 1, got {max_output!r}")
+    opts.max_tokens, opts.max_tokens_param = max_output, "max_output_tokens"
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream", f"'stream' must be a boolean, got {_kind(stream)}")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise _bad("metadata", "'metadata' must be an object of string values")
+    choice = body.get("tool_choice")
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": max_output,
+        "metadata": metadata or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+        "temperature": opts.kwargs.get("temperature", 1.0),
+        "top_p": opts.kwargs.get("top_p", 1.0),
+        "text": {"format": format_echo},
+        "tool_choice": choice if choice is not None else "auto",
+        "tools": tools_echo,
+        "truncation": "disabled",
+        "user": body.get("user") if isinstance(body.get("user"), str) else None,
+    }
+    return ResponsesRequest(model, messages, opts, stream, instructions, chat_fields, echo)

@@ -1,0 +1,186 @@
+"""The structured-output and tool fields of a request (`response_format`, `tools`, `tool_choice`,
+`parallel_tool_calls`, `chat_template_kwargs`), checked and turned into a prompt plan and a grammar.
+
+What the model's chat template supports decides how tools reach the prompt: a template with tool support
+(Hermes/Qwen, Llama 3, Mistral) renders them itself, with the calls in earlier assistant messages given as
+objects; any other template gets the generic tool prompt (llama.cpp's approach) and the calls written as the
+generic JSON. `required` and named choices are forced by a grammar in the same format; `auto` is parsed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpullama.structured.spec import StructuredOutput, StructuredOutputError
+from gpullama.structured.tools import parse_tool, tool_call_grammar
+
+from .errors import APIError
+from .reasoning import THINK_CLOSE, THINK_OPEN
+from .tool_parsers import PARSERS, parser_name_for_template
+from .tool_prompt import generic_messages, template_messages
+
+TOOL_CHOICES = ("none", "auto", "required")
+# names the render itself passes; chat_template_kwargs may not replace them
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "documents"})
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What a model's chat template and vocabulary support: its tool-call format (hermes, llama3, mistral or
+    generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
+    of the format's markers are special tokens of the vocabulary (the detokenizer drops special tokens unless
+    told to keep them, and the parsers must see these)."""
+
+    tool_format: str
+    template_tools: bool
+    reasoning: bool
+    tool_marker_ids: tuple[int, ...] = ()  # the tool-call format's markers ([TOOL_CALLS], <|python_tag|>)
+    reasoning_marker_ids: tuple[int, ...] = ()  # <think> and </think>
+
+
+_formats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_formats_lock = threading.Lock()
+
+
+def chat_format(tokenizer: Any) -> ChatFormat:
+    """The chat format of `tokenizer` (computed once per tokenizer). A model reasons when its vocabulary has
+    <think> and </think> as single tokens or its template speaks of </think> (Qwen3, DeepSeek-R1 distills)."""
+    with _formats_lock:
+        found = _formats.get(tokenizer)
+    if found is None:
+        from gpullama.structured.reasoning_gate import reasoning_token_ids  # imports torch: not for --help
+
+        source = tokenizer.chat_template.source
+        name = parser_name_for_template(source)
+        reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
+        ids = sorted(tokenizer.special_token_ids)
+        special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
+        found = ChatFormat(name, name != "generic", reasoning,
+                           tuple(special[m] for m in PARSERS[name].token_markers if m in special),
+                           tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
+        with _formats_lock:
+            _formats[tokenizer] = found
+    return found
+
+
+@dataclass
+class ChatPlan:
+    """A chat request's structured side: the messages and tools for the template, its extra template variables,
+    the grammar of every choice, and how to read the output (which tool calls count)."""
+
+    format: ChatFormat
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # for the template (templates with tool support only)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    spec: StructuredOutput | None = None
+    tool_names: list[str] | None = None  # parse calls of these functions; None: no tool parsing
+    tool_choice: str = "none"  # none, auto, required or named
+    parallel_tool_calls: bool = True
+
+    @property
+    def preserved_token_ids(self) -> list[int]:
+        """The special tokens the output text must keep for its parsers: the tool-call markers when calls are
+        parsed, the reasoning tags when the model reasons."""
+        ids = list(self.format.reasoning_marker_ids) if self.format.reasoning else []
+        if self.tool_names is not None:
+            ids.extend(self.format.tool_marker_ids)
+        return ids
+
+
+def _bad(error: StructuredOutputError) -> APIError:
+    return APIError(400, str(error), param=error.param)
+
+
+def response_format_spec(body: dict) -> StructuredOutput | None:
+    """The grammar of the request's ``response_format`` (None for text or none); 400 naming the field."""
+    value = body.get("response_format")
+    if isinstance(value, dict) and value.get("type") == "json_schema" and isinstance(value.get("json_schema"), dict):
+        inner = value["json_schema"]
+        for key, kind in (("strict", bool), ("name", str)):
+            if inner.get(key) is not None and not isinstance(inner[key], kind):
+                raise APIError(400, f"'response_format.json_schema.{key}' must be a {kind.__name__}",
+                               param=f"response_format.json_schema.{key}")
+    try:
+        return StructuredOutput.from_response_format(value)
+    except StructuredOutputError as e:
+        raise _bad(e) from None
+
+
+def _tool_choice(body: dict, tools: list | None) -> tuple[Any, str]:
+    """(tool_choice as given, its kind: none, auto, required or named)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return ("auto" if tools else "none"), ("auto" if tools else "none")
+    if not tools and choice != "none":
+        raise APIError(400, "'tool_choice' is only allowed when 'tools' are given", param="tool_choice")
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise APIError(400, f"'tool_choice' must be one of {list(TOOL_CHOICES)} or "
+                           f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}", param="tool_choice")
+        return choice, choice
+    if not isinstance(choice, dict):
+        raise APIError(400, "'tool_choice' must be a string or an object", param="tool_choice")
+    return choice, "named"
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise APIError(400, "'tools' must be a non-empty list of tool objects", param="tools")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        try:
+            name, _ = parse_tool(tool, i)
+        except StructuredOutputError as e:
+            raise _bad(e) from None
+        if name in names:
+            raise APIError(400, f"'tools' has two functions named {name!r}", param=f"tools[{i}].function.name")
+        names.add(name)
+    return tools
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(value))
+    if reserved:
+        raise APIError(400, f"'chat_template_kwargs' may not set {reserved[0]!r}", param="chat_template_kwargs")
+    return dict(value)
+
+
+def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> ChatPlan:
+    """Check a chat request's tool, response-format and template fields and plan its prompt and grammar;
+    APIError (400) naming the field at fault."""
+    tools = _tools(body)
+    choice, kind = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise APIError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    plan = ChatPlan(fmt, messages, template_kwargs=_template_kwargs(body), tool_choice=kind,
+                    parallel_tool_calls=parallel)
+    plan.spec = response_format_spec(body)
+    offered = tools if kind != "none" else None  # tool_choice "none": the model is not shown the tools
+    try:
+        if fmt.template_tools:
+            plan.messages = template_messages(messages)
+            plan.tools = offered
+        else:
+            plan.messages = generic_messages(messages, offered, choice, parallel)
+        if offered:
+            plan.tool_names = [parse_tool(t, i)[0] for i, t in enumerate(offered)]
+            forced = tool_call_grammar(offered, choice, parallel_tool_calls=parallel, format=fmt.tool_format)
+            if forced is not None:  # required or named: the calls' grammar replaces any response_format
+                plan.spec = forced
+    except StructuredOutputError as e:
+        raise _bad(e) from None
+    return plan

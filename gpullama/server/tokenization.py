@@ -1,0 +1,107 @@
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, in vLLM's request and response shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gpullama import __version__
+
+from .common import JSONResponse, check_model, off_loop_if_long, read_json, require_ready, server_state
+from .errors import APIError
+from .protocol import _messages
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"'{name}' must be a boolean, got {type(value).__name__}", param=name)
+    return value
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, "'model' must be a string", param="model")
+    return body
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> str:
+    """The prompt text of a conversation; with `continue_final_message` it ends right after the last message's
+    content (no end-of-turn), so the model continues that message (transformers' rule)."""
+    if not continue_final_message:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    final = messages[-1]["content"].strip()
+    cut = text.rfind(final) if final else -1
+    if cut < 0:
+        raise APIError(400, "continue_final_message: the chat template does not keep the last message's text "
+                       "verbatim, so it cannot be continued", param="continue_final_message")
+    return text[: cut + len(final)]
+
+
+async def tokenize(request: Request) -> Response:
+    """``POST /tokenize``: a `prompt`, or `messages` rendered with the chat template, as token ids.
+
+    Answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (token strings only with `return_token_strs`)."""
+    state = server_state(request)
+    require_ready(state)
+    body = _object(await read_json(request))
+    check_model(state, body.get("model"))
+    tok = state.llm.tokenizer
+    if ("prompt" in body) == ("messages" in body):
+        raise APIError(400, "give either 'prompt' (a string) or 'messages' (a list of messages), not both or neither",
+                       param="prompt")
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise APIError(400, f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
+        add_special = _flag(body, "add_special_tokens", True)
+        ids = await off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=add_special)
+    else:
+        messages = _messages(body)
+        add_generation = _flag(body, "add_generation_prompt", True)
+        cont = _flag(body, "continue_final_message", False)
+        if add_generation and cont:
+            raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                           param="continue_final_message")
+        size = sum(len(m["content"]) for m in messages)
+        try:
+            text = await off_loop_if_long(size, render_chat, tok, messages, add_generation, cont)
+        except APIError:
+            raise
+        except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
+            raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
+        ids = await off_loop_if_long(size, tok.encode, text, add_special_tokens=_flag(body, "add_special_tokens", False))
+    strs = tok.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+    return JSONResponse({"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids,
+                         "token_strs": strs})
+
+
+async def detokenize(request: Request) -> Response:
+    """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (special tokens kept, as vLLM)."""
+    state = server_state(request)
+    require_ready(state)
+    body = _object(await read_json(request))
+    check_model(state, body.get("model"))
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise APIError(400, "'tokens' must be a list of token ids (integers)", param="tokens")
+    vocab = state.llm.tokenizer.vocab_size
+    outside = [t for t in tokens if not 0 <= t < vocab]
+    if outside:
+        raise APIError(400, f"token id {outside[0]} is out of range: the vocabulary has {vocab} tokens",
+                       param="tokens")
+    text = await off_loop_if_long(len(tokens), state.llm.tokenizer.decode, tokens)
+    return JSONResponse({"prompt": text})
+
+
+async def version(request: Request) -> Response:
+    """``GET /version``: ``{"version": "X.Y.Z"}`` of gpullama."""
+    return JSONResponse({"version": __version__})
