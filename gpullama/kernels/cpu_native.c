@@ -1,4 +1,5 @@
-/* gpullama's CPU kernels: quantized matmul, RMSNorm, rotary + KV write, paged attention, SwiGLU.
+/* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
+   windows, soft caps), SwiGLU, GeGLU, the final soft cap, greedy argmax.
 
 Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp) and called
 through ctypes on float32 torch tensors. Every kernel computes each output row on its own, in an order that does
@@ -8,18 +9,19 @@ gives bit-identical results alone or batched (what keeps greedy decoding the sam
 Vectors are 16 float lanes (`vf`): AVX-512, AVX2 (two halves) or plain C, picked at compile time; the lane
 arithmetic and the reduction tree are the same on all three.
 
-Matmul, y[m, n] = sum_k x[m, k] * w[n, k]: a weight row is dequantized 32 values at a time, exactly as gguf's
-dequantizers do it (w = q * scale + zero, one rounding), into two vectors (k = 32g + lane and 32g + 16 + lane);
-lane j of one accumulator per (m, n) sums k = j (mod 16) in increasing k with FMAs; the 16 lanes are then
-summed by a fixed tree (i + 8, i + 4, i + 2, i + 1). Small batches dequantize in registers, larger ones
-dequantize 4 rows into a scratch buffer once and run a register-tiled loop over the rows of x: the same values
-in the same order.
+Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
+rounded to integers Q = round(x / d), d = max |x| / 32258, held as 254 hi + lo (two int8); per group and weight
+row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI or plain C), and y
+accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of one
+accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
+weights; threads split the weight rows; a row's arithmetic is the same in any tile.
 
-Weight formats (K a multiple of 32): rows in quads of 4 (N padded with rows of zeros); a quad is one contiguous
-stream of blocks, one per 32 values along K, so the weights are read front to back: a block holds the quad's
-values (Q4: 16 bytes a row, value k in the low nibble of byte k, value k + 16 in its high nibble; Q8: 32 int8 a
-row; F16: 32 float16; F32: 32 float), then (Q4, Q8) the 4 rows' scales, 32 / group float each, then their zeros
-in the same shape when the format has them. A value is q * scale + zero.
+Weight formats (K a multiple of 32): rows in groups of 16 (N padded with rows of zeros); a group is one
+contiguous stream of blocks, one per 32 values along K, so the weights are read front to back. A block holds the
+16 rows' values in chunks of 4 bytes (chunk c of every row, then chunk c + 1; Q4: 16 bytes a row, value k in the
+low nibble of byte k, value k + 16 in its high nibble; Q8: 32 unsigned bytes a row; F16: 32 float16, F32: 32
+float, value k of the 16 rows then value k + 1), then (Q4, Q8) the 16 rows' scales, 32 / group sets of 16
+(float16 with half_scales, else float), then their zeros in the same shape. A value is q * scale + zero.
 */
 
 #include <math.h>

@@ -5,8 +5,8 @@ Shapes the kernels do not take (a head dim not a multiple of 16, a matrix row no
 `TorchOps`' op instead.
 
 Each kernel computes a row on its own in a fixed order, so a request's tokens are the same alone or batched;
-weights are dequantized exactly, so the results differ from the exact float32 path only by the order of the
-sums (about 1e-6 relative).
+weights are dequantized exactly, and the matmuls see each 32 activations as 16-bit integers (to 1 part in 64516 of
+their largest magnitude), so logits differ from the exact float32 path by about 3e-4 of the largest one.
 """
 
 from __future__ import annotations

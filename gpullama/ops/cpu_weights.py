@@ -9,20 +9,23 @@ is exact in float32 for every type), so the weights the kernels multiply by are 
 
 | GGUF type | format | q | scale | zero | group | bytes/weight (GGUF) |
 | --- | --- | --- | --- | --- | ---: | --- |
-| Q4_0 | Q4 | q (0..15) | d | -8d | 32 | 0.75 (0.5625) |
-| Q4_1 | Q4 | q | d | m | 32 | 0.75 (0.625) |
+| Q4_0 | Q4 | q (0..15) | d | -8d | 32 | 0.625 (0.5625) |
+| Q4_1 | Q4 | q | d | m | 32 | 0.625 (0.625) |
 | Q4_K | Q4 | q | dl | -ml | 32 | 0.75 (0.5625) |
-| Q5_0 | Q8 | q - 16 | d | - | 32 | 1.125 (0.6875) |
-| Q5_1 | Q8 | q (0..31) | d | m | 32 | 1.25 (0.75) |
+| Q5_0 | Q8 | q (0..31) | d | -16d | 32 | 1.125 (0.6875) |
+| Q5_1 | Q8 | q (0..31) | d | m | 32 | 1.125 (0.75) |
 | Q5_K | Q8 | q (0..31) | dl | -ml | 32 | 1.25 (0.6875) |
-| Q8_0 | Q8 | q (int8) | d | - | 32 | 1.125 (1.0625) |
-| Q6_K | Q8 | q - 32 | d * scale | - | 16 | 1.25 (0.8203) |
+| Q8_0 | Q8 | q + 128 | d | -128d | 32 | 1.125 (1.0625) |
+| Q6_K | Q8 | q (0..63) | d * scale | -32 d * scale | 16 | 1.5 (0.8203) |
 | F16 | F16 | | | | | 2 |
 | BF16, F32 | F32 (exact) | | | | | 4 |
 
-Q4 packs 32 values in 16 bytes (low nibble value k, high nibble value k + 16); Q8 holds one int8 a value. The
-kernels read rows 4 at a time: each quad of rows is stored as one stream of blocks of 32 values (see the top of
-`cpu_native.c`); rows are padded with zeros to a multiple of 4.
+Scales and zeros are float16 for the types whose fields are float16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; float32
+where ``-8d`` and the like overflow float16), float32 for the K-quants.
+
+Q4 packs 32 values in 16 bytes (low nibble value k, high nibble value k + 16); Q8 holds one unsigned byte a value.
+The kernels read rows 16 at a time: each 16 rows are stored as one stream of blocks of 32 values (see the top of
+`cpu_native.c`); rows are padded with zeros to a multiple of 16.
 """
 
 from __future__ import annotations
