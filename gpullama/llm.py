@@ -25,6 +25,7 @@ from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
 from gpullama.outputs import Completion, CompletionOutput
+from gpullama.quants import FLOAT_TYPES, QTensor
 from gpullama.sampling_params import SamplingParams
 from gpullama.sharding import ShardPlan
 from gpullama.structured.spec import StructuredOutputError
@@ -50,9 +51,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA, float32 (the exact path) on the CPU. ``"bfloat16"`` on the CPU is the fast path
-    (quantized matrices stay 4-bit): about twice the exact path's decode speed for one stream, but slower prefill and
-    batches today, so it is a choice rather than the default (docs/usage.md, "CPU modes")."""
+    """``"auto"``: bfloat16 on CUDA, float32 on the CPU (with quantized weights there for a quantized file, see
+    `quantized_cpu_path`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -60,6 +60,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+def quantized_cpu_path(dtype: str | torch.dtype, device: torch.device, tensors: dict[str, QTensor]) -> bool:
+    """Whether the model runs the CPU fast path (the weights stay quantized, C kernels; docs/usage.md, "CPU modes"):
+    with ``dtype="auto"`` on the CPU for a file whose matrices are quantized. ``"float32"`` is the exact path (every
+    matrix dequantized once to float32), what the parity tests use."""
+    if device.type != "cpu" or dtype != "auto":
+        return False
+    return any(t.qtype not in FLOAT_TYPES for t in tensors.values() if len(t.shape) == 2)
 
 
 def release_free_memory() -> None:
@@ -143,14 +152,16 @@ class LLM:
         step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         engine_config = EngineConfig.from_args(args, max_model_len)
+        quantized_cpu = quantized_cpu_path(args.dtype, self.device, gguf_model.tensors)
         if tp_size > 1:
             # a model that cannot be cut into tp_size ranks fails here, before any process starts
             ShardPlan(self.config, 0, tp_size).check(gguf_model.tensors)
             step(f"starting {tp_size - 1} tensor-parallel worker processes")
-            spec = WorkerSpec(self.path, str(self.device), self.dtype, max_model_len, engine_config, threads)
+            spec = WorkerSpec(self.path, str(self.device), self.dtype, max_model_len, engine_config, threads,
+                              quantized_cpu)
             self._workers = TPWorkers.start(spec, tp_size)
         try:
-            ops = select_ops(self.device, self.dtype)
+            ops = select_ops(self.device, self.dtype, quantized_cpu)
             step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")
             tp = self._workers.tp if self._workers is not None else None
             self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len, tp)

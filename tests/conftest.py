@@ -74,6 +74,14 @@ def default_llm(default_model_path: Path) -> "LLM":
 
 
 @pytest.fixture(scope="session")
+def fast_default_llm(default_model_path: Path) -> "LLM":
+    """The real default model on the CPU fast path (dtype auto: quantized weights, C kernels), 256-token context."""
+    from gpullama import LLM
+
+    return LLM(str(default_model_path), device="cpu", max_model_len=256)
+
+
+@pytest.fixture(scope="session")
 def short_bf16_llm(default_model_path: Path) -> "LLM":
     """The real default model on the CPU in bfloat16 with a 64-token context (bf16 and context-limit tests)."""
     from gpullama import LLM

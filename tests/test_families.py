@@ -9,8 +9,9 @@ import torch
 from gpullama import LLM, SamplingParams
 from gpullama.config import ModelConfig
 from gpullama.gguf_file import read_gguf, read_header
+from gpullama.kernels import cpu_native
 from gpullama.model import Decoder
-from gpullama.ops import TorchOps, cpu_weights
+from gpullama.ops import CpuOps, TorchOps
 from tests.engine.helpers import make_engine, random_prompt, run_requests, solo_runs
 from tests.engine.test_batching import LogitsRecorder, assert_as_solo, assert_logits_match_solo
 from tests.fixtures.tiny_models import SLIDING_WINDOW
@@ -63,22 +64,25 @@ def test_family_batch_equals_solo(family_llm, arch: str) -> None:
 FAST_CASES = [("phi3", "Q4_0"), ("granite", "Q4_0"), ("gemma2", "Q8_0"), ("gemma3", "Q4_K")]
 
 
-@pytest.mark.skipif(not cpu_weights.has_int4_kernel(), reason="this torch has no int4 CPU matmul")
+@pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
 @pytest.mark.parametrize(("arch", "weight_type"), FAST_CASES)
 def test_family_fast_path_close_to_transformers(tiny_model, arch: str, weight_type: str) -> None:
-    """The CPU fast path (int4 CPU weights, fused qkv / gate|up included) against transformers on the same weights."""
+    """The CPU fast path (quantized weights, C kernels: partial rotary, sliding windows, soft caps, GeGLU, q/k and
+    post norms, fused qkv / gate|up) against transformers on the same weights."""
     tiny = tiny_model(arch, weight_type)
-    llm = LLM(str(tiny.path), device="cpu", dtype="bfloat16")
-    assert "int4" in llm.model.ops.mode
+    llm = LLM(str(tiny.path), device="cpu")
+    assert isinstance(llm.model.ops, CpuOps)
     ids = token_ids(tiny.config.vocab_size, n=PROMPT_LEN.get(arch, 2 * SEQ_LEN))
     assert_close_and_same_top1(llm.logits(ids), hf_logits(tiny.hf_model, ids), f"{arch} {weight_type} fast")
 
 
-@pytest.mark.skipif(not cpu_weights.has_int4_kernel(), reason="this torch has no int4 CPU matmul")
-def test_gemma3_fast_path_batch_equals_solo(tiny_model) -> None:
-    """Gemma 3 on the fast path (two rope tables, windows, soft row-wise attention): batched greedy tokens are the
-    solo ones."""
-    llm = LLM(str(tiny_model("gemma3", "Q4_K").path), device="cpu", dtype="bfloat16")
+@pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_fast_path_batch_equals_solo(tiny_model, arch: str) -> None:
+    """Gemma 2 (soft caps) and 3 (two rope tables, q/k norms) on the fast path, sliding windows in both: batched
+    greedy tokens are the solo ones."""
+    llm = LLM(str(tiny_model(arch, "Q4_K").path), device="cpu")
+    assert isinstance(llm.model.ops, CpuOps)
     prompts = family_prompts(llm.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     solo = solo_runs(llm, prompts, params)

@@ -111,6 +111,28 @@ def test_two_ranks_match_one(tiny_model, arch: str, weight_type: str, static_dec
     assert wait_gone(pids) == []
 
 
+def test_two_ranks_on_the_cpu_fast_path(tiny_model, monkeypatch) -> None:
+    """dtype auto on a quantized file: every rank runs the CPU fast path (the workers are told to), and the sharded
+    logits stay within the fast path's tolerance of the exact one-rank path, with its top tokens."""
+    from gpullama.engine.tp_workers import TPWorkers
+    from gpullama.kernels import cpu_native
+    from gpullama.ops import CpuOps
+    from tests.test_cpu_fast_path import assert_close_and_same_top1
+    from tests.test_model_parity import token_ids
+
+    if cpu_native.library() is None:
+        pytest.skip(f"no CPU kernels: {cpu_native.build_error()}")
+    specs = []
+    start = TPWorkers.start.__func__
+    monkeypatch.setattr(TPWorkers, "start", classmethod(lambda cls, spec, n: specs.append(spec) or start(cls, spec, n)))
+    path = str(tiny_model("qwen2", "Q4_0").path)
+    exact = LLM(path, device="cpu", dtype="float32")
+    ids = token_ids(exact.config.vocab_size, n=40)
+    with LLM(path, device="cpu", tensor_parallel_size=2) as two:
+        assert isinstance(two.model.ops, CpuOps) and [spec.quantized_cpu for spec in specs] == [True]
+        assert_close_and_same_top1(two.logits(ids), exact.logits(ids), "qwen2 Q4_0, 2 ranks, fast path")
+
+
 def test_a_dead_worker_fails_calls_and_shutdown_still_cleans_up(tiny_model) -> None:
     """Kill the worker: the next call raises at once naming the rank (no hang), and shutdown returns."""
     path = str(tiny_model("llama", "F32").path)

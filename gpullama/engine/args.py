@@ -56,8 +56,9 @@ class EngineArgs:
     model: str = _arg(DEFAULT_MODEL, f"GGUF path or alias (default: {DEFAULT_MODEL})", short="-m")
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N (default: auto, CUDA when present)")
     dtype: Any = _arg(
-        "auto", "compute dtype (default: auto: bfloat16 on CUDA; on the CPU, bfloat16 (the fast path: quantized "
-        "weights stay 4-bit) for a quantized file, float32 for an unquantized one; float32 is the exact path)",
+        "auto", "compute dtype (default: auto: bfloat16 on CUDA; on the CPU the fast path for a quantized file "
+        "(quantized weights, native C kernels, float32 activations; the exact float32 path without a C compiler) "
+        "and float32 for an unquantized one; float32 is the exact path)",
         choices=list(DTYPE_NAMES))
     threads: int | None = _arg(None, "torch intra-op threads (default: torch's choice, one per core)",
                                type=positive_int)

@@ -55,6 +55,7 @@ class WorkerSpec:
     max_model_len: int
     engine_config: EngineConfig
     threads: int | None  # torch intra-op threads of each rank (None: torch's choice)
+    quantized_cpu: bool = False  # the CPU fast path (`select_ops`' quantized_cpu), as on rank 0
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -265,7 +266,7 @@ def _worker_main(
         report.send(("joining", None))
         tp = TensorParallel.join(rank, world_size, store, device)
         gguf_model = read_gguf(spec.path)
-        model = Decoder(gguf_model.config, gguf_model.tensors, select_ops(device, spec.dtype), spec.max_model_len, tp)
+        model = Decoder(gguf_model.config, gguf_model.tensors, select_ops(device, spec.dtype, spec.quantized_cpu), spec.max_model_len, tp)
         del gguf_model
         runner = ModelRunner(model, spec.engine_config)
         report.send(("ready", None))

@@ -2,7 +2,8 @@
 
 `TorchOps` (`gpullama.ops.torch_ops`) is the plain torch implementation: the CPU path, and the oracle for the
 kernels. `TritonOps` (`gpullama.ops.triton_ops`) overrides each op with a fused Triton kernel from
-`gpullama.kernels`, which is leaf code that knows nothing of this package. `select_ops` picks one per device;
+`gpullama.kernels`, which is leaf code that knows nothing of this package; `CpuOps` (`gpullama.ops.cpu_ops`), the
+CPU fast path, overrides them with the C kernels of `gpullama.kernels.cpu_native`. `select_ops` picks one per device;
 callers then ask a backend's capabilities (``supports_cuda_graphs``), never its name.
 
 Shape contract (T tokens in a ragged batch of B sequences; Hq query heads, Hk kv heads, D head dim):
@@ -15,14 +16,19 @@ from __future__ import annotations
 
 import torch
 
+from gpullama.kernels import cpu_native
+from gpullama.ops.cpu_ops import CpuOps
 from gpullama.ops.metadata import BatchMetadata
 from gpullama.ops.torch_ops import TorchOps, keep_mask, rope_cos_sin
 
-__all__ = ["BatchMetadata", "TorchOps", "keep_mask", "rope_cos_sin", "select_ops"]
+__all__ = ["BatchMetadata", "CpuOps", "TorchOps", "keep_mask", "rope_cos_sin", "select_ops"]
 
 
-def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """The ops backend for a device, chosen once at load: Triton kernels on CUDA, torch elsewhere."""
+def select_ops(device: torch.device, dtype: torch.dtype, quantized_cpu: bool = False) -> TorchOps:
+    """The ops backend for a device, chosen once at load: Triton kernels on CUDA; on the CPU with `quantized_cpu`,
+    the C kernels on quantized weights where they build here (`cpu_native.library()`); else torch."""
+    if device.type == "cpu" and quantized_cpu and cpu_native.library() is not None:
+        return CpuOps(device)
     if device.type == "cuda":
         try:
             from gpullama.ops.triton_ops import TritonOps

@@ -1,11 +1,7 @@
 """`TorchOps`: every op of the seam in plain torch: the CPU path, and the oracle the Triton kernels are tested against.
 
-On the CPU it runs in one of two modes, picked by the compute dtype at load:
-- float32, the exact path: every matrix dequantized once to float32 (oneDNN's prepacked linear); what the parity
-  tests against transformers use.
-- bfloat16, the fast path: GGUF-quantized matrices stay 4-bit in torch's int4 CPU matmul (`gpullama.ops.cpu_weights`
-  says what each type becomes), fed bfloat16 activations; norms, rotary, attention, the KV cache and the residual
-  stream stay float32.
+On the CPU in float32 it is the exact path: every matrix dequantized once to float32 (oneDNN's prepacked linear);
+what the parity tests against transformers use. The CPU fast path (quantized weights, C kernels) is `CpuOps`.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from gpullama.ops.cpu_weights import CpuWeight, DenseWeight, Int4Weight, prepare_cpu_weight
 from gpullama.ops.metadata import BatchMetadata
 from gpullama.quants import QTensor
 
@@ -32,22 +27,16 @@ class TorchOps:
         self.dtype = dtype
         # On the CPU, oneDNN's prepacked linear: about 2-4x MKL's sgemm here.
         self.packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _has_packed_linear()
-        # the CPU fast path: quantized matrices as int4 CPU weights, bfloat16 activations into them
-        self.cpu_weights = device.type == "cpu" and dtype == torch.bfloat16
 
     @property
     def mode(self) -> str:
         """What the matmuls run on, for logs and benchmark labels."""
-        if self.cpu_weights:
-            return "int4 CPU weights, bfloat16 activations"
         return f"dense {str(self.dtype).removeprefix('torch.')}"
 
     # -- weights -------------------------------------------------------------------------------
-    def prepare_weight(self, weight: QTensor) -> torch.Tensor | CpuWeight:
-        """Turn a GGUF tensor into what `linear` consumes: on the CPU fast path its int4 (or bfloat16) CPU form;
-        else a dense matrix in the compute dtype (prepacked by oneDNN on the CPU)."""
-        if self.cpu_weights:
-            return prepare_cpu_weight(weight, self.packed)
+    def prepare_weight(self, weight: QTensor) -> torch.Tensor:
+        """Turn a GGUF tensor into what `linear` consumes: a dense matrix in the compute dtype (prepacked by oneDNN
+        on the CPU)."""
         dense = weight.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous()
         return torch.ops.mkldnn._reorder_linear_weight(dense) if self.packed else dense
 
@@ -79,14 +68,8 @@ class TorchOps:
             rows = table[ids].float()
         return rows * scale if scale != 1.0 else rows
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | CpuWeight, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``x @ weight.T (+ bias)``: float32, or bfloat16 from the CPU fast path's weights without a bias (every op
-        that follows takes either)."""
-        if isinstance(weight, (Int4Weight, DenseWeight)):
-            out = weight.matmul(x.to(torch.bfloat16))
-            return out if bias is None else out + bias
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` in float32."""
         x = x.to(self.dtype)
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "").float()
@@ -106,11 +89,10 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm fused with the residual add: returns ``(norm(x * x_scale + residual) * weight, x * x_scale +
         residual)`` (`x_scale`: Granite's residual multiplier, used only with a residual); the sum keeps the
-        residual's dtype (float32 on the CPU), the norm comes in the dtype of the next matmul's input."""
+        residual's dtype (float32 on the CPU)."""
         if residual is not None:
             x = (x.float() * x_scale if x_scale != 1.0 else x) + residual
-        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight  # F.rms_norm is slower on the CPU
-        return (out.to(torch.bfloat16) if self.cpu_weights else out), x
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight, x  # F.rms_norm is slower on the CPU
 
     def post_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of a block's output ``[T, H]`` before it joins the residual stream (Gemma), float32."""
@@ -177,7 +159,7 @@ class TorchOps:
                 cols = torch.arange(first, seq_len, device=q.device)[None, :]
                 visible = (cols <= rows) & (cols > rows - window) if window else cols <= rows
                 keys, values = keys[first:], values[first:]
-                if softcap or self.cpu_weights:
+                if softcap:
                     out[q_start:q_end] = rowwise_attention(q[None, q_start:q_end], keys[None], values[None],
                                                            visible[None], scale, softcap)[0]
                 else:
@@ -185,12 +167,6 @@ class TorchOps:
                                                        values.transpose(0, 1), attn_mask=visible, scale=scale,
                                                        enable_gqa=hq != hk)
                     out[q_start:q_end] = o.transpose(0, 1)
-                continue
-            if self.cpu_weights:  # query j sits at position seq_len - q_len + j
-                visible = torch.arange(seq_len, device=q.device)[None, :] <= (
-                    torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len))
-                out[q_start:q_end] = rowwise_attention(q[None, q_start:q_end], keys[None], values[None], visible[None],
-                                                       scale)[0]
                 continue
             qi = q[q_start:q_end].transpose(0, 1)  # [Hq, L, D]
             ki = keys.transpose(0, 1)  # [Hk, S, D]
@@ -226,7 +202,7 @@ class TorchOps:
         flat = slots.view(-1)
         keys = k_cache.view(-1, hk, d).index_select(0, flat).view(batch, width, hk, d)
         values = v_cache.view(-1, hk, d).index_select(0, flat).view(batch, width, hk, d)
-        if self.cpu_weights or softcap:
+        if softcap:
             return rowwise_attention(q[:, None], keys, values, valid.view(batch, 1, width), scale, softcap)[:, 0]
         o = F.scaled_dot_product_attention(
             q[:, :, None, :], keys.transpose(1, 2).float(), values.transpose(1, 2).float(), attn_mask=valid,
@@ -350,10 +326,8 @@ def rowwise_attention(
     ``keys``/``values [B, S, Hk, D]`` where ``visible [B, L, S]``; float32 ``[B, L, Hq, D]``. `softcap` > 0 caps
     the scores at ``softcap * tanh(scores / softcap)`` (Gemma 2).
 
-    float32 matmuls and SDPA round a row differently with the number of rows and keys beside it (a few 1e-7), which
-    the fast path's bfloat16 matmul inputs then turn into a flipped greedy token now and then. In float64 those
-    differences sit far below float32's rounding, so the result is the same alone or batched, chunk by chunk or
-    whole; attention is a small share of a step's work.
+    Computed in float64 (SDPA has no soft-capping), where the rounding differences of batch shapes sit far below
+    float32's.
     """
     b, n, hq, d = q.shape
     hk = keys.shape[2]

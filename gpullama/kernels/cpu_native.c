@@ -1,0 +1,763 @@
+/* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
+   windows, soft caps), SwiGLU, GeGLU, the final soft cap, greedy argmax.
+
+Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp) and called
+through ctypes on float32 torch tensors. Every kernel computes each output row on its own, in an order that does
+not depend on the other rows of the batch, how many there are, or how the work is split between threads: a row
+gives bit-identical results alone or batched (what keeps greedy decoding the same alone and batched).
+
+Vectors are 16 float lanes (`vf`): AVX-512, AVX2 (two halves) or plain C, picked at compile time; the lane
+arithmetic and the reduction tree are the same on all three.
+
+Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
+rounded to integers Q = round(x / d), d = max |x| / 32258, held as 254 hi + lo (two int8); per group and weight
+row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI or plain C), and y
+accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of one
+accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
+weights; threads split the weight rows; a row's arithmetic is the same in any tile.
+
+Weight formats (K a multiple of 32): rows in groups of 16 (N padded with rows of zeros); a group is one
+contiguous stream of blocks, one per 32 values along K, so the weights are read front to back. A block holds the
+16 rows' values in chunks of 4 bytes (chunk c of every row, then chunk c + 1; Q4: 16 bytes a row, value k in the
+low nibble of byte k, value k + 16 in its high nibble; Q8: 32 unsigned bytes a row; F16: 32 float16, F32: 32
+float, value k of the 16 rows then value k + 1), then (Q4, Q8) the 16 rows' scales, 32 / group sets of 16
+(float16 with half_scales, else float), then their zeros in the same shape. A value is q * scale + zero.
+*/
+
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* IEEE half -> float, exactly */
+static inline float half_bits_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
+    float f = e == 0 ? ldexpf((float)m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 1024), (int)e - 25);
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits |= sign;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+   16-lane float vectors
+   ------------------------------------------------------------------------------------------------------------ */
+
+#if defined(__AVX512F__)
+#define GL_ISA "avx512"
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vf_load_n(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline void vf_store_n(float *p, vf a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_ldexp(vf a, vf n) { return _mm512_scalef_ps(a, n); } /* a * 2^n, n integral */
+static inline vf vf_i8(const int8_t *q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))); }
+static inline vf vf_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* 32 4-bit values: every value of the group is one of 16, q * s + z, looked up from a table */
+static inline void vf_q4(const uint8_t *q, float s, float z, vf *lo, vf *hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                   _mm512_set1_ps(s), _mm512_set1_ps(z));
+    *lo = _mm512_permutexvar_ps(b, table); /* vpermps reads the low 4 bits of each index */
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
+/* the lane sums of a, b, c, d by the tree (i + 8), (i + 4), (i + 2), (i + 1) */
+static inline void vf_reduce4(vf a, vf b, vf c, vf d, float *out) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+    __m512 r = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), s);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(r));
+}
+static inline float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GL_ISA "avx2"
+typedef struct { __m256 a, b; } vf;
+static inline vf mk(__m256 a, __m256 b) { vf r = {a, b}; return r; }
+static inline vf vf_zero(void) { return mk(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf vf_set1(float a) { return mk(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+static inline vf vf_load(const float *p) { return mk(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a.a); _mm256_storeu_ps(p + 8, a.b); }
+static inline vf vf_load_n(const float *p, int n) {
+    float t[16] = {0};
+    memcpy(t, p, sizeof(float) * n);
+    return vf_load(t);
+}
+static inline void vf_store_n(float *p, vf a, int n) {
+    float t[16];
+    vf_store(t, a);
+    memcpy(p, t, sizeof(float) * n);
+}
+#define GL_BIN(name, op) static inline vf name(vf x, vf y) { return mk(op(x.a, y.a), op(x.b, y.b)); }
+GL_BIN(vf_add, _mm256_add_ps)
+GL_BIN(vf_sub, _mm256_sub_ps)
+GL_BIN(vf_mul, _mm256_mul_ps)
+GL_BIN(vf_div, _mm256_div_ps)
+GL_BIN(vf_max, _mm256_max_ps)
+GL_BIN(vf_min, _mm256_min_ps)
+static inline vf vf_fma(vf x, vf y, vf z) { return mk(_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)); }
+static inline vf vf_round(vf x) {
+    return mk(_mm256_round_ps(x.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+              _mm256_round_ps(x.b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline __m256 ldexp8(__m256 a, __m256 n) {
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(a, _mm256_castsi256_ps(e)); /* n in [-126, 127] here */
+}
+static inline vf vf_ldexp(vf a, vf n) { return mk(ldexp8(a.a, n.a), ldexp8(a.b, n.b)); }
+static inline vf vf_i8(const int8_t *q) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q);
+    return mk(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+}
+static inline vf vf_f16(const uint16_t *p) {
+    return mk(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+}
+static inline void vf_q4(const uint8_t *q, float s, float z, vf *lo, vf *hi) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q);
+    __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    __m256i m = _mm256_set1_epi32(15);
+    __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+    *lo = mk(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), sv, zv),
+             _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m)), sv, zv));
+    *hi = mk(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), sv, zv),
+             _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), sv, zv));
+}
+static inline float hsum1(vf v) {
+    __m256 s = _mm256_add_ps(v.a, v.b);                                     /* i + 8 */
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)); /* i + 4 */
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));                                 /* i + 2 */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));                /* i + 1 */
+}
+static inline void vf_reduce4(vf a, vf b, vf c, vf d, float *out) {
+    out[0] = hsum1(a), out[1] = hsum1(b), out[2] = hsum1(c), out[3] = hsum1(d);
+}
+static inline float vf_hmax(vf v) {
+    __m256 s = _mm256_max_ps(v.a, v.b);
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+#else
+#define GL_ISA "generic"
+typedef struct { float v[16]; } vf;
+#define GL_LANES(expr) { vf r; for (int i = 0; i < 16; i++) r.v[i] = (expr); return r; }
+static inline vf vf_zero(void) GL_LANES(0.0f)
+static inline vf vf_set1(float a) GL_LANES(a)
+static inline vf vf_load(const float *p) GL_LANES(p[i])
+static inline void vf_store(float *p, vf a) { memcpy(p, a.v, sizeof(a.v)); }
+static inline vf vf_load_n(const float *p, int n) GL_LANES(i < n ? p[i] : 0.0f)
+static inline void vf_store_n(float *p, vf a, int n) { memcpy(p, a.v, sizeof(float) * n); }
+static inline vf vf_add(vf a, vf b) GL_LANES(a.v[i] + b.v[i])
+static inline vf vf_sub(vf a, vf b) GL_LANES(a.v[i] - b.v[i])
+static inline vf vf_mul(vf a, vf b) GL_LANES(a.v[i] * b.v[i])
+static inline vf vf_div(vf a, vf b) GL_LANES(a.v[i] / b.v[i])
+static inline vf vf_max(vf a, vf b) GL_LANES(a.v[i] > b.v[i] ? a.v[i] : b.v[i])
+static inline vf vf_min(vf a, vf b) GL_LANES(a.v[i] < b.v[i] ? a.v[i] : b.v[i])
+static inline vf vf_fma(vf a, vf b, vf c) GL_LANES(fmaf(a.v[i], b.v[i], c.v[i]))
+static inline vf vf_round(vf a) GL_LANES(nearbyintf(a.v[i]))
+static inline vf vf_ldexp(vf a, vf n) GL_LANES(ldexpf(a.v[i], (int)n.v[i]))
+static inline vf vf_i8(const int8_t *q) GL_LANES((float)q[i])
+static inline vf vf_f16(const uint16_t *p) GL_LANES(half_bits_to_float(p[i]))
+static inline void vf_q4(const uint8_t *q, float s, float z, vf *lo, vf *hi) {
+    for (int i = 0; i < 16; i++) {
+        lo->v[i] = fmaf((float)(q[i] & 15), s, z);
+        hi->v[i] = fmaf((float)(q[i] >> 4), s, z);
+    }
+}
+static inline float hsum1(vf a) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = a.v[i] + a.v[i + 8];
+    for (int i = 0; i < 4; i++) t[i] = t[i] + t[i + 4];
+    for (int i = 0; i < 2; i++) t[i] = t[i] + t[i + 2];
+    return t[0] + t[1];
+}
+static inline void vf_reduce4(vf a, vf b, vf c, vf d, float *out) {
+    out[0] = hsum1(a), out[1] = hsum1(b), out[2] = hsum1(c), out[3] = hsum1(d);
+}
+static inline float vf_hmax(vf a) {
+    float m = a.v[0];
+    for (int i = 1; i < 16; i++) m = a.v[i] > m ? a.v[i] : m;
+    return m;
+}
+#endif
+
+static inline float vf_hsum(vf a) {
+    float out[4];
+    vf z = vf_zero();
+    vf_reduce4(a, z, z, z, out);
+    return out[0];
+}
+
+/* e^x, within 2 ulp on [-87, 88] (Cephes' polynomial); clamped outside */
+static inline vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.0f));
+    vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fma(n, vf_set1(-0.693359375f), x);
+    r = vf_fma(n, vf_set1(2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fma(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fma(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fma(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fma(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fma(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fma(p, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+    return vf_ldexp(p, n);
+}
+
+/* tanh x = 1 - 2 / (e^2x + 1): within a few 1e-8 of it (absolute), exactly +-1 far out */
+static inline vf vf_tanh(vf x) {
+    vf e = vf_exp(vf_add(x, x));
+    return vf_sub(vf_set1(1.0f), vf_div(vf_set1(2.0f), vf_add(e, vf_set1(1.0f))));
+}
+
+
+/* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory) */
+static void *scratch(int which, size_t bytes) {
+    static _Thread_local void *buf[2];
+    static _Thread_local size_t size[2];
+    if (size[which] < bytes) {
+        free(buf[which]);
+        buf[which] = malloc(bytes);
+        size[which] = buf[which] ? bytes : 0;
+    }
+    return buf[which];
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+   matmul
+   ------------------------------------------------------------------------------------------------------------ */
+
+#define GL_MAX_HEAD_DIM 256 /* attention: D a multiple of 16, at most this */
+
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_F32 = 3 };
+
+#define MT 8 /* rows of x per tile: a block's weights are unpacked once per tile */
+
+/* bytes of one block: 16 rows x 32 values (see the layout at the top of the file) */
+int64_t gl_block_bytes(int fmt, int group, int half_scales) {
+    if (fmt == FMT_F16 || fmt == FMT_F32) return 16 * 32 * (fmt == FMT_F16 ? 2 : 4);
+    return 16 * (fmt == FMT_Q4 ? 16 : 32) + 2 * (32 / group) * 16 * (half_scales ? 2 : 4);
+}
+
+/* The 16 rows x 32 unsigned values of one block, unpacked: chunk c holds, per row (lane), values 4c .. 4c + 3 */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#undef GL_ISA
+#define GL_ISA "avx512-vnni"
+typedef struct { __m512i c[8]; } wg;
+static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
+    if (fmt == FMT_Q4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
+        __m512i m = _mm512_set1_epi8(15);
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(b + 64 * j));
+            w->c[j] = _mm512_and_si512(v, m);
+            w->c[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+        }
+    } else {
+        for (int c = 0; c < 8; c++) w->c[c] = _mm512_loadu_si512((const void *)(b + 64 * c));
+    }
+}
+/* the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the values 254 hi + lo (hi, lo int8, values
+   4 c0 .. 4 c1 - 1), as floats: sum(w hi) * 254 + sum(w lo), exact in int32 */
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int c = c0; c < c1; c++) {
+        int32_t h4, l4;
+        memcpy(&h4, hi + 4 * c, 4);
+        memcpy(&l4, lo + 4 * c, 4);
+        a = _mm512_dpbusd_epi32(a, w->c[c], _mm512_set1_epi32(h4));
+        b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(a, _mm512_set1_epi32(254)), b));
+}
+#else
+typedef struct { uint8_t c[8][64]; } wg;
+static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
+    if (fmt == FMT_Q4) {
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 64; i++) w->c[j][i] = b[64 * j + i] & 15, w->c[4 + j][i] = b[64 * j + i] >> 4;
+    } else {
+        memcpy(w->c, b, sizeof(w->c));
+    }
+}
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
+    int32_t acc[16] = {0};
+    for (int c = c0; c < c1; c++)
+        for (int r = 0; r < 16; r++)
+            for (int i = 0; i < 4; i++)
+                acc[r] += (int32_t)w->c[c][4 * r + i] * (254 * (int32_t)hi[4 * c + i] + (int32_t)lo[4 * c + i]);
+    float f[16];
+    for (int r = 0; r < 16; r++) f[r] = (float)acc[r];
+    return vf_load(f);
+}
+#endif
+
+/* 16 scales (float16 or float) at p */
+static inline vf load16(const uint8_t *p, int half) {
+    return half ? vf_f16((const uint16_t *)p) : vf_load((const float *)p);
+}
+
+typedef struct {
+    int fmt, group, half_scales;
+    int64_t K, G, block_bytes; /* G = K / 32 blocks a row */
+    const uint8_t *data;       /* [N / 16][G][block_bytes] */
+} weight_t;
+
+/* The activations of a quantized matmul: each row's groups of 32 values rounded to integers Q = round(x / d),
+   d = max |x| / 32258, so |Q| <= 32258 (x to 1 part in 64516 of the group's largest value); Q is held as
+   254 hi + lo with hi, lo int8 (for the 8-bit dot products); s is the sum of Q over each half group. */
+typedef struct {
+    int8_t *hi, *lo; /* [M][K] */
+    float *d;        /* [M][G] */
+    int32_t *s;      /* [M][2G] */
+} xquant_t;
+
+#define Q_MAX 32258 /* 254 * 127 */
+
+static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, int threads) {
+    int64_t G = K / 32;
+#pragma omp parallel for num_threads(threads) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *v = x + m * ldx + 32 * g;
+            float amax = 0.0f;
+            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+            float d = amax / (float)Q_MAX, id = amax > 0.0f ? (float)Q_MAX / amax : 0.0f;
+            int8_t *hi = xq->hi + m * K + 32 * g, *lo = xq->lo + m * K + 32 * g;
+            int32_t s0 = 0, s1 = 0;
+            for (int k = 0; k < 32; k++) {
+                int32_t q = (int32_t)nearbyintf(v[k] * id);
+                q = q > Q_MAX ? Q_MAX : q < -Q_MAX ? -Q_MAX : q;
+                int32_t h = q >= 0 ? (q + 127) / 254 : -((127 - q) / 254); /* |q - 254 h| <= 127 */
+                hi[k] = (int8_t)h, lo[k] = (int8_t)(q - 254 * h);
+                if (k < 16) s0 += q; else s1 += q;
+            }
+            xq->d[m * G + g] = d;
+            xq->s[m * 2 * G + 2 * g] = s0, xq->s[m * 2 * G + 2 * g + 1] = s1;
+        }
+}
+
+/* rows m0 .. m0 + mt - 1 of y against the 16 weight rows of block `rb` (quantized formats): per 32 values, exact
+   integer dot products, then y += (scale * d) * dot + (zero * d) * sum(q), one group after another. fmt, sets
+   (scales per 32 values) and mt are constants at every call, so the loops unroll into registers. */
+static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, const weight_t *w, const xquant_t *xq,
+                                                         int64_t m0, int mt, int64_t rb, float *y, int64_t ldy) {
+    int64_t K = w->K, G = w->G;
+    int chunks = 8 / sets, vbytes = fmt == FMT_Q4 ? 256 : 512, sbytes = 16 * (w->half_scales ? 2 : 4);
+    const uint8_t *b = w->data + rb * G * w->block_bytes;
+    vf acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = vf_zero();
+    for (int64_t g = 0; g < G; g++, b += w->block_bytes) {
+        __builtin_prefetch(b + 16 * w->block_bytes);
+        wg u;
+        wg_load(fmt, b, &u);
+        for (int t = 0; t < sets; t++) {
+            vf scale = load16(b + vbytes + t * sbytes, w->half_scales);
+            vf zero = load16(b + vbytes + (sets + t) * sbytes, w->half_scales);
+            for (int i = 0; i < mt; i++) {
+                int64_t m = m0 + i;
+                float d = xq->d[m * G + g];
+                const int32_t *s = xq->s + m * 2 * G + 2 * g;
+                int32_t sum = sets == 1 ? s[0] + s[1] : s[t];
+                vf dot = wg_dot(&u, xq->hi + m * K + 32 * g, xq->lo + m * K + 32 * g, t * chunks, (t + 1) * chunks);
+                acc[i] = vf_fma(dot, vf_mul(scale, vf_set1(d)), acc[i]);
+                acc[i] = vf_fma(zero, vf_set1(d * (float)sum), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
+}
+
+/* the same for the float formats: y += w * x one value after another */
+static inline __attribute__((always_inline)) void mm_dense(int fmt, const weight_t *w, const float *x, int64_t ldx,
+                                                           int64_t m0, int mt, int64_t rb, float *y, int64_t ldy) {
+    const uint8_t *b = w->data + rb * w->G * w->block_bytes;
+    vf acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = vf_zero();
+    for (int64_t k = 0; k < w->K; k++) {
+        vf v = fmt == FMT_F16 ? vf_f16((const uint16_t *)b + 16 * k) : vf_load((const float *)b + 16 * k);
+        for (int i = 0; i < mt; i++) acc[i] = vf_fma(v, vf_set1(x[(m0 + i) * ldx + k]), acc[i]);
+    }
+    for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
+}
+
+/* one tile of mt rows of x (mt a constant after the switch) */
+static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, const weight_t *w, const float *x,
+                                                          int64_t ldx, const xquant_t *xq, int64_t m0, int mt,
+                                                          int64_t rb, float *y, int64_t ldy) {
+#define GL_TILE(n)                                                                                                   \
+    case n:                                                                                                          \
+        if (fmt == FMT_Q4 || fmt == FMT_Q8) mm_int(fmt, sets, w, xq, m0, n, rb, y, ldy);                            \
+        else mm_dense(fmt, w, x, ldx, m0, n, rb, y, ldy);                                                            \
+        break;
+    switch (mt) { GL_TILE(1) GL_TILE(2) GL_TILE(3) GL_TILE(4) GL_TILE(5) GL_TILE(6) GL_TILE(7) GL_TILE(8) }
+#undef GL_TILE
+}
+
+/* blocks rb0 .. rb1 - 1 against every row of x, MT rows at a time */
+static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, const weight_t *w, const float *x,
+                                                            int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,
+                                                            int64_t rb1, float *y, int64_t ldy) {
+    for (int64_t rb = rb0; rb < rb1; rb++)
+        for (int64_t m = 0; m < M; m += MT) mm_tile(fmt, sets, w, x, ldx, xq, m, M - m < MT ? (int)(M - m) : MT, rb, y, ldy);
+}
+
+#define GL_BLOCKS(name, fmt, sets)                                                                                  \
+    static void name(const weight_t *w, const float *x, int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,     \
+                     int64_t rb1, float *y, int64_t ldy) {                                                           \
+        mm_blocks(fmt, sets, w, x, ldx, xq, M, rb0, rb1, y, ldy);                                                    \
+    }
+GL_BLOCKS(mm_q4, FMT_Q4, 1)
+GL_BLOCKS(mm_q8, FMT_Q8, 1)
+GL_BLOCKS(mm_q8_g16, FMT_Q8, 2)
+GL_BLOCKS(mm_f16, FMT_F16, 1)
+GL_BLOCKS(mm_f32, FMT_F32, 1)
+
+/* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32) in format `fmt`
+   laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
+int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, int64_t K, int64_t ldx,
+              const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
+    weight_t w = {fmt, group, half_scales, K, K / 32, gl_block_bytes(fmt, group, half_scales), data};
+    xquant_t xq = {NULL, NULL, NULL, NULL};
+    if (fmt == FMT_Q4 || fmt == FMT_Q8) {
+        size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * w.G;
+        uint8_t *buf = scratch(0, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * w.G);
+        if (!buf) return -1;
+        xq.hi = (int8_t *)buf, xq.lo = (int8_t *)(buf + qbytes);
+        xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
+        quantize_rows(x, ldx, M, K, &xq, threads);
+    }
+    void (*run)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t, float *,
+                int64_t) = fmt == FMT_Q4    ? mm_q4
+                           : fmt == FMT_Q8 ? (group == 16 ? mm_q8_g16 : mm_q8)
+                           : fmt == FMT_F16 ? mm_f16
+                                            : mm_f32;
+    int64_t blocks = N / 16;
+    if (blocks < 4 * threads && M < MT) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        run(&w, x, ldx, &xq, M, blocks * t / nt, blocks * (t + 1) / nt, y, ldy);
+    }
+    return 0;
+}
+
+/* out [T, K] = rows ids[0 .. T - 1] of W (format `fmt`, blocks as for gl_matmul), each value u * scale + zero in
+   one rounding, as gguf dequantizes it. Returns 0, or -1 when an id is outside [0, N). */
+int gl_embedding(int fmt, int group, int half_scales, const uint8_t *data, int64_t N, int64_t K, const int64_t *ids,
+                 int64_t T, float *out) {
+    int64_t G = K / 32, bb = gl_block_bytes(fmt, group, half_scales);
+    int sets = 32 / group, vbytes = fmt == FMT_Q4 ? 256 : 512, sbytes = 16 * (half_scales ? 2 : 4);
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t rb = ids[t] / 16, lane = ids[t] % 16;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = data + (rb * G + g) * bb;
+            float *o = out + t * K + 32 * g;
+            if (fmt == FMT_F16 || fmt == FMT_F32) {
+                for (int k = 0; k < 32; k++)
+                    o[k] = fmt == FMT_F16 ? half_bits_to_float(((const uint16_t *)b)[16 * k + lane])
+                                          : ((const float *)b)[16 * k + lane];
+                continue;
+            }
+            for (int k = 0; k < 32; k++) {
+                int u, t8 = k / (32 / sets);
+                if (fmt == FMT_Q4) {
+                    int byte = b[64 * ((k % 16) / 4) + 4 * lane + k % 4];
+                    u = k < 16 ? byte & 15 : byte >> 4;
+                } else {
+                    u = b[64 * (k / 4) + 4 * lane + k % 4];
+                }
+                const uint8_t *sp = b + vbytes + t8 * sbytes, *zp = b + vbytes + (sets + t8) * sbytes;
+                float sc = half_scales ? half_bits_to_float(((const uint16_t *)sp)[lane]) : ((const float *)sp)[lane];
+                float zr = half_scales ? half_bits_to_float(((const uint16_t *)zp)[lane]) : ((const float *)zp)[lane];
+                o[k] = fmaf((float)u, sc, zr);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[r] = the first index of the largest value of row r of x [rows, n] (NaNs are skipped) */
+void gl_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * ldx;
+        vf mv = vf_set1(-INFINITY);
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) mv = vf_max(mv, vf_load(v + i));
+        float m = vf_hmax(mv);
+        for (; i < n; i++) m = v[i] > m ? v[i] : m;
+        int64_t best = 0;
+        while (best < n && !(v[best] == m)) best++;
+        out[r] = best < n ? best : 0;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+   RMSNorm (with the residual add), rotary + KV write, SwiGLU
+   ------------------------------------------------------------------------------------------------------------ */
+
+/* h [T, H] += residual (when not NULL), in place; out [T, H] = h * rsqrt(mean(h^2) + eps) * weight */
+void gl_rms_norm(float *h, const float *residual, const float *weight, float eps, int64_t T, int64_t H, float *out,
+                 int threads) {
+#pragma omp parallel for num_threads(threads) if (T * H >= 32768)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = h + t * H;
+        const float *res = residual ? residual + t * H : NULL;
+        vf ss = vf_zero();
+        int64_t k = 0;
+        for (; k + 16 <= H; k += 16) {
+            vf v = vf_load(row + k);
+            if (res) v = vf_add(v, vf_load(res + k)), vf_store(row + k, v);
+            ss = vf_fma(v, v, ss);
+        }
+        if (k < H) {
+            int n = (int)(H - k);
+            vf v = vf_load_n(row + k, n);
+            if (res) v = vf_add(v, vf_load_n(res + k, n)), vf_store_n(row + k, v, n);
+            ss = vf_fma(v, v, ss);
+        }
+        vf scale = vf_set1(1.0f / sqrtf(vf_hsum(ss) / (float)H + eps));
+        for (k = 0; k + 16 <= H; k += 16) vf_store(out + t * H + k, vf_mul(vf_mul(vf_load(row + k), scale), vf_load(weight + k)));
+        if (k < H) {
+            int n = (int)(H - k);
+            vf_store_n(out + t * H + k, vf_mul(vf_mul(vf_load_n(row + k, n), scale), vf_load_n(weight + k, n)), n);
+        }
+    }
+}
+
+/* NeoX rotary of half-dimension `half` on one head, in place: (a, b) -> (a cos - b sin, b cos + a sin) */
+static inline void rotate(float *x, const float *cs, int64_t half) {
+    const float *c = cs, *s = cs + half;
+    for (int64_t i = 0; i < half; i += 16) {
+        int n = half - i < 16 ? (int)(half - i) : 16;
+        vf a = vf_load_n(x + i, n), b = vf_load_n(x + half + i, n), cv = vf_load_n(c + i, n), sv = vf_load_n(s + i, n);
+        vf_store_n(x + i, vf_sub(vf_mul(a, cv), vf_mul(b, sv)), n);
+        vf_store_n(x + half + i, vf_add(vf_mul(b, cv), vf_mul(a, sv)), n);
+    }
+}
+
+/* rotate the first R dims of each head of q [T, Hq, D] and k [T, Hk, D] in place (row strides ldq, ldk;
+   `cos_sin` [max_pos, R] is cos | sin of each half; R < D: partial rotary, the last D - R dims stay), then write k and v (row stride ldv) to the pool rows `slots`: v_cache is [pool rows, Hk, D]; k_cache
+   keeps each block transposed, [blocks, Hk, D, block_size] (see gl_attention) */
+void gl_rope_and_cache(float *q, int64_t ldq, float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T,
+                       int64_t Hq, int64_t Hk, int64_t D, int64_t R, const float *cos_sin, const int64_t *positions,
+                       const int64_t *slots, int64_t block_size, float *k_cache, float *v_cache, int threads) {
+#pragma omp parallel for num_threads(threads) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = cos_sin + positions[t] * R;
+        for (int64_t h = 0; h < Hq; h++) rotate(q + t * ldq + h * D, cs, R / 2);
+        for (int64_t h = 0; h < Hk; h++) rotate(k + t * ldk + h * D, cs, R / 2);
+        int64_t block = slots[t] / block_size, slot = slots[t] % block_size;
+        for (int64_t h = 0; h < Hk; h++) {
+            float *kt = k_cache + (block * Hk + h) * D * block_size + slot;
+            for (int64_t d = 0; d < D; d++) kt[d * block_size] = k[t * ldk + h * D + d];
+        }
+        memcpy(v_cache + slots[t] * Hk * D, v + t * ldv, sizeof(float) * Hk * D);
+    }
+}
+
+/* out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate first) */
+void gl_silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            int n = I - i < 16 ? (int)(I - i) : 16;
+            vf gv = vf_load_n(g + i, n);
+            vf s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
+            vf_store_n(out + t * I + i, vf_mul(s, vf_load_n(u + i, n)), n);
+        }
+    }
+}
+
+/* out [T, I] = gelu_tanh(gate) * up for gate_up [T, 2I] (gate first), with gelu_tanh(g) = g (1 + tanh y) / 2 =
+   g / (1 + e^(-2y)), y = sqrt(2 / pi) (g + 0.044715 g^3) (the exponent is clamped: no overflow) */
+void gl_gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            int n = I - i < 16 ? (int)(I - i) : 16;
+            vf gv = vf_load_n(g + i, n);
+            vf y = vf_mul(vf_set1(-1.5957691216057308f), vf_fma(vf_mul(vf_set1(0.044715f), gv), vf_mul(gv, gv), gv));
+            vf s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(y)));
+            vf_store_n(out + t * I + i, vf_mul(s, vf_load_n(u + i, n)), n);
+        }
+    }
+}
+
+/* x [T, n] (row stride ldx) in place: x * scale, then cap * tanh(x / cap) when cap > 0 (final logits) */
+void gl_soft_cap(float *x, int64_t T, int64_t n, int64_t ldx, float scale, float cap, int threads) {
+#pragma omp parallel for num_threads(threads) if (T * n >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = x + t * ldx;
+        for (int64_t i = 0; i < n; i += 16) {
+            int c = n - i < 16 ? (int)(n - i) : 16;
+            vf v = vf_mul(vf_load_n(row + i, c), vf_set1(scale));
+            if (cap > 0.0f) v = vf_mul(vf_tanh(vf_div(v, vf_set1(cap))), vf_set1(cap));
+            vf_store_n(row + i, v, c);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+   paged attention
+   ------------------------------------------------------------------------------------------------------------ */
+
+#define TILE_ROWS 16 /* query rows (positions x heads of one kv head) that share each key and value load */
+
+/* One tile: query rows r = (position p0 + i, head h0 + j) of sequence b, all on kv head hk, each over the keys it
+   sees (keys lo[r] .. n[r] - 1: lo = 0, or the first inside a sliding window). A row's arithmetic does not depend on
+   the tile: score j = sum over d of q[d] k_j[d] (FMAs in d order, key j in lane j % 16), times scale (then
+   softcap * tanh(score / softcap) with a soft cap); an exact max; exponentials and their sum over 16 lanes in key
+   order from the vector holding key lo (lanes outside the row's keys add 0), then the tree; the weighted sum of
+   values in key order. */
+static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t bs,
+                        int64_t Hq, int64_t Hk, int64_t D, const int32_t *table, int64_t seq_len, int64_t q_len,
+                        int64_t t0, int64_t p0, int np, int64_t hk, int64_t h0, int nh, float scale, int64_t window,
+                        float softcap, float *scores, float *out) {
+    int R = np * nh;
+    int64_t n_max = seq_len - q_len + p0 + np, width = (n_max + 15) / 16 * 16;
+    const float *qr[TILE_ROWS];
+    int64_t n[TILE_ROWS], lo[TILE_ROWS];
+    for (int i = 0; i < np; i++)
+        for (int j = 0; j < nh; j++) {
+            qr[i * nh + j] = q + (t0 + p0 + i) * ldq + (h0 + j) * D;
+            n[i * nh + j] = seq_len - q_len + p0 + i + 1;
+            lo[i * nh + j] = window > 0 && n[i * nh + j] > window ? n[i * nh + j] - window : 0;
+        }
+    static const float lanes[48] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                    1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    vf cap = vf_set1(softcap), inv_cap = vf_set1(softcap > 0.0f ? 1.0f / softcap : 0.0f);
+    for (int64_t kb = lo[0] / 16 * 16; kb < width; kb += 16) { /* lo[0] is the tile's smallest */
+        const float *kt = k_cache + ((int64_t)table[kb / bs] * Hk + hk) * D * bs + kb % bs; /* [D][bs] */
+        vf acc[TILE_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = vf_zero();
+        for (int64_t d = 0; d < D; d++) {
+            vf kv = vf_load(kt + d * bs);
+            for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_set1(qr[r][d]), kv, acc[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            vf sc = vf_mul(acc[r], vf_set1(scale));
+            if (softcap > 0.0f) sc = vf_mul(vf_tanh(vf_mul(sc, inv_cap)), cap);
+            vf_store(scores + r * width + kb, sc);
+        }
+    }
+    float inv[TILE_ROWS];
+    for (int r = 0; r < R; r++) {
+        float *sr = scores + r * width;
+        vf mx = vf_set1(-INFINITY);
+        int64_t j = lo[r];
+        for (; j + 16 <= n[r]; j += 16) mx = vf_max(mx, vf_load(sr + j));
+        float m = vf_hmax(mx);
+        for (; j < n[r]; j++) m = sr[j] > m ? sr[j] : m;
+        vf sum = vf_zero(), mv = vf_set1(m);
+        for (j = lo[r] / 16 * 16; j < n[r]; j += 16) {
+            int c = n[r] - j < 16 ? (int)(n[r] - j) : 16, skip = j < lo[r] ? (int)(lo[r] - j) : 0;
+            vf p = vf_exp(vf_sub(vf_load_n(sr + j, c), mv));
+            if (c < 16 || skip) p = vf_mul(p, vf_mul(vf_load(lanes + 16 - skip), vf_load(lanes + 32 - c)));
+            vf_store(sr + j, p);
+            sum = vf_add(sum, p);
+        }
+        inv[r] = 1.0f / vf_hsum(sum);
+    }
+    for (int r0 = 0; r0 < R; r0 += 4) { /* values: 4 rows at a time, D / 16 accumulators each */
+        int rn = R - r0 < 4 ? R - r0 : 4;
+        vf o[4][GL_MAX_HEAD_DIM / 16];
+        for (int r = 0; r < rn; r++)
+            for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_zero();
+        for (int64_t j = lo[r0]; j < n[r0 + rn - 1]; j++) {
+            const float *vr = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * Hk + hk) * D;
+            for (int r = 0; r < rn; r++) {
+                if (j >= n[r0 + r] || j < lo[r0 + r]) continue;
+                vf p = vf_set1(scores[(r0 + r) * width + j]);
+                for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_fma(p, vf_load(vr + 16 * c), o[r][c]);
+            }
+        }
+        for (int r = 0; r < rn; r++) {
+            int64_t i = (r0 + r) / nh, j = (r0 + r) % nh;
+            float *dst = out + ((t0 + p0 + i) * Hq + h0 + j) * D;
+            for (int64_t c = 0; c < D / 16; c++) vf_store(dst + 16 * c, vf_mul(o[r][c], vf_set1(inv[r0 + r])));
+        }
+    }
+}
+
+/* Causal attention of every query row over its sequence's context in the paged pool; window > 0: a query at
+   position p sees the keys after p - window only (a sliding-window layer); softcap > 0: Gemma 2's soft-capped
+   scores.
+   q [T, Hq, D] (row stride ldq; D a multiple of 16, at most GL_MAX_HEAD_DIM), out [T, Hq, D]; v_cache
+   [blocks * block_size, Hk, D]; k_cache [blocks, Hk, D, block_size] (each block transposed, block_size a multiple
+   of 16); sequence b owns query rows query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens in
+   the blocks block_tables[b, :] (row stride ldb); its last query row sits at position seq_lens[b] - 1.
+   Returns 0, or -1 when out of memory. */
+int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
+                 int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
+                 const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, int64_t window,
+                 float softcap, float *out, int threads) {
+    int64_t G = Hq / Hk, nh = G < TILE_ROWS ? G : TILE_ROWS, np = TILE_ROWS / nh, head_tiles = (G + nh - 1) / nh;
+    int64_t *first = scratch(1, sizeof(int64_t) * (B + 1)); /* first tile of each sequence */
+    if (!first) return -1;
+    int64_t max_len = 16, work = 0;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t q_len = query_start[b + 1] - query_start[b];
+        first[b + 1] = first[b] + Hk * head_tiles * ((q_len + np - 1) / np);
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+        work += q_len * seq_lens[b];
+    }
+    int64_t tiles = first[B];
+    if (work * Hq * D < (1 << 17)) threads = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = scratch(0, sizeof(float) * TILE_ROWS * (max_len + 16));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t u = 0; u < tiles; u++) {
+            if (!scores) continue;
+            int64_t lo = 0, hi = B - 1;
+            while (lo < hi) { /* the sequence whose tiles hold u */
+                int64_t mid = (lo + hi + 1) / 2;
+                if (first[mid] <= u) lo = mid; else hi = mid - 1;
+            }
+            int64_t b = lo, v = u - first[b], q_len = query_start[b + 1] - query_start[b];
+            int64_t hk = v % Hk, ht = (v / Hk) % head_tiles, pt = v / (Hk * head_tiles);
+            int64_t h0 = hk * G + ht * nh, p0 = pt * np;
+            attend_tile(q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, block_tables + b * ldb, seq_lens[b], q_len,
+                        query_start[b], p0, (int)(q_len - p0 < np ? q_len - p0 : np), hk, h0,
+                        (int)(G - ht * nh < nh ? G - ht * nh : nh), scale, window, softcap, scores, out);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+const char *gl_isa(void) { return GL_ISA; }

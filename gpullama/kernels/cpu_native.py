@@ -1,0 +1,222 @@
+"""The CPU kernels of `cpu_native.c`, compiled once per machine and called through ctypes on float32 tensors.
+
+The first `library()` call compiles the C file with the system's C compiler (``$CC``, else ``cc``; ``-O3
+-march=native -fopenmp``) into a cache directory (``$GPULLAMA_KERNEL_CACHE``, else ``~/.cache/gpullama/kernels``),
+keyed by the source, the compiler and the CPU, so later processes load it in milliseconds; without a working
+compiler it returns None and `build_error()` says why (the caller falls back to the torch path). The library
+links the OpenMP runtime torch has already loaded, so both share one thread pool.
+
+Leaf code: imports torch and the standard library only. Every function takes contiguous float32 CPU tensors
+(integer metadata as noted) and writes into the output it is given; shapes are checked by the caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("gpullama")
+
+SOURCE = Path(__file__).with_suffix(".c")
+FMT_Q4, FMT_Q8, FMT_F16, FMT_F32 = 0, 1, 2, 3
+"""Weight formats of `matmul` (see the top of `cpu_native.c`)."""
+MAX_HEAD_DIM = 256
+"""`attention` needs a head dim that is a multiple of 16 and at most this, and a block size a multiple of 16."""
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "gl_matmul": [_I32, _I32, _I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
+    "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
+    "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32],
+    "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
+    "gl_gelu_tanh_mul": [_P, _I64, _I64, _P, _I32],
+    "gl_soft_cap": [_P, _I64, _I64, _I64, _F32, _F32, _I32],
+    "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P, _I32],
+    "gl_embedding": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I64, _P],
+    "gl_argmax": [_P, _I64, _I64, _I64, _P],
+}
+_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_embedding")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept."""
+    return Path(os.environ.get("GPULLAMA_KERNEL_CACHE") or Path.home() / ".cache" / "gpullama" / "kernels")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))})).encode()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> None:
+    """Compile the source into `out` (atomically: a half-written file is never seen by another process)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        cmd = [cc, *flags, "-shared", "-fPIC", "-std=gnu11", str(SOURCE), "-o", str(target), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(target, out)
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    errors = []
+    # -march=native for the vector units this CPU has; OpenMP for threads (without it the kernels run on one)
+    for flags in (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"]):
+        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode() + _cpu_identity())
+        path = cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
+        try:
+            if not path.exists():
+                log.info("compiling the CPU kernels (%s %s)", cc, " ".join(flags))
+                _compile(cc, flags, path)
+            lib = ctypes.CDLL(str(path))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+            continue
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name in _RETURNS_STATUS else None)
+        lib.gl_isa.restype = ctypes.c_char_p
+        return lib
+    raise RuntimeError("; ".join(errors))
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (built on the first call), or None when they cannot be built here."""
+    global _lib, _error, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _build()
+            except Exception as e:  # any failure means: no native kernels, use the torch path
+                _error = str(e)
+                log.warning("CPU kernels unavailable, using the torch path: %s", _error)
+        return _lib
+
+
+def build_error() -> str | None:
+    """Why `library()` returned None (None when it did not)."""
+    library()
+    return _error
+
+
+def isa() -> str:
+    """The vector instructions the kernels were compiled for: avx512, avx2 or generic."""
+    lib = library()
+    return lib.gl_isa().decode() if lib is not None else "unavailable"
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def matmul(fmt: int, group: int, half_scales: bool, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 16, K / 32, block bytes]`` uint8
+    (scales float16 with `half_scales`, else float32); `out` may be a column slice of a wider matrix."""
+    if _lib.gl_matmul(fmt, group, half_scales, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
+                      16 * blocks.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads()):
+        raise MemoryError(f"no memory for the int8 copy of a {tuple(x.shape)} matmul input")
+    return out
+
+
+def rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             out: torch.Tensor) -> torch.Tensor:
+    """``h += residual`` in place (when given), then ``out = h * rsqrt(mean(h^2) + eps) * weight``; rows ``[T, H]``."""
+    _lib.gl_rms_norm(h.data_ptr(), _ptr(residual), weight.data_ptr(), eps, h.shape[0], h.shape[1], out.data_ptr(),
+                     torch.get_num_threads())
+    return out
+
+
+def rope_and_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
+    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> None:
+    """Rotate the first R dims of each head of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place (NeoX halves;
+    `cos_sin` ``[max_pos, R]``, R <= D: partial rotary; int64 `positions`), then write k and v to pool rows `slots` (int64): v_cache ``[blocks, block_size, Hk, D]`` as it
+    is, k_cache's memory as ``[blocks, Hk, D, block_size]`` (each block transposed, for `attention`). q, k and v may
+    be row-strided views (each head contiguous)."""
+    t, hq, d = q.shape
+    _lib.gl_rope_and_cache(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hq,
+                           k.shape[1], d, cos_sin.shape[1], cos_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                           k_cache.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads())
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [T, I] = silu(gate) * up`` for `gate_up` ``[T, 2I]``."""
+    _lib.gl_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [T, I] = gelu_tanh(gate) * up`` for `gate_up` ``[T, 2I]`` (GeGLU)."""
+    _lib.gl_gelu_tanh_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def soft_cap(x: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """In place on x ``[T, n]`` (unit column stride): ``x * scale``, then ``cap * tanh(. / cap)`` when cap > 0."""
+    _lib.gl_soft_cap(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), scale, cap, torch.get_num_threads())
+    return x
+
+
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0, softcap: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of q ``[T, Hq, D]`` (row-strided view allowed) over the paged pool as `rope_and_cache`
+    writes it: sequence b's rows are ``query_start[b]:query_start[b + 1]``, its context ``seq_lens[b]`` tokens in
+    the blocks of ``block_tables[b]`` (int32 all three); `out` ``[T, Hq, D]``. `window` > 0: a query at position p
+    sees positions above ``p - window`` only; `softcap` > 0: scores become ``softcap * tanh(scores / softcap)``."""
+    _, hq, d = q.shape
+    if _lib.gl_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], hq,
+                         k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(), seq_lens.data_ptr(),
+                         block_tables.data_ptr(), block_tables.stride(0), scale, window, softcap, out.data_ptr(),
+                         torch.get_num_threads()):
+        raise MemoryError("no memory for the attention scores")
+    return out
+
+
+def embedding(fmt: int, group: int, half_scales: bool, blocks: torch.Tensor, n_rows: int, ids: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, each in [0, n_rows)) of a matrix in the blocks of `matmul`, dequantized exactly: `out`
+    ``[T, K]``."""
+    if _lib.gl_embedding(fmt, group, half_scales, blocks.data_ptr(), n_rows, out.shape[1], ids.data_ptr(),
+                         ids.shape[0], out.data_ptr()):
+        raise ValueError(f"token id out of range [0, {n_rows})")
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of the largest value of each row of x ``[rows, n]`` (unit column stride), int64 ``[rows]``."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.gl_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out

@@ -1,0 +1,177 @@
+"""`CpuOps`: the CPU fast path: `TorchOps` with the matmuls, norms, rotary (partial too), attention (sliding
+windows and soft-capping too), SwiGLU, GeGLU and the final soft cap in the C kernels of
+`gpullama.kernels.cpu_native`; the weights stay quantized (`gpullama.ops.cpu_weights`), activations float32.
+Shapes the kernels do not take (a head dim not a multiple of 16, a matrix row not a multiple of 32 values) run
+`TorchOps`' op instead.
+
+Each kernel computes a row on its own in a fixed order, so a request's tokens are the same alone or batched;
+weights are dequantized exactly, and the matmuls see each 32 activations as 16-bit integers (to 1 part in 64516 of
+their largest magnitude), so logits differ from the exact float32 path by about 3e-4 of the largest one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpullama.kernels import cpu_native
+from gpullama.ops.cpu_weights import CpuWeight, packable
+from gpullama.ops.metadata import BatchMetadata
+from gpullama.ops.torch_ops import TorchOps
+from gpullama.quants import QTensor
+
+
+class CpuOps(TorchOps):
+    """The CPU ops of the fast path; built only where `cpu_native.library()` is available."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device):
+        assert device.type == "cpu" and cpu_native.library() is not None
+        super().__init__(device, torch.float32)
+        # packed embedding tables, so that a tied output head shares the table's copy
+        self._tables: dict[tuple, CpuWeight] = {}
+
+    @property
+    def mode(self) -> str:
+        """What the matmuls run on, for logs and benchmark labels."""
+        return f"quantized weights, native kernels ({cpu_native.isa()}), float32 activations"
+
+    def prepare_weight(self, weight: QTensor) -> torch.Tensor | CpuWeight:
+        """The matrix in its CPU weight format (dense float32 for a shape the kernels do not take); a tied output
+        head is the packed embedding table."""
+        if not packable(weight):
+            return super().prepare_weight(weight)
+        return self._tables.get(_key(weight)) or CpuWeight.from_qtensor(weight)
+
+    def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor | CpuWeight:
+        """The table in its CPU weight format (rows are dequantized exactly)."""
+        if not packable(weight):
+            return super().prepare_embedding(weight)
+        return self._tables.setdefault(_key(weight), CpuWeight.from_qtensor(weight))
+
+    def prepare_step(self, meta: BatchMetadata, cos_sin: torch.Tensor, block_size: int) -> BatchMetadata:
+        """The kernels read the metadata as it is."""
+        return meta
+
+    def prepare_rope(self, meta: BatchMetadata, cos_sin: torch.Tensor) -> BatchMetadata:
+        """The kernels read a layer's rope table itself (`rope_and_cache`); the torch fallback derives its rows."""
+        return meta
+
+    def embedding(
+        self, ids: torch.Tensor, table: QTensor | torch.Tensor | CpuWeight, scale: float = 1.0
+    ) -> torch.Tensor:
+        """Rows of the embedding table for `ids` times `scale` (Gemma, Granite), float32 ``[T, H]``."""
+        if not isinstance(table, CpuWeight):
+            return super().embedding(ids, table, scale)
+        out = torch.empty(ids.shape[0], table.blocks.shape[1] * 32)
+        ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
+        rows = cpu_native.embedding(table.fmt, table.group, table.half_scales, table.blocks, table.out_features, ids,
+                                    out)
+        return rows.mul_(scale) if scale != 1.0 else rows
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``, float32."""
+        if not isinstance(weight, CpuWeight):
+            return super().linear(x, weight, bias)
+        out = weight.matmul(x if x.is_contiguous() else x.contiguous())
+        return out if bias is None else out.add_(bias)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        x_scale: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x * x_scale + residual) * weight, x * x_scale + residual)`` (`x_scale` only with a residual:
+        Granite); the sum is written over `x` (a step's fresh activations)."""
+        if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+            return super().rms_norm(x, weight, eps, residual, x_scale)
+        if residual is not None and x_scale != 1.0:
+            x.mul_(x_scale)  # rounds as TorchOps' x * x_scale does, before the add
+        return cpu_native.rms_norm(x, residual, weight, eps, torch.empty_like(x)), x
+
+    def post_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of a block's output ``[T, H]`` before it joins the residual stream (Gemma), float32."""
+        x = x.contiguous()
+        return cpu_native.rms_norm(x, None, weight, eps, torch.empty_like(x))
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of ``[T, heads, D]`` (Qwen3's and Gemma 3's q/k norm), float32."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # q or k out of the fused qkv output: row-strided
+        return cpu_native.rms_norm(rows, None, weight, eps, torch.empty_like(rows)).view(x.shape)
+
+    def rope_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k in place and write k, v to the pool (k blocks transposed, for `attention`)."""
+        if not self._kernel_attention(q, k_cache):
+            return super().rope_and_cache(q, k, v, cos_sin, k_cache, v_cache, meta)
+        cpu_native.rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its context in the paged pool: ``[T, Hq, D]``
+        (`window`: a sliding-window layer; `softcap`: Gemma 2's soft-capped scores)."""
+        if not self._kernel_attention(q, k_cache):
+            return super().attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                    scale, q.new_empty(q.shape), window, softcap)
+
+    @staticmethod
+    def _kernel_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether the C attention takes these shapes (else both it and the KV write are torch's, the pool keeping
+        the standard layout)."""
+        d = q.shape[-1]
+        return d % 16 == 0 and d <= cpu_native.MAX_HEAD_DIM and k_cache.shape[1] % 16 == 0
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        uniform: torch.Tensor,
+    ) -> torch.Tensor:
+        """As `TorchOps.sample`; a batch that is all greedy takes its argmax in C (torch's is slow on the CPU)."""
+        if logits.dtype == torch.float32 and logits.stride(-1) == 1 and not bool((temperature > 0).any()):
+            return cpu_native.argmax(logits)
+        return super().sample(logits, temperature, top_k, top_p, min_p, uniform)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
+        return cpu_native.silu_mul(gate_up, gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): ``gelu_tanh(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
+        return cpu_native.gelu_tanh_mul(gate_up, gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+
+    def soft_cap(self, x: torch.Tensor, cap: float, scale: float = 1.0) -> torch.Tensor:
+        """Final logits: ``x * scale``, then ``cap * tanh(. / cap)`` when `cap` > 0; in place on the step's fresh
+        logits (float32, unit column stride), else `TorchOps`' op."""
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            return super().soft_cap(x, cap, scale)
+        return cpu_native.soft_cap(x, scale, cap)
+
+
+def _key(weight: QTensor) -> tuple:
+    """Which file tensor `weight` is, without keeping a reference to it (and so to the file's memory map)."""
+    return weight.name, weight.data.data_ptr(), weight.shape, weight.qtype

@@ -1,0 +1,194 @@
+"""The C kernels of the CPU fast path (`gpullama.kernels.cpu_native`) against torch references (`TorchOps`, the
+exact float32 path), and each row's independence from the batch around it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpullama.kernels import cpu_native
+from gpullama.ops import BatchMetadata, TorchOps, rope_cos_sin
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rms_norm_with_and_without_the_residual() -> None:
+    x, res = (torch.randn(5, 200, generator=gen(i)) for i in range(2))
+    w = torch.randn(200, generator=gen(2))
+    for residual in (None, res):
+        h = x.clone()
+        out = cpu_native.rms_norm(h, residual, w, 1e-5, torch.empty_like(h))
+        want, want_h = TorchOps(torch.device("cpu")).rms_norm(x, w, 1e-5, residual)
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(h, want_h)  # the sum is exact either way
+
+
+def test_silu_mul() -> None:
+    gate_up = torch.randn(3, 2 * 72, generator=gen()) * 4
+    out = cpu_native.silu_mul(gate_up, torch.empty(3, 72))
+    assert torch.allclose(out, F.silu(gate_up[:, :72]) * gate_up[:, 72:], rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_tanh_mul() -> None:
+    gate_up = torch.randn(3, 2 * 72, generator=gen()) * 4
+    gate_up[0, :4] = torch.tensor([-200.0, -30.0, 30.0, 0.0])  # far out: no overflow, no NaN
+    out = cpu_native.gelu_tanh_mul(gate_up, torch.empty(3, 72))
+    want = F.gelu(gate_up[:, :72], approximate="tanh") * gate_up[:, 72:]
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("scale", "cap"), [(0.5, 0.0), (1.0, 30.0), (0.25, 5.0)])
+def test_soft_cap_in_place_on_a_column_slice(scale: float, cap: float) -> None:
+    """Final logits are a column slice of the padded matmul output: only the slice changes."""
+    wide = torch.randn(3, 112, generator=gen()) * 40
+    copy = wide.clone()
+    want = TorchOps(torch.device("cpu")).soft_cap(wide[:, :100], cap, scale)
+    cpu_native.soft_cap(copy[:, :100], scale, cap)
+    assert torch.allclose(copy[:, :100], want, rtol=1e-5, atol=1e-5 * max(cap, 1.0))
+    assert torch.equal(copy[:, 100:], wide[:, 100:])
+
+
+def test_argmax_takes_the_first_of_equal_largest_values() -> None:
+    x = torch.randn(4, 1000, generator=gen())
+    x[1, 500] = x[1, 20] = 9.0  # a tie: the first index wins, as torch.argmax
+    x[2, 999] = 9.0  # the tail past the last whole vector
+    assert torch.equal(cpu_native.argmax(x), x.argmax(-1))
+    assert cpu_native.argmax(x)[1] == 20
+
+
+def metadata(q_lens: list[int], seq_lens: list[int], block_size: int, blocks: list[list[int]]) -> BatchMetadata:
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    width = max(len(b) for b in blocks)
+    positions = [p for n, s in zip(q_lens, seq_lens) for p in range(s - n, s)]
+    slots = [b[p // block_size] * block_size + p % block_size
+             for n, s, b in zip(q_lens, seq_lens, blocks) for p in range(s - n, s)]
+    return BatchMetadata(
+        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32),
+        logits_indices=torch.tensor([s - 1 for s in starts[1:]]), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+    )
+
+
+def transposed(k_cache: torch.Tensor) -> torch.Tensor:
+    """The pool's k as the kernels keep it: each block [Hk, D, block_size], in a tensor of the pool's shape."""
+    return k_cache.permute(0, 2, 3, 1).contiguous().view(k_cache.shape)
+
+
+def attend(q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
+    return cpu_native.attention(q, transposed(k_cache), v_cache, meta.query_start_loc, meta.seq_lens,
+                                meta.block_tables, scale, torch.empty_like(q), window, softcap)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "hq", "window", "softcap"), [
+    (64, 16, 6, 0, 0.0), (128, 32, 6, 0, 0.0), (64, 16, 40, 0, 0.0),
+    (64, 16, 6, 7, 0.0), (256, 16, 2, 20, 0.0), (64, 16, 6, 0, 2.0), (64, 16, 40, 33, 1.5),
+])
+def test_attention_matches_torch_over_a_ragged_batch(head_dim: int, block_size: int, hq: int, window: int,
+                                                     softcap: float) -> None:
+    """Prefill chunks, a whole prompt and decode rows in one batch, GQA (3 or 20 query heads a kv head), keys spread
+    over non-contiguous pool blocks; sliding windows (shorter and longer than a tile of keys) and soft caps."""
+    hk = 2 if hq > 2 else 1
+    k_cache = torch.randn(12, block_size, hk, head_dim, generator=gen(1))
+    v_cache = torch.randn(12, block_size, hk, head_dim, generator=gen(2))
+    q = torch.randn(47, hq, head_dim, generator=gen(3)) * (3.0 if softcap else 1.0)  # scores beyond the cap
+    ops = TorchOps(torch.device("cpu"))
+    for meta in (metadata([5, 40, 1, 1], [37, 40, 1, 20], block_size, [[7, 2, 9], [3, 0, 11], [5], [4, 10]]),
+                 metadata([1, 1, 1], [37, 1, 20], block_size, [[7, 2, 9], [5], [4, 10]])):  # decode only
+        t = len(meta.positions)
+        got = attend(q[:t], k_cache, v_cache, meta, head_dim**-0.5, window, softcap)
+        want = ops.attention(q[:t], k_cache, v_cache, meta, head_dim**-0.5, window, softcap)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 13])
+def test_attention_row_is_the_same_alone_batched_or_chunked(window: int) -> None:
+    """A sequence's rows come out bit-identical whatever shares the batch and however its prompt is cut."""
+    block_size, hq, hk, d = 16, 4, 2, 64
+    k_cache = torch.randn(8, block_size, hk, d, generator=gen(4))
+    v_cache = torch.randn(8, block_size, hk, d, generator=gen(5))
+    q = torch.randn(30, hq, d, generator=gen(6))
+    alone = attend(q, k_cache, v_cache, metadata([30], [30], block_size, [[1, 6]]), 0.125, window)
+    first = attend(q[:11], k_cache, v_cache, metadata([11], [11], block_size, [[1, 6]]), 0.125, window)
+    others = torch.randn(9, hq, d, generator=gen(7))
+    batched = attend(torch.cat([others, q[11:]]), k_cache, v_cache,
+                     metadata([9, 19], [40, 30], block_size, [[2, 3, 4], [1, 6]]), 0.125, window)
+    assert torch.equal(first, alone[:11])
+    assert torch.equal(batched[9:], alone[11:])
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32, 8])
+def test_rope_and_cache_matches_torch(rotary_dim: int) -> None:
+    """Rotation in place on row-strided views of a fused qkv output (all of each head, or its first dims: partial
+    rotary), k and v written to their pool rows."""
+    hq, hk, d, t = 4, 2, 64, 6
+    cos_sin = rope_cos_sin(rotary_dim, 64, 10000.0)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen(8))
+    q, k, v = (qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d),
+               qkv[:, (hq + hk) * d:].view(t, hk, d))
+    meta = metadata([t], [t + 3], 16, [[2]])
+    caches = [torch.zeros(4, 16, hk, d) for _ in range(4)]
+    want_q, want_k = TorchOps(torch.device("cpu")).rope_and_cache(q.clone(), k.clone(), v, cos_sin, caches[0],
+                                                                 caches[1], meta)
+    cpu_native.rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, caches[2], caches[3])
+    assert torch.allclose(q, want_q, atol=1e-6) and torch.allclose(k, want_k, atol=1e-6)
+    assert torch.allclose(caches[2], transposed(caches[0]), atol=1e-6) and torch.equal(caches[3], caches[1])
+
+
+def run_python(code: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_without_a_compiler_auto_loads_the_exact_path_and_says_why(tmp_path: Path, tiny_model) -> None:
+    """No C compiler (CC names a missing binary, an empty kernel cache): `library()` gives None, `build_error()`
+    the reason, a warning says the torch path is used, and ``dtype="auto"`` on a quantized file loads the exact
+    float32 path (`TorchOps`) and generates instead of failing."""
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stderr)\n"
+        "from gpullama import LLM, SamplingParams; from gpullama.kernels import cpu_native\n"
+        f"llm = LLM({str(tiny_model('llama', 'Q4_0').path)!r}, device='cpu')\n"
+        "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]\n"
+        "print(cpu_native.library(), '|', cpu_native.build_error(), '|', type(llm.model.ops).__name__, '|',"
+        " llm.dtype, '|', len(out.token_ids))\n"
+    )
+    proc = run_python(code, {"CC": str(tmp_path / "no-such-cc"), "GPULLAMA_KERNEL_CACHE": str(tmp_path / "cache")})
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr
+    lib, error, ops, dtype, n = (part.strip() for part in stdout.split("|"))
+    assert lib == "None" and "no-such-cc" in error
+    assert (ops, dtype, n) == ("TorchOps", "torch.float32", "3")
+    assert "CPU kernels unavailable, using the torch path" in stderr and "no-such-cc" in stderr
+
+
+def test_processes_compiling_at_once_share_one_library(tmp_path: Path) -> None:
+    """Two processes building into the same empty cache at once (tensor-parallel ranks, a server beside a test
+    run) both load working kernels; the cache ends with one library and no half-written files."""
+    cache = tmp_path / "cache"
+    code = ("from gpullama.kernels import cpu_native; import torch\n"
+            "assert cpu_native.library() is not None, cpu_native.build_error()\n"
+            "x = torch.randn(3, 40)\n"
+            "out = cpu_native.silu_mul(x, torch.empty(3, 20))\n"
+            "assert torch.allclose(out, torch.nn.functional.silu(x[:, :20]) * x[:, 20:], atol=1e-6)\n"
+            "print(cpu_native.isa())\n")
+    procs = [run_python(code, {"GPULLAMA_KERNEL_CACHE": str(cache)}) for _ in range(2)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        assert stdout.strip() == cpu_native.isa()
+    assert [p.suffix for p in cache.iterdir()] == [".so"]
