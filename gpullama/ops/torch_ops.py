@@ -226,8 +226,7 @@ class TorchOps:
         if hot.numel() == 0:
             return logits.argmax(dim=-1)
         all_hot = hot.numel() == logits.shape[0]
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device) if all_hot else (
-            logits.argmax(dim=-1))
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device) if all_hot else logits.argmax(-1)
         x = logits if all_hot else logits[hot]
         e = torch.exp((x - x.max(dim=-1, keepdim=True).values) / temperature[hot, None].float())
         keep = keep_mask(e, top_k[hot], top_p[hot], min_p[hot])
@@ -277,7 +276,7 @@ def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     # the k-th largest value, and for top-p the largest values in order: a partial sort (topk) of as many as the
     # step needs; the whole vocabulary is sorted only for a nucleus that the first candidates do not hold
     width = min(v, max(k_max, NUCLEUS_CANDIDATES if nucleus else 0))
-    largest = e.topk(width, dim=-1).values if width else e[:, :0]
+    largest = e.topk(width, dim=-1).values if width else None
     t_k = torch.zeros_like(e[:, 0])
     if k_max:
         t_k = torch.where(k_on, largest.gather(1, (k.clamp(1, k_max) - 1)[:, None])[:, 0], t_k)

@@ -34,7 +34,7 @@ from .responses import ChunkBuilder, chat_completion, new_id, now, text_completi
 from .responses_api import create_response
 from .sse import DONE, ClientDisconnected, SSEResponse, event, unless_disconnected
 from .state import ServerConfig, ServerState
-from .structured_request import ChatPlan, chat_format, plan_chat, response_format_spec
+from .structured_request import ChatPlan, chat_format, plan_chat, render_planned_chat, response_format_spec
 from .tokenization import detokenize, tokenize, version
 
 log = logging.getLogger("gpullama.server")
@@ -48,15 +48,8 @@ def _prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan
     _check_model(state, req.model)
     tok = state.llm.tokenizer
     plan = plan_chat(body, req.messages, chat_format(tok))
-    if plan.spec is not None:
-        req.options.kwargs["structured_output"] = plan.spec
-    req.options.kwargs["preserved_token_ids"] = plan.preserved_token_ids
-    try:
-        text = tok.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
-                                       **plan.template_kwargs)
-    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
-        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-    return req, plan, text, tok.encode(text, add_special_tokens=False)
+    text, ids = render_planned_chat(tok, plan, req.options.kwargs, "messages", "these messages")
+    return req, plan, text, ids
 
 
 def _prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:

@@ -36,7 +36,7 @@ from .protocol import sampling_params
 from .responses_items import Event, OutputItems
 from .responses_request import ResponsesRequest, chat_names_to_responses, parse_responses
 from .sse import ClientDisconnected, SSEResponse, unless_disconnected
-from .structured_request import ChatPlan, chat_format, plan_chat
+from .structured_request import ChatPlan, chat_format, plan_chat, render_planned_chat
 
 
 class ResponseObject:
@@ -81,15 +81,8 @@ def _prepare(tokenizer: Any, req: ResponsesRequest) -> tuple[ChatPlan, str, list
         plan = plan_chat(req.chat_fields, req.messages, chat_format(tokenizer))
     except APIError as exc:
         raise chat_names_to_responses(exc) from None
-    if plan.spec is not None:
-        req.options.kwargs["structured_output"] = plan.spec
-    req.options.kwargs["preserved_token_ids"] = plan.preserved_token_ids
-    try:
-        text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
-                                             **plan.template_kwargs)
-    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
-        raise APIError(400, f"the chat template rejected this input: {exc}", param="input") from exc
-    return plan, text, tokenizer.encode(text, add_special_tokens=False)
+    text, ids = render_planned_chat(tokenizer, plan, req.options.kwargs, "input", "this input")
+    return plan, text, ids
 
 
 def _input_size(req: ResponsesRequest) -> int:

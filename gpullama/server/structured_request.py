@@ -184,3 +184,19 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> Ch
     except StructuredOutputError as e:
         raise _bad(e) from None
     return plan
+
+
+def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any], param: str,
+                what: str) -> tuple[str, list[int]]:
+    """Give the request's sampling options the plan's grammar and kept marker tokens, render the chat template on
+    the plan's messages and tools, and tokenize; a template that rejects the input is a 400 naming `param`
+    (`what`: how the message calls it)."""
+    if plan.spec is not None:
+        sampling_kwargs["structured_output"] = plan.spec
+    sampling_kwargs["preserved_token_ids"] = plan.preserved_token_ids
+    try:
+        text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
+                                             **plan.template_kwargs)
+    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
+        raise APIError(400, f"the chat template rejected {what}: {exc}", param=param) from exc
+    return text, tokenizer.encode(text, add_special_tokens=False)
