@@ -7,6 +7,7 @@ what the parity tests against transformers use. The CPU fast path (quantized wei
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ class TorchOps:
         # dtype of the matmul weights and inputs; norms, attention and the residual stream stay float32
         self.dtype = dtype
         # On the CPU, oneDNN's prepacked linear: about 2-4x MKL's sgemm here.
-        self.packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _has_packed_linear()
+        self.packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _has_packed_linear(dtype)
 
     @property
     def mode(self) -> str:
@@ -299,12 +300,19 @@ def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     return e >= torch.maximum(floor, t_p)[:, None]
 
 
-def _has_packed_linear() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear ops."""
+@functools.cache
+def _has_packed_linear(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run oneDNN's prepacked linear in `dtype`: its bfloat16 path needs
+    AVX512-BF16 or AVX-NE-CONVERT (an AVX2-only CPU refuses to pack, and then gets the plain matmul)."""
     mkldnn = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(
-        mkldnn, "_linear_pointwise"
-    )
+    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
