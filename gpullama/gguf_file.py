@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -160,6 +161,25 @@ def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -
     config.tied_embeddings = "output.weight" not in shapes
     if "token_embd.weight" in shapes:
         config.vocab_size = shapes["token_embd.weight"][0]
+
+
+def check_model_file(path: str) -> GGUFHeader:
+    """Read the header of `path` and check that the file holds every tensor it lists, without touching the tensor
+    data (milliseconds): `ModelFileError` for a missing, non-GGUF, corrupt or truncated file or an unsupported
+    architecture; returns the header."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    header = read_header(path)
+    size = os.path.getsize(header.path)
+    for t in header.tensors:
+        block, type_size = GGML_QUANT_SIZES.get(t.qtype, (0, 0))
+        if not block:
+            continue  # an unknown type: the load names it
+        end = header.data_start + t.offset + math.prod(t.shape) // block * type_size
+        if end > size:
+            raise ModelFileError(f"{header.path}: truncated GGUF file: tensor {t.name!r} ends at byte {end} but the "
+                                 f"file has {size} bytes")
+    return header
 
 
 def read_gguf(path: str) -> GGUFModel:

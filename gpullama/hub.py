@@ -264,6 +264,21 @@ def resolve_model(model: str, download: bool = True) -> str:
     return os.fspath(model)
 
 
+def check_model(model: str) -> None:
+    """Check a model reference without loading or downloading anything (what a server checks before it binds its
+    port): a known alias (its cached file, if there is one, as below), a Hugging Face reference of the right shape,
+    or a GGUF file that exists, parses and holds every tensor its header lists. ValueError (a `ModelFileError` for a
+    bad file) naming what is wrong."""
+    from gpullama.gguf_file import check_model_file
+
+    path = resolve_model(model, download=False)
+    if model in ALIASES and not os.path.exists(path):
+        return  # pulled when the model loads
+    if model not in ALIASES and not os.path.exists(model) and parse_hf_reference(model) is not None:
+        return  # resolved (and downloaded) through the hub's cache when the model loads
+    check_model_file(path)
+
+
 def cached_models() -> list[tuple[str, Path]]:
     """(name, path) of every GGUF in gpullama's cache (aliases by their name) and in the Hugging Face hub cache
     (as ``hf://OWNER/REPO/FILE``)."""

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from gpullama.engine.args import EngineArgs, positive_int
+from gpullama.hub import check_model
 
 from .app import create_app
 from .connection import head_timeout_protocol
@@ -120,16 +121,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+EXIT_STOPPED = 0  # stopped by SIGINT/SIGTERM once the open streams ended and the engine stopped
+EXIT_BAD_INPUT = 2  # bad arguments, or a model that cannot be used (checked before binding) or loaded
+EXIT_CANNOT_BIND = 3  # the address could not be bound (port in use, no permission): uvicorn's startup failure
+
+
+def fail(message: str, status: int = EXIT_BAD_INPUT) -> int:
+    """Print one error line to stderr (the last line printed) and return the exit status."""
+    print(f"gpullama-serve: error: {message}", file=sys.stderr, flush=True)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the server until SIGINT/SIGTERM (exit status 0 once the open streams are ended and the engine stopped);
-    1 when the model cannot be loaded, 2 for bad arguments."""
+    """Run the server until SIGINT/SIGTERM; the exit statuses are the ``EXIT_*`` constants above (argparse's own
+    usage errors also exit 2). The model reference is checked before the port is bound."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_args = EngineArgs.from_cli_args(args)
+        check_model(engine_args.model)
     except ValueError as exc:
-        print(f"gpullama-serve: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     config = ServerConfig(engine=engine_args, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, api_key=args.api_key,
                           max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
@@ -157,12 +169,33 @@ def main(argv: list[str] | None = None) -> int:
                                               " (API key required)" if args.api_key else "")
     if config.host_patterns() == ["*"]:
         log.info("accepting any Host header (bound to %s): pass --allowed-hosts to restrict it", args.host)
-    server.run()
+    startup_error = _LastError()
+    logging.getLogger("uvicorn.error").addHandler(startup_error)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 3 when it cannot bind, after logging why
+        if exc.code != EXIT_CANNOT_BIND:
+            raise
+        return fail(f"cannot listen on {args.host}:{args.port}: {startup_error.message or 'see the log above'}",
+                    EXIT_CANNOT_BIND)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(startup_error)
     if failed:
-        return 1
+        return fail(f"cannot load model {args.model}: {state.error}")
     if server.signalled:
         log.info("gpullama-serve stopped (%s)", signal.Signals(server.signalled[0]).name)
-    return 0
+    return EXIT_STOPPED
+
+
+class _LastError(logging.Handler):
+    """Keeps the last error uvicorn logs (why it could not bind), to repeat it as the last line printed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.message: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.message = record.getMessage()
 
 
 class _Server(uvicorn.Server):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import free_port, serve_command
+from tests.server.conftest import serve_command
 from tests.server.helpers import API_KEY
 
 PROMPTS = ["The capital of France is", "My favourite colour is", "Water boils at", "The best way to learn is",
@@ -101,13 +101,9 @@ def test_startup_and_access_logs(server) -> None:
     assert '"GET /health' not in log  # the fixture's polls, 503s while loading too: debug level (test_logs.py)
 
 
-def test_console_script_fails_cleanly_on_a_missing_model() -> None:
+def test_console_script_help() -> None:
     help_text = subprocess.run([*serve_command(), "--help"], capture_output=True, text=True, timeout=60)
     assert help_text.returncode == 0 and "--max-model-len" in help_text.stdout
-    run = subprocess.run([*serve_command(), "--model", "/nonexistent/model.gguf", "--port", str(free_port())],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1
-    assert "loading model /nonexistent/model.gguf failed" in run.stderr
 
 
 def test_smoke_script_passes_against_the_server(server) -> None:
