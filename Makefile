@@ -1,22 +1,30 @@
 # The README's two commands: `make serve` (main job) and `make test` (whole suite).
+# Both build .venv with scripts/setup-venv: torch first (TORCH=cpu by default: the CPU build from PyTorch's wheel
+# index; TORCH=cu130 etc. for a CUDA build), then the package with every version pinned by constraints.txt.
 PYTHON ?= python3
 VENV ?= .venv
+TORCH ?= cpu
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
 MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8080
+export PYTHON TORCH
 
-.PHONY: install serve generate test lint bench clean
+.PHONY: install install-test serve generate test lint bench lock clean
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	# The CPU wheel of torch first: an open range would pull a multi-GB CUDA build.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+# The runtime environment (what `make serve` needs: no test tools, no Triton on a CPU build of torch).
+$(VENV)/.installed-$(TORCH): pyproject.toml constraints.txt scripts/setup-venv
+	scripts/setup-venv $(VENV)
 	touch $@
 
-install: $(VENV)/.installed
+# The test environment: the runtime one plus the test extra (transformers, triton for the interpreter, ...).
+$(VENV)/.installed-$(TORCH)-test: pyproject.toml constraints.txt scripts/setup-venv
+	scripts/setup-venv $(VENV) test
+	touch $@ $(VENV)/.installed-$(TORCH)
+
+install: $(VENV)/.installed-$(TORCH)
+
+install-test: $(VENV)/.installed-$(TORCH)-test
 
 serve: install
 	$(VENV)/bin/gpullama-serve --model $(MODEL) --host $(HOST) --port $(PORT)
@@ -24,16 +32,21 @@ serve: install
 generate: install
 	$(VENV)/bin/gpullama generate --model $(MODEL) --prompt "The capital of France is" --max-tokens 32
 
-test: install
+test: install-test
+	$(PY) -m pip check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/gpullama pull $(MODEL)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-lint: install
+lint: install-test
 	$(VENV)/bin/ruff check .
 
 bench: install
 	$(PY) benchmarks/bench_decode.py --model $(MODEL)
+
+# Refresh constraints.txt from the newest releases pyproject.toml allows; then `make clean test` before committing.
+lock:
+	scripts/lock-deps
 
 clean:
 	rm -rf $(VENV) build *.egg-info
