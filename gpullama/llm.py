@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from gpullama.engine.admission import check_messages
+from gpullama.chat.messages import check_messages
 from gpullama.engine.args import EngineArgs, EngineConfig
 from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine

@@ -1,5 +1,6 @@
 """Admission: the one check a request passes before it may join the batch (the library and the server both use it).
 
+The engine sees token ids and sampling parameters only (chat messages are checked above it, in `gpullama.chat`).
 Everything a request carries is checked here, once, against fixed limits: the type and range of every sampling
 field, the caps on list sizes (the OpenAI API's where it has one), token ids against the vocabulary, and the
 prompt plus completion against the context and the KV pool. A refusal is a `RequestError` naming the field, so
@@ -13,12 +14,9 @@ from typing import Any
 
 from gpullama.sampling_params import SamplingParams
 
-MAX_N = 16  # choices per request (n, or n times the number of prompts)
 MAX_STOP = 4  # stop strings, as the OpenAI API allows
 MAX_STOP_TOKEN_IDS = 1024  # extra stop token ids (vLLM's field; no OpenAI cap exists)
 MAX_LOGIT_BIAS = 300  # logit_bias entries, as the OpenAI API allows
-MAX_MESSAGES = 2048  # chat messages, as the OpenAI API allows
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles chat templates know
 
 
 class RequestError(ValueError):
@@ -46,39 +44,6 @@ def check_count(name: str, count: int, limit: int) -> None:
     """Refuse a list field holding more than `limit` items (checked before its items are looked at)."""
     if count > limit:
         raise RequestError(f"'{name}' holds {count} items; at most {limit} are allowed", name)
-
-
-def check_choices(num_prompts: int, n: int) -> None:
-    """`n` choices for each of `num_prompts` prompts: n >= 1 and n times the prompts at most `MAX_N`."""
-    if not 1 <= n <= MAX_N:
-        raise RequestError(f"'n' must be in [1, {MAX_N}], got {n}", "n")
-    if num_prompts > MAX_N:
-        raise RequestError(f"'prompt' takes at most {MAX_N} prompts, got {num_prompts}", "prompt")
-    if num_prompts * n > MAX_N:
-        raise RequestError(f"'n' times the number of prompts must be at most {MAX_N}, got {num_prompts * n}", "n")
-
-
-def check_messages(messages: Any) -> None:
-    """A chat: a non-empty list of at most `MAX_MESSAGES` objects, each with a `role` string from
-    `MESSAGE_ROLES`; `content` is a string, a list of parts, or absent. Raises RequestError naming the field
-    (``messages[3].role``)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(f"'messages' must be a non-empty list of message objects, got {_kind(messages)}",
-                           "messages")
-    check_count("messages", len(messages), MAX_MESSAGES)
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"'{where}' must be an object, got {_kind(message)}", where)
-        role = message.get("role")
-        if not isinstance(role, str) or role not in MESSAGE_ROLES:
-            shown = repr(role) if isinstance(role, str) else _kind(role)
-            raise RequestError(f"'{where}.role' must be one of {list(MESSAGE_ROLES)}, got {shown[:40]}",
-                               f"{where}.role")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RequestError(f"'{where}.content' must be a string or a list of parts, got {_kind(content)}",
-                               f"{where}.content")
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:

@@ -9,9 +9,10 @@ from starlette.responses import Response
 
 from gpullama import __version__
 
-from .common import JSONResponse, check_model, off_loop_if_long, read_json, require_ready, server_state
+from .body import JSONResponse, off_loop_if_long, read_json
 from .errors import APIError
-from .protocol import _messages
+from .openai.chat import parse_messages
+from .state import check_model, require_ready, server_state
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -65,7 +66,7 @@ async def tokenize(request: Request) -> Response:
         add_special = _flag(body, "add_special_tokens", True)
         ids = await off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=add_special)
     else:
-        messages = _messages(body)
+        messages = parse_messages(body)
         add_generation = _flag(body, "add_generation_prompt", True)
         cont = _flag(body, "continue_final_message", False)
         if add_generation and cont:

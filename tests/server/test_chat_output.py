@@ -10,15 +10,16 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from gpullama.chat.model_format import ChatFormat, chat_format
 from gpullama.chat_template import ChatTemplate
 from gpullama.server.chat_output import ChatOutputShaper
+from gpullama.server.chat_plan import plan_chat
 from gpullama.server.errors import APIError
-from gpullama.server.responses import ChunkBuilder, chat_completion
-from gpullama.server.structured_request import ChatFormat, chat_format, plan_chat
+from gpullama.server.openai.choices import ChunkBuilder, chat_completion
 from gpullama.structured import StructuredOutput
 from gpullama.tokenizer import Tokenizer
+from tests.chat.test_tool_parsers import CONVERSATION, QWEN25_TOOLS_TEMPLATE, TOOLS
 from tests.fixtures.vocabs import vocab_metadata
-from tests.server.test_tool_parsers import CONVERSATION, QWEN25_TOOLS_TEMPLATE, TOOLS
 
 HERMES_REASONING = ChatFormat("hermes", template_tools=True, reasoning=True)
 GENERIC = ChatFormat("generic", template_tools=False, reasoning=False)

@@ -11,24 +11,22 @@ import random
 import jsonschema
 import pytest
 
-from gpullama.chat_template import ChatTemplate
-from gpullama.server.reasoning import ReasoningParser
-from gpullama.server.tool_parsers import (
+from gpullama.chat.formats import (
     PARSERS,
-    ChatOutputParser,
     GenericToolParser,
     HermesToolParser,
     Llama3ToolParser,
     MistralToolParser,
-    ParsedOutput,
-    ToolCall,
-    accumulate,
-    accumulate_chat,
-    new_call_id,
+    generic_messages,
+    generic_tool_prompt,
     parser_for_template,
     parser_name_for_template,
+    template_messages,
 )
-from gpullama.server.tool_prompt import generic_messages, generic_tool_prompt, template_messages
+from gpullama.chat.output import ChatOutputParser, accumulate_chat
+from gpullama.chat.reasoning import ReasoningParser
+from gpullama.chat.tool_calls import ParsedOutput, ToolCall, accumulate, new_call_id
+from gpullama.chat_template import ChatTemplate
 from gpullama.structured import StructuredOutputError
 
 NAMES = ["get_weather", "add", "now", "search"]
