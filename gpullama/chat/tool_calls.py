@@ -163,6 +163,7 @@ class ToolParser:
     markers: tuple[str, ...] = ()  # open a call region anywhere in the content
     start_markers: tuple[str, ...] = ()  # open one only at the start of the text (after whitespace)
     start_chars: str = ""  # characters that open a region at the start of the text and belong to it
+    open_chars: str = ""  # characters that open a region anywhere in the content and belong to it
     # the format's words that a vocabulary may hold as special tokens, which must then stay in the text it reads
     token_markers: tuple[str, ...] = ()
     args_keys: tuple[str, ...] = ("arguments", "parameters")
@@ -358,6 +359,60 @@ class ToolParser:
             self._end()  # a committed call ends here; what follows is the region's business
             return None if isinstance(e, EndOfText) else c
 
+    def _whole_call(self, c: Char) -> Scan:
+        """A call object starting at `c` == '{' that counts only once it is complete: its keys are the name and
+        the arguments (any other fails at once), the name is an offered tool's and the arguments parse as a JSON
+        object. Commits the whole call then; anything else raises NotACall (the text stays content). Return the
+        character after the object."""
+        name: str | None = None
+        parts: list[str] | None = None
+        try:
+            c = yield from self._skip_ws((yield))
+            while True:
+                if c != '"':
+                    raise _Bad
+                key = yield from self._string()
+                if key != "name" and key not in self.args_keys:
+                    raise NotACall
+                c = yield from self._skip_ws((yield))
+                if c != ":":
+                    raise _Bad
+                c = yield from self._skip_ws((yield))
+                if c is None:
+                    raise EndOfText
+                if key == "name" and name is None:
+                    if c != '"':
+                        raise _Bad
+                    name = yield from self._string()
+                    if not self._valid_name(name):
+                        raise NotACall
+                    c = yield
+                elif key != "name" and parts is None:
+                    parts = []
+                    c = yield from self._arguments(c, parts.append)
+                else:
+                    raise _Bad
+                c = yield from self._skip_ws(c)
+                if c == ",":
+                    c = yield from self._skip_ws((yield))
+                elif c == "}":
+                    break
+                else:
+                    raise _Bad
+        except (_Bad, EndOfText):
+            raise NotACall from None
+        arguments = "".join(parts) if parts is not None else "{}"
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if name is None or parts is None or not isinstance(parsed, dict):
+            raise NotACall
+        self._begin(name)
+        self._args(arguments)
+        self._end()
+        return (yield)
+
     def _arguments(self, c: str, out: Callable[[str], None]) -> Scan:
         """The arguments value: an object as written, a JSON string holding JSON text decoded, null as {}."""
         if c == '"':
@@ -422,7 +477,7 @@ class ToolParser:
             queue.extendleft(reversed(rest))
         elif c in WHITESPACE:
             self._ws += c
-        elif self._at_start and c in self.start_chars:
+        elif (self._at_start and c in self.start_chars) or c in self.open_chars:
             self._open_region("", c, queue)
         elif any(m.startswith(c) for m in markers):
             self._marker = c
@@ -473,9 +528,10 @@ class ToolParser:
         if self._committed:
             rest = self._buf[self._mark:]
             self._after_call = True
-        else:
-            self._emit(self._region_ws + self._trigger)
-            rest = self._buf
+        else:  # a region opened by its first character gives that character back as text, or it would reopen
+            first = "" if self._trigger or not self._buf else self._buf[0]
+            self._emit(self._region_ws + self._trigger + first)
+            rest = self._buf[len(first):]
             self._after_call = False
         self._buf = []
         queue.extendleft(reversed(rest))
