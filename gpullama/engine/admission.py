@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 MAX_STOP = 4  # stop strings, as the OpenAI API allows
@@ -34,6 +35,8 @@ class AdmissionLimits:
     vocab_size: int
     max_model_len: int
     kv_capacity_tokens: int
+    hidden_size: int = 0  # the embedding size (0: unknown)
+    pooling_type: str = "last"  # the model's pooling (ModelConfig.pooling_type)
 
 
 def _kind(value: Any) -> str:
@@ -99,3 +102,31 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
             f"the request needs up to {n + max_tokens} tokens of KV cache but the pool holds "
             f"{limits.kv_capacity_tokens}", "max_tokens")
     return max_tokens
+
+
+def check_embedding_request(prompt_token_ids: list[int], pooling: PoolingParams, limits: AdmissionLimits) -> None:
+    """Validate an embedding request: a prompt of 1 to `max_model_len` token ids inside the vocabulary and the KV
+    pool (nothing is generated, so the whole context is the prompt's), pooling options within the model's size, and
+    a model that pools (not a reranker). Raises RequestError naming the field."""
+    if not isinstance(prompt_token_ids, list):
+        raise RequestError(f"the input must be a list of token ids, got {_kind(prompt_token_ids)}", "prompt")
+    n, limit, vocab = len(prompt_token_ids), limits.max_model_len, limits.vocab_size
+    if n == 0:
+        raise RequestError("the input is empty: it needs at least one token", "prompt")
+    if n > limit:
+        raise RequestError(f"This model's maximum context length is {limit} tokens, but the input has {n} tokens. "
+                           "Please shorten the input.", "prompt")
+    if n > limits.kv_capacity_tokens:
+        raise RequestError(f"the input needs {n} tokens of KV cache but the pool holds {limits.kv_capacity_tokens}",
+                           "prompt")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+    if bad:
+        raise RequestError(f"input token id {str(bad[0])[:30]} is out of range: the vocabulary has {vocab} tokens",
+                           "prompt")
+    if limits.pooling_type == "rank":
+        raise RequestError("this model is a reranker (pooling_type rank): it has no embeddings", "model")
+    try:
+        pooling.validate(limits.hidden_size or None)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0].removeprefix("PoolingParams.")
+        raise RequestError(str(exc).replace("PoolingParams.", "", 1), name) from None

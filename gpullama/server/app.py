@@ -23,6 +23,7 @@ from .health import health, metrics
 from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .openai.chat import chat_completions
 from .openai.completions import completions
+from .openai.embeddings import create_embeddings
 from .openai.models import get_model, list_models
 from .openai.responses.serving import create_response
 from .state import ServerConfig, ServerState
@@ -38,6 +39,7 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         # vLLM's tokenizer endpoints

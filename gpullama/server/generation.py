@@ -15,6 +15,7 @@ from starlette.requests import Request
 from gpullama.engine.admission import RequestError
 from gpullama.engine.errors import EngineError, EngineStopped
 from gpullama.outputs import StreamDelta
+from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 from .errors import APIError, internal_error
@@ -29,13 +30,15 @@ log = logging.getLogger("gpullama.server")
 
 @dataclass
 class Job:
-    """One choice: its prompt ids, sampling params and which prompt it belongs to."""
+    """One choice: its prompt ids, sampling params and which prompt it belongs to; or one input of an embedding
+    request (`pooling` set: its one delta carries the embedding)."""
 
     index: int
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None
     prompt_index: int = 0
     request_id: str = ""  # the engine's id, set when the answer gets its id
+    pooling: PoolingParams | None = None
 
 
 def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError:
@@ -104,7 +107,10 @@ class Generation:
 
     def _submit(self, job: Job) -> None:
         try:
-            self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params)
+            if job.pooling is not None:
+                self._streams[job.index] = self.engine.embed(job.request_id, job.prompt_ids, job.pooling)
+            else:
+                self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params)
         except Exception as exc:
             raise _api_error(exc, job, self.http_request_id) from exc
 
