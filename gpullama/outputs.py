@@ -72,3 +72,4 @@ class StreamDelta:
     num_cached_tokens: int = 0
     error: BaseException | None = None  # with finish_reason "error": why this request alone failed
     embedding: list[float] | None = None  # an embedding request's vector (its only delta, finish_reason "stop")
+    stop_reason: str | int | None = None  # with finish_reason "stop": the stop string or stop token id, if one

@@ -232,6 +232,8 @@ class LLMEngine:
         p = seq.params
         reason = None
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
         if seq.grammar is not None:
             terminated = self.structured_output.accept(seq, token)
             if terminated is None:
@@ -267,6 +269,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_generated_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            stop_reason=seq.stop_reason if reason == "stop" else None,
         )
 
     # -- scoring -------------------------------------------------------------------------------------

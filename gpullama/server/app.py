@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .anthropic.messages import count_tokens, create_message
 from .body import JSONResponse
 from .errors import CHAT_NAMES, APIError, style_for_path
 from .health import health, metrics
@@ -42,6 +43,9 @@ def routes() -> list[Route]:
         Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        # Anthropic
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         # vLLM's tokenizer endpoints
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
