@@ -22,6 +22,9 @@ from .body import JSONResponse
 from .errors import CHAT_NAMES, APIError, style_for_path
 from .health import health, metrics
 from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
+from .ollama import chat as ollama_chat
+from .ollama import embed as ollama_embed
+from .ollama import models as ollama_models
 from .openai.chat import chat_completions
 from .openai.completions import completions
 from .openai.embeddings import create_embeddings
@@ -46,6 +49,16 @@ def routes() -> list[Route]:
         # Anthropic
         Route("/v1/messages", create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        # Ollama
+        Route("/api/chat", ollama_chat.chat, methods=["POST"]),
+        Route("/api/generate", ollama_chat.generate, methods=["POST"]),
+        Route("/api/embed", ollama_embed.embed, methods=["POST"]),
+        Route("/api/embeddings", ollama_embed.embeddings, methods=["POST"]),
+        Route("/api/tags", ollama_models.tags, methods=["GET"]),
+        Route("/api/show", ollama_models.show, methods=["POST"]),
+        Route("/api/ps", ollama_models.ps, methods=["GET"]),
+        Route("/api/version", ollama_models.version, methods=["GET"]),
+        Route("/", ollama_models.root, methods=["GET", "HEAD"]),
         # vLLM's tokenizer endpoints
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

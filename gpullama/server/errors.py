@@ -85,6 +85,8 @@ class FieldNames:
     _compiled: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        first = dict(reversed(self.fields))  # a field renamed twice: the first rename (`but`'s) wins
+        object.__setattr__(self, "fields", tuple((old, first[old]) for old in dict.fromkeys(o for o, _ in self.fields)))
         compiled = [(re.compile(rf"(?<![\w.\]])'{re.escape(old)}(?=['.\[])"), f"'{new}") for old, new in self.fields]
         compiled += [(re.compile(pattern), new) for pattern, new in self.paths]
         object.__setattr__(self, "_compiled", tuple(compiled))
@@ -138,23 +140,30 @@ class ErrorStyle:
         return orjson.dumps(self.body(error))
 
 
+def _named(error: APIError) -> str:
+    """The message, naming the field when it does not already (for shapes without a ``param``)."""
+    if error.param and error.param not in error.message:
+        return f"{error.message} (field '{error.param}')"
+    return error.message
+
+
 class AnthropicErrorStyle(ErrorStyle):
-    """Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
+    """Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (the field at fault named in the message)."""
 
     name = "anthropic"
 
     def body(self, error: APIError) -> dict:
         kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": error.message}}
+        return {"type": "error", "error": {"type": kind, "message": _named(error)}}
 
 
 class OllamaErrorStyle(ErrorStyle):
-    """Ollama's ``{"error": "message"}``."""
+    """Ollama's ``{"error": "message"}`` (the field at fault named in the message)."""
 
     name = "ollama"
 
     def body(self, error: APIError) -> dict:
-        return {"error": error.message}
+        return {"error": _named(error)}
 
 
 OPENAI, ANTHROPIC, OLLAMA = ErrorStyle(), AnthropicErrorStyle(), OllamaErrorStyle()
