@@ -108,6 +108,28 @@ def test_tools_and_tool_results_reach_the_prompt(olla: ollama.Client, http: http
     assert out.prompt_eval_count == count
 
 
+CALL_SCHEMA = {"type": "object", "properties": {
+    "name": {"const": "get_weather"},
+    "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+                  "additionalProperties": False}}, "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def test_a_tool_call_whole_and_streamed(olla: ollama.Client, model_name: str) -> None:
+    """With tools offered, a call the model writes (here held to the call's JSON by `format`, as Ollama has no
+    tool_choice) comes back as message.tool_calls with object arguments, whole and streamed (the call once, whole)."""
+    kwargs = dict(model=model_name, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                  tools=[WEATHER_TOOL], format=CALL_SCHEMA, options={"temperature": 0, "num_predict": 48})
+    whole = olla.chat(**kwargs)
+    assert whole.done_reason == "stop" and whole.message.content == "", whole
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
+    parts = list(olla.chat(**kwargs, stream=True))
+    streamed = [c for p in parts for c in p.message.tool_calls or ()]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [
+        (call.function.name, dict(call.function.arguments))]
+    assert "".join(p.message.content for p in parts) == "" and parts[-1].done
+
+
 def test_embed_equals_the_openai_endpoint(olla: ollama.Client, http: httpx.Client, model_name: str) -> None:
     texts = ["The capital of France is Paris.", "Vectors."]
     got = olla.embed(model=model_name, input=texts)
