@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpullama.engine.args import EngineArgs
     from gpullama.llm import LLM
-    from gpullama.outputs import Completion, CompletionOutput, StreamDelta, TokenLogprob, TopLogprob
+    from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput, StreamDelta, TokenLogprob, TopLogprob
+    from gpullama.pooling_params import PoolingParams
     from gpullama.sampling_params import SamplingParams
     from gpullama.structured.spec import StructuredOutput
 
@@ -25,14 +26,18 @@ _EXPORTS = {
     "Completion": "gpullama.outputs",
     "CompletionOutput": "gpullama.outputs",
     "StreamDelta": "gpullama.outputs",
+    "EmbeddingOutput": "gpullama.outputs",
+    "PoolingParams": "gpullama.pooling_params",
     "TokenLogprob": "gpullama.outputs",
     "TopLogprob": "gpullama.outputs",
 }
 __all__ = [
     "Completion",
     "CompletionOutput",
+    "EmbeddingOutput",
     "EngineArgs",
     "LLM",
+    "PoolingParams",
     "SamplingParams",
     "StreamDelta",
     "StructuredOutput",

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from gpullama.pooling_params import POOLING_TYPES
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3")
 
 # Families llama.cpp knows that are not implemented here, with why (named in the refusal).
@@ -60,6 +62,7 @@ class ModelConfig:
     final_softcap: float = 0.0  # gemma2: logits become cap * tanh(logits / cap); 0: off
     post_norms: bool = False  # gemma2/3: RMSNorm on the attention and MLP outputs before the residual add
     activation: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
+    pooling_type: str = "last"  # how an embedding pools the hidden states: `{arch}.pooling_type`, else last token
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -119,6 +122,10 @@ class ModelConfig:
             permuted_qk=arch in ("llama", "granite"),
             rotary_dim=int(opt("rope.dimension_count") or head_dim),
         )
+        pooling = opt("pooling_type")
+        if pooling is not None:  # llama.cpp's values; "none" (per-token vectors) pools by the last token here
+            kind = POOLING_TYPES.get(int(pooling), "last")
+            config.pooling_type = "last" if kind == "none" else kind
         if config.rotary_dim > head_dim or config.rotary_dim % 2:
             raise ValueError(
                 f"{path}: '{arch}.rope.dimension_count' = {config.rotary_dim} must be even and at most the head "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from gpullama.engine.admission import check_messages
+from gpullama.chat.messages import check_messages
 from gpullama.engine.args import EngineArgs, EngineConfig
 from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
@@ -24,7 +24,8 @@ from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
-from gpullama.outputs import Completion, CompletionOutput
+from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput
+from gpullama.pooling_params import PoolingParams
 from gpullama.quants import FLOAT_TYPES, QTensor
 from gpullama.sampling_params import SamplingParams
 from gpullama.sharding import ShardPlan
@@ -290,6 +291,33 @@ class LLM:
             finally:  # the caller stopped iterating early, or the step failed
                 engine.abort(seq.request_id, notify=False)
         return seq.finish_reason
+
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]],
+              pooling: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """The embedding of each input (a text, or token ids; one or a list), run as one continuous batch: the final
+        hidden states pooled as the model says (its GGUF's pooling_type: mean, cls or last; else the last token),
+        L2-normalised unless `pooling` says otherwise (`PoolingParams(normalize=False, dimensions=N)`). A text is
+        tokenized as a completion prompt is (the model's BOS/EOS rules)."""
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs:
+            raise ValueError("embed() needs a text, a list of token ids, or a non-empty list of them")
+        prompts = [self._encode_prompt(p) for p in inputs]
+        with self._lock:
+            engine = self.engine
+            seqs = [engine.admit_embedding(f"llm-{next(self._ids)}", ids, pooling) for ids in prompts]
+            try:
+                for seq in seqs:
+                    engine.add(seq)
+                while engine.has_work():
+                    engine.step()
+            finally:  # interrupted: leave nothing running
+                for seq in seqs:
+                    engine.abort(seq.request_id, notify=False)
+        failed = next((seq for seq in seqs if seq.embedding is None), None)
+        if failed is not None:
+            raise EngineError(f"embedding failed: {_error_text(failed.error)}")
+        return [EmbeddingOutput(seq.embedding, seq.prompt_token_ids) for seq in seqs]
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass."""

@@ -201,6 +201,14 @@ class Decoder:
         self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
         """Run the batch's tokens through the decoder, writing their k/v into the pool; logits of `meta.logits_indices`."""
+        return self.forward_pooled(token_ids, meta, k_caches, v_caches)[0]
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the final hidden states (after the output norm) of `meta.pool_indices`, summed into
+        `meta.num_pools` rows by `meta.pool_segments` (float32 ``[num_pools, H]``; None without such rows)."""
         c, ops, tp = self.config, self.ops, self.tp
         t = token_ids.shape[0]
         q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
@@ -230,12 +238,21 @@ class Decoder:
             if layer.post_ffn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
         rows = meta.logits_indices
-        x, _ = ops.rms_norm(hidden[rows], self.output_norm, c.rms_eps, residual[rows], rs)
+        pooled = None
+        if meta.pool_indices is not None:  # the embedding rows share the output norm with the sampling rows
+            both = torch.cat([rows, meta.pool_indices])
+            x, _ = ops.rms_norm(hidden[both], self.output_norm, c.rms_eps, residual[both], rs)
+            states = x[rows.shape[0]:].float()
+            pooled = torch.zeros(meta.num_pools, states.shape[1], dtype=torch.float32, device=states.device)
+            pooled.index_add_(0, meta.pool_segments, states)
+            x = x[: rows.shape[0]]
+        else:
+            x, _ = ops.rms_norm(hidden[rows], self.output_norm, c.rms_eps, residual[rows], rs)
         logits = ops.linear(x, self.output)
         if c.logit_scale != 1.0 or c.final_softcap:  # elementwise: the same on each rank's slice as on the whole
             logits = ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
         # rank 0 gets every rank's vocabulary slice, less the padding of the last one (one rank: `logits` itself)
-        return tp.gather_last_dim(logits.float())[:, : self.vocab_size]
+        return tp.gather_last_dim(logits.float())[:, : self.vocab_size], pooled
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, H]`` float32; under tensor parallelism each rank looks up the ids of its vocabulary

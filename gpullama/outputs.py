@@ -51,6 +51,14 @@ class Completion:
 
 
 @dataclass
+class EmbeddingOutput:
+    """The embedding of one input: its vector and the token ids it was computed from."""
+
+    embedding: list[float]
+    prompt_token_ids: list[int]
+
+
+@dataclass
 class StreamDelta:
     """What one engine step added to one request: new text, new token ids and, at the end, why it finished."""
 
@@ -63,3 +71,5 @@ class StreamDelta:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     error: BaseException | None = None  # with finish_reason "error": why this request alone failed
+    embedding: list[float] | None = None  # an embedding request's vector (its only delta, finish_reason "stop")
+    stop_reason: str | int | None = None  # with finish_reason "stop": the stop string or stop token id, if one

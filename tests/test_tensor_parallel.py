@@ -58,9 +58,9 @@ def record_logits(llm: LLM) -> list[torch.Tensor]:
     execute = runner.execute
 
     def spy(batch):
-        logits = execute(batch)
-        steps.append(logits.detach().clone())
-        return logits
+        out = execute(batch)
+        steps.append(out.logits.detach().clone())
+        return out
 
     runner.execute = spy
     return steps
@@ -84,7 +84,7 @@ CASES = [
 def test_two_ranks_match_one(tiny_model, arch: str, weight_type: str, static_decode: bool, monkeypatch) -> None:
     """Prefill logits of every position and the logits of every step of a batched greedy generation (prefill,
     then decode of three sequences at once) with 2 ranks equal those of 1 within float32 rounding, and so do the
-    generated tokens; the worker is gone after shutdown."""
+    generated tokens and the embeddings; the worker is gone after shutdown."""
     if static_decode:  # decode steps on the padded static buffers, on both ranks (the worker gets this config)
         from_args = EngineConfig.from_args
         monkeypatch.setattr(EngineConfig, "from_args", classmethod(
@@ -103,7 +103,10 @@ def test_two_ranks_match_one(tiny_model, arch: str, weight_type: str, static_dec
         torch.testing.assert_close(two.logits(batch[1]), one.logits(batch[1]), rtol=1e-4, atol=1e-5 * scale)
         two_steps = record_logits(two)
         two_out = two.generate(batch, GREEDY)
+        two_embeddings = [torch.tensor(e.embedding) for e in two.embed(batch)]  # pooled on rank 0
     assert [o.token_ids for o in two_out] == [o.token_ids for o in one_out]
+    for got, want in zip(two_embeddings, one.embed(batch)):
+        torch.testing.assert_close(got, torch.tensor(want.embedding), rtol=1e-4, atol=1e-5)
     assert len(two_steps) == len(one_steps) and any(s.shape[0] == len(batch) for s in one_steps[1:])
     for a, b in zip(two_steps, one_steps):
         assert a.shape == b.shape == (a.shape[0], one.model.vocab_size)

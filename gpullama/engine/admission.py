@@ -1,5 +1,6 @@
 """Admission: the one check a request passes before it may join the batch (the library and the server both use it).
 
+The engine sees token ids and sampling parameters only (chat messages are checked above it, in `gpullama.chat`).
 Everything a request carries is checked here, once, against fixed limits: the type and range of every sampling
 field, the caps on list sizes (the OpenAI API's where it has one), token ids against the vocabulary, and the
 prompt plus completion against the context and the KV pool. A refusal is a `RequestError` naming the field, so
@@ -11,14 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
-MAX_N = 16  # choices per request (n, or n times the number of prompts)
 MAX_STOP = 4  # stop strings, as the OpenAI API allows
 MAX_STOP_TOKEN_IDS = 1024  # extra stop token ids (vLLM's field; no OpenAI cap exists)
 MAX_LOGIT_BIAS = 300  # logit_bias entries, as the OpenAI API allows
-MAX_MESSAGES = 2048  # chat messages, as the OpenAI API allows
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles chat templates know
 
 
 class RequestError(ValueError):
@@ -36,6 +35,8 @@ class AdmissionLimits:
     vocab_size: int
     max_model_len: int
     kv_capacity_tokens: int
+    hidden_size: int = 0  # the embedding size (0: unknown)
+    pooling_type: str = "last"  # the model's pooling (ModelConfig.pooling_type)
 
 
 def _kind(value: Any) -> str:
@@ -46,39 +47,6 @@ def check_count(name: str, count: int, limit: int) -> None:
     """Refuse a list field holding more than `limit` items (checked before its items are looked at)."""
     if count > limit:
         raise RequestError(f"'{name}' holds {count} items; at most {limit} are allowed", name)
-
-
-def check_choices(num_prompts: int, n: int) -> None:
-    """`n` choices for each of `num_prompts` prompts: n >= 1 and n times the prompts at most `MAX_N`."""
-    if not 1 <= n <= MAX_N:
-        raise RequestError(f"'n' must be in [1, {MAX_N}], got {n}", "n")
-    if num_prompts > MAX_N:
-        raise RequestError(f"'prompt' takes at most {MAX_N} prompts, got {num_prompts}", "prompt")
-    if num_prompts * n > MAX_N:
-        raise RequestError(f"'n' times the number of prompts must be at most {MAX_N}, got {num_prompts * n}", "n")
-
-
-def check_messages(messages: Any) -> None:
-    """A chat: a non-empty list of at most `MAX_MESSAGES` objects, each with a `role` string from
-    `MESSAGE_ROLES`; `content` is a string, a list of parts, or absent. Raises RequestError naming the field
-    (``messages[3].role``)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(f"'messages' must be a non-empty list of message objects, got {_kind(messages)}",
-                           "messages")
-    check_count("messages", len(messages), MAX_MESSAGES)
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"'{where}' must be an object, got {_kind(message)}", where)
-        role = message.get("role")
-        if not isinstance(role, str) or role not in MESSAGE_ROLES:
-            shown = repr(role) if isinstance(role, str) else _kind(role)
-            raise RequestError(f"'{where}.role' must be one of {list(MESSAGE_ROLES)}, got {shown[:40]}",
-                               f"{where}.role")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RequestError(f"'{where}.content' must be a string or a list of parts, got {_kind(content)}",
-                               f"{where}.content")
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
@@ -134,3 +102,31 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
             f"the request needs up to {n + max_tokens} tokens of KV cache but the pool holds "
             f"{limits.kv_capacity_tokens}", "max_tokens")
     return max_tokens
+
+
+def check_embedding_request(prompt_token_ids: list[int], pooling: PoolingParams, limits: AdmissionLimits) -> None:
+    """Validate an embedding request: a prompt of 1 to `max_model_len` token ids inside the vocabulary and the KV
+    pool (nothing is generated, so the whole context is the prompt's), pooling options within the model's size, and
+    a model that pools (not a reranker). Raises RequestError naming the field."""
+    if not isinstance(prompt_token_ids, list):
+        raise RequestError(f"the input must be a list of token ids, got {_kind(prompt_token_ids)}", "prompt")
+    n, limit, vocab = len(prompt_token_ids), limits.max_model_len, limits.vocab_size
+    if n == 0:
+        raise RequestError("the input is empty: it needs at least one token", "prompt")
+    if n > limit:
+        raise RequestError(f"This model's maximum context length is {limit} tokens, but the input has {n} tokens. "
+                           "Please shorten the input.", "prompt")
+    if n > limits.kv_capacity_tokens:
+        raise RequestError(f"the input needs {n} tokens of KV cache but the pool holds {limits.kv_capacity_tokens}",
+                           "prompt")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+    if bad:
+        raise RequestError(f"input token id {str(bad[0])[:30]} is out of range: the vocabulary has {vocab} tokens",
+                           "prompt")
+    if limits.pooling_type == "rank":
+        raise RequestError("this model is a reranker (pooling_type rank): it has no embeddings", "model")
+    try:
+        pooling.validate(limits.hidden_size or None)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0].removeprefix("PoolingParams.")
+        raise RequestError(str(exc).replace("PoolingParams.", "", 1), name) from None

@@ -13,6 +13,7 @@ from gpullama.engine.errors import EngineError, EngineStopped
 from gpullama.engine.llm_engine import LLMEngine
 from gpullama.engine.sequence import Sequence
 from gpullama.outputs import StreamDelta
+from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 from gpullama.structured.spec import StructuredOutputError
 
@@ -74,7 +75,19 @@ class AsyncEngine:
         Raises RequestError (a ValueError) at once when the request can never run (see `LLMEngine.admit`)."""
         if not self.is_alive:
             raise EngineStopped("the engine is not running")
-        seq = self.engine.admit(request_id, list(prompt_token_ids), params)
+        return self._submit(self.engine.admit(request_id, list(prompt_token_ids), params))
+
+    def embed(self, request_id: str, prompt_token_ids: list[int],
+              pooling: PoolingParams | None = None) -> AsyncIterator[StreamDelta]:
+        """Submit an embedding request (call from the event loop); its stream has one delta, with the `embedding`.
+        Raises RequestError at once when it can never run (see `LLMEngine.admit_embedding`)."""
+        if not self.is_alive:
+            raise EngineStopped("the engine is not running")
+        return self._submit(self.engine.admit_embedding(request_id, list(prompt_token_ids), pooling))
+
+    def _submit(self, seq: Sequence) -> AsyncIterator[StreamDelta]:
+        """Hand an admitted sequence to the engine thread; its stream of deltas."""
+        request_id = seq.request_id
         stream = _Stream(asyncio.get_running_loop())
         self._submitted += 1
         self._commands.put(_Add(seq, stream))

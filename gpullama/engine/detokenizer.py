@@ -43,9 +43,10 @@ class Detokenizer:
         text = seq.held_text + self._new_text(seq, drop_last, finishing)
         stopped = False
         if stops:
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
             if hits:
-                text, stopped = text[: min(hits)], True
+                at, seq.stop_reason = min(hits)
+                text, stopped = text[:at], True
         ready = len(text)
         if not (stopped or finishing):
             ready -= _stop_prefix_len(text, stops)  # a tail that may grow into a stop string waits

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from gpullama.engine.admission import AdmissionLimits, check_request
+from gpullama.engine.admission import AdmissionLimits, check_embedding_request, check_request
 from gpullama.engine.args import EngineConfig
 from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.detokenizer import Detokenizer
@@ -18,6 +19,7 @@ from gpullama.engine.stats import EngineStats
 from gpullama.engine.structured_output import StructuredOutputManager
 from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
+from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 log = logging.getLogger("gpullama")
@@ -35,7 +37,8 @@ class LLMEngine:
         self.detokenizer = Detokenizer(tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.limits = AdmissionLimits(model.config.vocab_size, config.max_model_len, self.kv_capacity_tokens)
+        self.limits = AdmissionLimits(model.config.vocab_size, config.max_model_len, self.kv_capacity_tokens,
+                                      model.config.hidden_size, model.config.pooling_type)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
@@ -56,6 +59,14 @@ class LLMEngine:
         if params.structured_output is not None:  # compiles off this thread while the prompt waits and prefills
             seq.grammar = self.structured_output.submit(params.structured_output)
         return seq
+
+    def admit_embedding(self, request_id: str, prompt_token_ids: list[int],
+                        pooling: PoolingParams | None = None) -> Sequence:
+        """Check an embedding request (`gpullama.engine.admission.check_embedding_request`) and build its sequence:
+        prefill only, pooled by the model's pooling type, its KV blocks not kept; queue it with `add`."""
+        pooling = dataclasses.replace(pooling or PoolingParams(), kind=self.limits.pooling_type)
+        check_embedding_request(prompt_token_ids, pooling, self.limits)
+        return Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 0, pooling=pooling)
 
     def add(self, seq: Sequence) -> None:
         """Queue an admitted sequence; it joins the batch at the next step with room."""
@@ -99,12 +110,20 @@ class LLMEngine:
                 self.structured_output.wait(self.scheduler.running + list(self.scheduler.waiting), GRAMMAR_WAIT_S)
             return deltas
         self.stats.observe(batch)
-        sampled, failed = self._run_isolated(batch)
+        sampled, failed, pooled = self._run_isolated(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq not in failed:
                 old = seq.num_computed_tokens
                 seq.num_computed_tokens += n
-                self.block_manager.commit_full_blocks(seq, old)
+                if seq.pooling is None:  # an embedding's blocks are not kept for the prefix cache
+                    self.block_manager.commit_full_blocks(seq, old)
+        for seq in batch.pooling:
+            if seq in failed:
+                continue
+            if seq in pooled:
+                seq.pooled = pooled[seq] if seq.pooled is None else seq.pooled + pooled[seq]
+            if seq.num_computed_tokens == seq.num_tokens:
+                deltas.append(self._finish_embedding(seq))
         for seq in batch.sampling:
             if seq in failed:
                 continue
@@ -118,23 +137,25 @@ class LLMEngine:
             deltas.append(self._fail(seq, exc))
         return deltas
 
-    def _forward_and_sample(self, batch: ScheduledBatch) -> tuple[dict[Sequence, tuple[int, torch.Tensor | None]],
-                                                                  dict[Sequence, BaseException]]:
+    def _forward_and_sample(self, batch: ScheduledBatch):
         """One forward over `batch`, then the next token (and log-probabilities when asked) of each sampling row,
-        its grammar's mask applied first; changes nothing but the rows' k/v and their generators. Also returns the
-        rows whose grammar failed to compile (not sampled: that request alone fails)."""
-        logits = self.runner.execute(batch)
+        its grammar's mask applied first; changes nothing but the rows' k/v and their generators. Returns (sampled
+        rows, the rows whose grammar failed to compile (not sampled: that request alone fails), the pooled hidden
+        states of the embedding sequences that have rows in this step)."""
+        out = self.runner.execute(batch)
+        pooled = {batch.seqs[i]: out.pooled[k] for k, (i, _) in enumerate(batch.pool_rows)}
         if not batch.sampling:
-            return {}, {}
+            return {}, {}, pooled
+        logits = out.logits
         failed = self.structured_output.mask(logits, batch.sampling)  # constrained rows only, in place
         tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
         sampled = {seq: (token, logprobs[row] if logprobs is not None else None)
                    for row, (seq, token) in enumerate(zip(batch.sampling, tokens)) if row not in failed}
-        return sampled, {batch.sampling[row]: exc for row, exc in failed.items()}
+        return sampled, {batch.sampling[row]: exc for row, exc in failed.items()}, pooled
 
     def _run_isolated(self, batch: ScheduledBatch):
         """`_forward_and_sample` over the batch; when it raises, over halves of it, down to the rows at fault.
-        Returns (sampled rows, {failed sequence: exception})."""
+        Returns (sampled rows, {failed sequence: exception}, pooled rows)."""
         rng = {seq: seq.generator.get_state() for seq in batch.sampling if seq.generator is not None}
         try:
             return self._forward_and_sample(batch)
@@ -142,11 +163,12 @@ class LLMEngine:
             if len(batch) == 1:
                 log.error("step failed for request %s: %s: %s", batch.seqs[0].request_id, type(exc).__name__, exc,
                           exc_info=exc)
-                return {}, {batch.seqs[0]: exc}
+                return {}, {batch.seqs[0]: exc}, {}
             log.warning("a step of %d requests failed (%s: %s); running its rows again to find the request at fault",
                         len(batch), type(exc).__name__, exc)
         sampled: dict[Sequence, tuple[int, torch.Tensor | None]] = {}
         failed: dict[Sequence, Exception] = {}
+        pooled: dict[Sequence, torch.Tensor] = {}
         pending = [list(range(len(batch)))]
         while pending:
             rows = pending.pop()
@@ -157,9 +179,10 @@ class LLMEngine:
                 if seq in rng:
                     seq.generator.set_state(rng[seq])  # the same draws as in the full step
             try:
-                part_sampled, part_failed = self._forward_and_sample(part)
+                part_sampled, part_failed, part_pooled = self._forward_and_sample(part)
                 sampled.update(part_sampled)
                 failed.update(part_failed)
+                pooled.update(part_pooled)
             except Exception as exc:  # noqa: BLE001 - narrowed further, or this row's request fails
                 if len(rows) == 1:
                     log.error("step failed for request %s: %s: %s", part.seqs[0].request_id, type(exc).__name__, exc,
@@ -168,7 +191,7 @@ class LLMEngine:
                 else:
                     half = len(rows) // 2
                     pending += [rows[half:], rows[:half]]
-        return sampled, failed
+        return sampled, failed, pooled
 
     def _fail(self, seq: Sequence, exc: BaseException) -> StreamDelta:
         """End one request whose step failed (or whose grammar did not compile): free its blocks; its last delta
@@ -178,6 +201,25 @@ class LLMEngine:
         seq.error = exc
         delta = self._delta(seq, "", [], "error")
         delta.error = exc
+        return delta
+
+    def _finish_embedding(self, seq: Sequence) -> StreamDelta:
+        """An embedding request whose whole prompt is computed: its pooled vector (mean: the sum over its tokens
+        divided by their count), cut to `dimensions`, L2-normalised when asked; it leaves the engine."""
+        pooling = seq.pooling
+        vector = seq.pooled.float().cpu()
+        if pooling.kind == "mean":
+            vector = vector / seq.num_tokens
+        if pooling.dimensions is not None:
+            vector = vector[: pooling.dimensions]
+        if pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        seq.embedding = vector.tolist()
+        seq.pooled = None
+        self.scheduler.finish(seq, "stop")
+        self.requests.pop(seq.request_id, None)
+        delta = self._delta(seq, "", [], "stop")
+        delta.embedding = seq.embedding
         return delta
 
     def _advance(self, seq: Sequence, token: int, logprobs: torch.Tensor | None) -> StreamDelta:
@@ -190,6 +232,8 @@ class LLMEngine:
         p = seq.params
         reason = None
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
         if seq.grammar is not None:
             terminated = self.structured_output.accept(seq, token)
             if terminated is None:
@@ -225,6 +269,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_generated_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            stop_reason=seq.stop_reason if reason == "stop" else None,
         )
 
     # -- scoring -------------------------------------------------------------------------------------

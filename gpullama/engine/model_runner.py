@@ -90,6 +90,16 @@ def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
+@dataclasses.dataclass
+class StepOutput:
+    """What one step's forward gives back: the logits of the sampling rows (in `ScheduledBatch.sampling` order) and
+    the pooled final hidden states of the embedding rows (one row per `ScheduledBatch.pool_rows` entry, float32;
+    None when the step has none)."""
+
+    logits: torch.Tensor
+    pooled: torch.Tensor | None = None
+
+
 class ModelRunner:
     """Owns the KV pool and the static decode buffers of one model (of this rank's heads under tensor parallelism);
     runs each scheduled batch's forward."""
@@ -146,13 +156,14 @@ class ModelRunner:
         """Why this runner cannot run another step (a tensor-parallel rank is gone), None while it can."""
         return self.tp.failure
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Write the batch's k/v into the pool and return the logits of `batch.sampling`, in that order."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Write the batch's k/v into the pool; the logits of `batch.sampling` (in that order) and the pooled
+        hidden states of `batch.pool_rows`."""
         return self._lead(StepInputs.from_batch(batch))
 
     def score(self, seq: Sequence) -> torch.Tensor:
         """Logits after every token of `seq` (whose blocks are allocated, none computed): ``[num_tokens, vocab]``."""
-        return self._lead(StepInputs.for_scoring(seq))
+        return self._lead(StepInputs.for_scoring(seq)).logits
 
     def follow(self) -> None:
         """Ranks > 0: run each step rank 0 broadcasts, until it stops them (`stop_followers`)."""
@@ -171,7 +182,7 @@ class ModelRunner:
             self.tp.failure = "the tensor-parallel workers were shut down"
             self._step_lock.release()
 
-    def _lead(self, step: StepInputs) -> torch.Tensor:
+    def _lead(self, step: StepInputs) -> StepOutput:
         """Rank 0: hand `step` to the other ranks, then run it."""
         if self.steps is None:
             return self._run(step)
@@ -185,12 +196,12 @@ class ModelRunner:
                 self.tp.failure = f"a step failed on rank 0 ({type(exc).__name__}: {exc}); the ranks are out of step"
                 raise
 
-    def _run(self, step: StepInputs) -> torch.Tensor:
+    def _run(self, step: StepInputs) -> StepOutput:
         """The forward of one step on this rank: the static decode buffers for a decode step, else eagerly."""
         if step.decode and self.decode_graphs is not None:
-            return self._decode(step)
+            return StepOutput(self._decode(step))
         token_ids, meta = self._prepare(step)
-        return self.model.forward(token_ids, meta, self.k_caches, self.v_caches)
+        return StepOutput(*self.model.forward_pooled(token_ids, meta, self.k_caches, self.v_caches))
 
     def _decode(self, step: StepInputs) -> torch.Tensor:
         bs = self.config.block_size
@@ -221,6 +232,13 @@ class ModelRunner:
                 logits_rows.append(starts[-1] - 1)
         if step.every_row:
             logits_rows = list(range(starts[-1]))
+        pool_indices: list[int] = []
+        pool_segments: list[int] = []
+        for pool, (i, rows) in enumerate(step.pool_rows):
+            span = range(starts[i], starts[i + 1]) if rows == "all" else \
+                [starts[i + 1] - 1] if rows == "last" else [starts[i]]
+            pool_indices.extend(span)
+            pool_segments.extend([pool] * len(span))
         width = max(len(table) for table in step.block_tables)
         tables = [table + [0] * (width - len(table)) for table in step.block_tables]
         device = self.device
@@ -236,6 +254,10 @@ class ModelRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
+        if step.pool_rows:
+            meta.pool_indices = torch.tensor(pool_indices, dtype=torch.long, device=device)
+            meta.pool_segments = torch.tensor(pool_segments, dtype=torch.long, device=device)
+            meta.num_pools = len(step.pool_rows)
         # per-step tensors the ops read (rotary rows, decode context slots), derived here once, not per layer
         meta = self.model.ops.prepare_step(meta, self.model.cos_sin, bs)
         return torch.tensor(step.token_ids, dtype=torch.long, device=device), meta

@@ -14,18 +14,31 @@ class ScheduledBatch:
     """One step's work: the whole contract between the scheduler and the model runner.
 
     Each sequence computes ``num_new_tokens[i]`` tokens from its ``num_computed_tokens`` on (its KV blocks are
-    already allocated); the ones in `sampling` reach their last token in this step and sample the next one.
+    already allocated); the ones in `sampling` reach their last token in this step and sample the next one. The
+    embedding requests in `pooling` never sample: the hidden states of the rows `pool_rows` names (per entry: the
+    sequence's place in `seqs` and which of its new rows: "all" for mean pooling, "last", or "first") come back
+    pooled, one row per entry.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
+    pooling: list[Sequence] = field(default_factory=list)
+    pool_rows: list[tuple[int, str]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
         """Schedule `n` new tokens of `seq`."""
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
-        if seq.num_computed_tokens + n == seq.num_tokens:
+        first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        if seq.pooling is not None:
+            self.pooling.append(seq)
+            kind = seq.pooling.kind
+            rows = "all" if kind == "mean" else "last" if kind == "last" and end == seq.num_tokens else \
+                "first" if kind == "cls" and first == 0 else None
+            if rows is not None:
+                self.pool_rows.append((len(self.seqs) - 1, rows))
+        elif end == seq.num_tokens:
             self.sampling.append(seq)
 
     @property
@@ -67,6 +80,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
+        seq.pooled = None  # an embedding request is recomputed from its first token
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -94,7 +108,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.allocate(seq, budget):
+            if not self.block_manager.allocate(seq, budget, use_prefix_cache=seq.pooling is None):
                 break
             if not seq.num_cached_tokens and not seq.num_output_tokens:
                 seq.num_cached_tokens = seq.num_computed_tokens

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpullama.outputs import TokenLogprob
+from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,9 +24,11 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """A request's token ids (prompt then output), its block table and its per-request sampling state."""
+    """A request's token ids (prompt then output), its block table and its per-request sampling state; or, for an
+    embedding request (`pooling` set), its prompt and the sum of its pooled hidden states so far."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                 pooling: PoolingParams | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -36,6 +39,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose k/v sit in the pool
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -48,6 +52,9 @@ class Sequence:
         self.read_offset = -1
         self.grammar: SequenceGrammar | None = None  # set by the engine when params.structured_output is given
         self.error: Exception | None = None  # why the engine failed this request alone (finish_reason "error")
+        self.pooling = pooling  # an embedding request: prefill only, never samples, its KV blocks not kept
+        self.pooled: torch.Tensor | None = None  # the pooled hidden states of the chunks computed so far (summed)
+        self.embedding: list[float] | None = None  # the finished embedding
 
     @property
     def text(self) -> str:

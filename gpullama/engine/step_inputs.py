@@ -7,7 +7,7 @@ size fixed at start-up, and one broadcast carries it to the other ranks, which u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,9 @@ _HEADER = 6  # kind, sequences, tokens, every_row, decode, table entries
 class StepInputs:
     """The tokens one forward computes: sequence i adds ``num_new[i]`` tokens after its ``num_computed[i]`` cached
     ones, its k/v go to the blocks of ``block_tables[i]``; logits come for each sequence whose ``samples[i]`` (its
-    last new token), or for every token with `every_row` (scoring)."""
+    last new token), or for every token with `every_row` (scoring). `pool_rows` (rank 0 only, never broadcast:
+    pooling reads the hidden states rank 0 has after the last all-reduce) names the rows whose final hidden states
+    come back pooled: (sequence i, "all" | "last" | "first" of its new rows)."""
 
     token_ids: list[int]
     num_computed: list[int]
@@ -32,6 +34,7 @@ class StepInputs:
     samples: list[bool]
     every_row: bool = False
     decode: bool = False  # every sequence adds one token and samples: the shape of the static decode buffers
+    pool_rows: list[tuple[int, str]] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
@@ -44,8 +47,10 @@ class StepInputs:
             num_computed=[seq.num_computed_tokens for seq in batch.seqs],
             num_new=list(batch.num_new_tokens),
             block_tables=[seq.block_table for seq in batch.seqs],
-            samples=[seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)],
+            samples=[seq.pooling is None and seq.num_computed_tokens + n == seq.num_tokens
+                     for seq, n in zip(batch.seqs, batch.num_new_tokens)],
             decode=batch.is_decode,
+            pool_rows=list(batch.pool_rows),
         )
 
     @classmethod

@@ -28,6 +28,10 @@ class BatchMetadata:
     rope_sin: torch.Tensor | None = None  # [T, 1, D] sin of them, first half negated
     context_slots: torch.Tensor | None = None  # decode: [B, max_seq_len] int64 pool row of each context position
     context_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_seq_len] bool, True inside each context
+    # embedding rows (rank 0): the rows whose final hidden states are pooled, and the pool each is summed into
+    pool_indices: torch.Tensor | None = None  # [P] int64 token rows
+    pool_segments: torch.Tensor | None = None  # [P] int64 pool of each row, in [0, num_pools)
+    num_pools: int = 0
 
     @property
     def is_decode(self) -> bool:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server (``gpullama-serve``): Starlette routes that translate JSON/SSE to the engine."""
+"""The HTTP server (``gpullama-serve``): OpenAI's, Anthropic's and Ollama's APIs over the engine, one module per API
+family (docs/architecture.md, "Server")."""
 
 from .app import create_app
 from .state import ServerConfig, ServerState

@@ -1,13 +1,15 @@
-"""A chat answer split into reasoning, content and tool calls, whole or streamed (the same either way), with the
-finish reason OpenAI gives it."""
+"""A chat answer split into reasoning, content and tool calls, whole or streamed (the same either way), as the
+fields of an OpenAI message or delta (``content``, ``reasoning_content``, ``tool_calls``), with the finish reason
+OpenAI gives it; the other API families build their answers from these fields."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .reasoning import ReasoningParser, prompt_opens_reasoning
-from .structured_request import ChatPlan
-from .tool_parsers import PARSERS, ChatDelta, ChatOutputParser, accumulate_chat
+from gpullama.chat.output import ChatDelta, ChatOutputParser, accumulate_chat
+from gpullama.chat.reasoning import ReasoningParser, prompt_opens_reasoning
+
+from .chat_plan import ChatPlan
 
 
 class ChatOutputShaper:
@@ -30,7 +32,7 @@ class ChatOutputShaper:
         if parser is None:
             plan = self.plan
             reasoning = ReasoningParser(start_in_reasoning=self._opened) if plan.format.reasoning else None
-            tools = PARSERS[plan.format.tool_format](plan.tool_names) if plan.tool_names is not None else None
+            tools = plan.format.tools.parser(plan.tool_names) if plan.tool_names is not None else None
             parser = self._parsers[index] = ChatOutputParser(reasoning, tools)
         return parser
 

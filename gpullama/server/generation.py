@@ -1,4 +1,5 @@
-"""Run the choices of one API request on the engine: submit, merge their streams, abort whatever is left on exit."""
+"""Run the choices of one API request on the engine: submit under the server's limits, merge their streams, abort
+whatever is left on exit."""
 
 from __future__ import annotations
 
@@ -9,39 +10,44 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
+
 from gpullama.engine.admission import RequestError
 from gpullama.engine.errors import EngineError, EngineStopped
 from gpullama.outputs import StreamDelta
+from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 from .errors import APIError, internal_error
 from .metrics import ServerMetrics
+from .middleware import request_id
 from .request_log import current_request
-from .responses import usage
+from .state import ServerState
+from .streaming import ClientDisconnected, unless_disconnected
 
 log = logging.getLogger("gpullama.server")
 
 
 @dataclass
 class Job:
-    """One choice: its prompt ids, sampling params, which prompt it belongs to, and the request's names of the
-    fields the engine's admission errors speak of."""
+    """One choice: its prompt ids, sampling params and which prompt it belongs to; or one input of an embedding
+    request (`pooling` set: its one delta carries the embedding)."""
 
     index: int
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None
     prompt_index: int = 0
-    prompt_param: str = "prompt"  # "messages" for chat
-    max_tokens_param: str = "max_tokens"  # or "max_completion_tokens"
     request_id: str = ""  # the engine's id, set when the answer gets its id
+    pooling: PoolingParams | None = None
 
 
 def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError:
+    """An engine error as the client sees it: the admission check's in the common plan's field names (the API's
+    boundary renames them), a failure of ours as a 500 with only the request id."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestError):
-        param = {"prompt": job.prompt_param, "max_tokens": job.max_tokens_param}.get(exc.param, exc.param)
-        return APIError(400, str(exc), param=param)
+        return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ValueError):  # a StructuredOutputError names its field
         return APIError(400, str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, EngineStopped):
@@ -99,13 +105,12 @@ class Generation:
         """Prompt tokens of the request, each distinct prompt counted once (n choices share it)."""
         return sum({job.prompt_index: len(job.prompt_ids) for job in self.jobs}.values())
 
-    def usage(self) -> dict:
-        """OpenAI's usage object for the tokens seen so far."""
-        return usage(self.num_prompt_tokens, self._generated, sum(self._cached.values()))
-
     def _submit(self, job: Job) -> None:
         try:
-            self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params)
+            if job.pooling is not None:
+                self._streams[job.index] = self.engine.embed(job.request_id, job.prompt_ids, job.pooling)
+            else:
+                self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params)
         except Exception as exc:
             raise _api_error(exc, job, self.http_request_id) from exc
 
@@ -255,3 +260,25 @@ class Generation:
                     pass
         self._streams.clear()
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+
+
+async def start_generation(request: Request, state: ServerState, jobs: list[Job], arrival: float) -> Generation | None:
+    """Submit a request's jobs under the server's limits: 429 past ``--max-queue``, a ``--request-timeout`` deadline,
+    the engine's admission check (a bad job is a 400). None when the client left before every job was queued."""
+    config = state.config
+    queued = state.engine.num_queued
+    if queued >= config.max_queue:
+        raise APIError(429, f"the server is busy: {queued} requests are waiting for a place in the batch, the limit "
+                       f"is {config.max_queue} (--max-queue); retry later", code="queue_full",
+                       headers={"retry-after": "1"})
+    gen = Generation(state.engine, jobs, state.metrics, arrival, request_id(request))
+    if config.request_timeout:
+        gen.set_deadline(config.request_timeout - (time.perf_counter() - arrival),
+                         APIError(504, f"the request took longer than {config.request_timeout:g} seconds "
+                                  "(--request-timeout)", code="request_timeout"))
+    try:
+        await unless_disconnected(request.receive, gen.start)
+    except ClientDisconnected:
+        return None
+    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
+    return gen

@@ -1,4 +1,4 @@
-"""Pure-ASGI middleware: request ids and the 500 answer, bearer-key authentication, and one access-log line (plus a
+"""Pure-ASGI middleware: request ids and the 500 answer, API-key authentication, and one access-log line (plus a
 metric) per request."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_bytes, internal_error
@@ -55,26 +56,33 @@ class RequestIdMiddleware:
             log.error("internal error on %s %s (request id %s)", scope["method"], scope["path"], request_id,
                       exc_info=exc)
             if not started:
-                body = error_bytes(500, internal_error(request_id).message, code="internal_error")
+                body = error_bytes(500, internal_error(request_id).message, code="internal_error", path=scope["path"])
                 await send_json_error(send_with_id, 500, body, [(b"connection", b"close")])
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer KEY`` on ``/v1`` routes; health and metrics stay open (as in vLLM)."""
+    """Require the API key on the API routes (``/v1/*``, Ollama's ``/api/*``), as ``Authorization: Bearer KEY`` or
+    Anthropic's ``x-api-key: KEY``; health and metrics stay open (as in vLLM). The 401 is in the shape of the
+    route's API family."""
+
+    PROTECTED = ("/v1", "/api/")
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.bearer = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if self.bearer is None or scope["type"] != "http" or not scope["path"].startswith(self.PROTECTED):
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            message = "Missing API key" if not given else "Incorrect API key provided"
-            body = error_bytes(401, f"{message}: pass it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
-            return await send_json_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
-        return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given, key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
+        if hmac.compare_digest(given, self.bearer) or (key is not None and hmac.compare_digest(key, self.key)):
+            return await self.app(scope, receive, send)
+        message = "Missing API key" if not given and key is None else "Incorrect API key provided"
+        body = error_bytes(401, f"{message}: pass it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                           code="invalid_api_key", path=scope["path"])
+        return await send_json_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
 
 
 class AccessLogMiddleware:
@@ -115,3 +123,8 @@ class AccessLogMiddleware:
                            scope["method"], scope["path"], scope.get("http_version", "1.1"), status,
                            record.describe(status, time.perf_counter() - start))
             self.metrics.observe_request(scope["path"], status)
+
+
+def request_id(request: Request) -> str:
+    """The id `RequestIdMiddleware` gave this request ("-" outside it)."""
+    return getattr(request.state, "request_id", "-")

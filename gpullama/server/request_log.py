@@ -31,11 +31,14 @@ class RequestRecord:
             self.error_body += chunk[:room]
 
     def error_message(self) -> str | None:
-        """The OpenAI error message of the response body, if it is one."""
+        """The error message of the response body (OpenAI's or Anthropic's error object, Ollama's string), if it
+        is one."""
         try:
             error = orjson.loads(bytes(self.error_body)).get("error")
         except (orjson.JSONDecodeError, AttributeError):
             return None
+        if isinstance(error, str):
+            return error
         if not isinstance(error, dict) or not isinstance(error.get("message"), str):
             return None
         param = error.get("param")

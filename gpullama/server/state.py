@@ -1,4 +1,5 @@
-"""Server configuration and the shared state: the model and engine, loaded after the socket is up."""
+"""Server configuration and the shared state: the model and engine, loaded after the socket is up; the readiness
+and model checks every route makes."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+
 from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineStopped
 
 from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
+from .errors import APIError
 from .metrics import ServerMetrics
 
 log = logging.getLogger("gpullama.server")
@@ -68,10 +72,9 @@ def is_loopback(host: str) -> bool:
 
 def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
     """Load the model (blocking; run in a thread); return it with the engine factory to call on the event loop."""
+    from gpullama.chat.model_format import chat_format
     from gpullama.engine.async_engine import AsyncEngine
     from gpullama.llm import LLM
-
-    from .structured_request import chat_format
 
     llm = LLM.from_engine_args(config.engine)
     chat_format(llm.tokenizer)  # scans the vocabulary once, here rather than on the event loop
@@ -161,3 +164,27 @@ class ServerState:
         if hasattr(self.llm, "shutdown"):  # tensor-parallel worker processes
             self.llm.shutdown()
         self.status = "stopped"
+
+
+def server_state(request: Request) -> ServerState:
+    """The server's shared state."""
+    return request.app.state.server
+
+
+def require_ready(state: ServerState) -> None:
+    """503 while the model loads, when it failed to, while the server stops, or when the engine has stopped."""
+    if state.status == "loading":
+        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
+    if state.status == "stopping":
+        raise APIError(503, "the server is shutting down", code="engine_stopped")
+    if state.status != "ready" or state.engine is None:
+        raise APIError(503, f"the model is not available ({state.status}: {state.error})", code="model_unavailable")
+    if not getattr(state.engine, "is_alive", True):
+        raise APIError(503, "the generation engine has stopped; restart the server", code="engine_dead")
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """404 unless `model` is absent or the served model's name."""
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
+                       param="model", code="model_not_found")

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gpullama import __version__
+from gpullama.chat.model_format import chat_format
 
-from .common import JSONResponse, check_model, off_loop_if_long, read_json, require_ready, server_state
+from .body import JSONResponse, off_loop_if_long, read_json
+from .chat_plan import ChatPlan, plan_chat, render_plan
 from .errors import APIError
-from .protocol import _messages
+from .openai.chat import parse_messages
+from .state import check_model, require_ready, server_state
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -32,13 +36,14 @@ def _object(body: Any) -> dict:
     return body
 
 
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> str:
-    """The prompt text of a conversation; with `continue_final_message` it ends right after the last message's
-    content (no end-of-turn), so the model continues that message (transformers' rule)."""
+def render_chat(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool, continue_final_message: bool) -> str:
+    """The prompt text of a planned conversation (its tools rendered as the chat endpoint renders them); with
+    `continue_final_message` it ends right after the last message's content (no end-of-turn), so the model
+    continues that message (transformers' rule)."""
     if not continue_final_message:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    final = messages[-1]["content"].strip()
+        return render_plan(tokenizer, plan, add_generation_prompt)
+    text = render_plan(tokenizer, plan, add_generation_prompt=False)
+    final = str(plan.messages[-1].get("content") or "").strip()
     cut = text.rfind(final) if final else -1
     if cut < 0:
         raise APIError(400, "continue_final_message: the chat template does not keep the last message's text "
@@ -47,7 +52,8 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
 
 
 async def tokenize(request: Request) -> Response:
-    """``POST /tokenize``: a `prompt`, or `messages` rendered with the chat template, as token ids.
+    """``POST /tokenize``: a `prompt`, or `messages` rendered with the chat template (with `tools`, `tool_choice`
+    and `chat_template_kwargs` as chat completions renders them, so the count is the real prompt's), as token ids.
 
     Answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (token strings only with `return_token_strs`)."""
     state = server_state(request)
@@ -65,19 +71,15 @@ async def tokenize(request: Request) -> Response:
         add_special = _flag(body, "add_special_tokens", True)
         ids = await off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=add_special)
     else:
-        messages = _messages(body)
+        messages = parse_messages(body)
         add_generation = _flag(body, "add_generation_prompt", True)
         cont = _flag(body, "continue_final_message", False)
         if add_generation and cont:
             raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
                            param="continue_final_message")
-        size = sum(len(m["content"]) for m in messages)
-        try:
-            text = await off_loop_if_long(size, render_chat, tok, messages, add_generation, cont)
-        except APIError:
-            raise
-        except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
-            raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
+        size = sum(len(m["content"]) for m in messages) + len(orjson.dumps(body.get("tools")))
+        plan = plan_chat(body, messages, chat_format(tok))  # tools and template kwargs, as the chat endpoint has them
+        text = await off_loop_if_long(size, render_chat, tok, plan, add_generation, cont)
         ids = await off_loop_if_long(size, tok.encode, text, add_special_tokens=_flag(body, "add_special_tokens", False))
     strs = tok.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
     return JSONResponse({"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids,

@@ -1,5 +1,6 @@
 """The admission check: every field a request carries is refused by name before the request can join a batch,
-with the OpenAI API's caps where it has them (4 stop strings, 300 logit_bias entries, 2048 messages)."""
+with the OpenAI API's caps where it has them (4 stop strings, 300 logit_bias entries). The library's chat uses the
+chat layer's message check (tests/chat/test_messages.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,10 @@ import pytest
 
 from gpullama.engine.admission import (
     MAX_LOGIT_BIAS,
-    MAX_MESSAGES,
-    MAX_N,
     MAX_STOP,
     MAX_STOP_TOKEN_IDS,
     AdmissionLimits,
     RequestError,
-    check_choices,
-    check_messages,
     check_request,
 )
 from gpullama.sampling_params import SamplingParams
@@ -33,7 +30,7 @@ def _refused(param: str, fn, *args) -> str:
 
 
 def test_openai_caps() -> None:
-    assert (MAX_STOP, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_N) == (4, 300, 2048, 16)
+    assert (MAX_STOP, MAX_LOGIT_BIAS) == (4, 300)
 
 
 @pytest.mark.parametrize(("field", "value", "param"), [
@@ -79,37 +76,6 @@ def test_prompts() -> None:
     message = _refused("prompt", check_request, _Unscanned([0] * 10_000), SamplingParams(), LIMITS)
     assert "10000 tokens" in message  # refused by its length, before any of its ids was looked at
     assert check_request(PROMPT, SamplingParams(max_tokens=None), LIMITS) == 256 - 3
-
-
-@pytest.mark.parametrize(("messages", "param"), [
-    ("hi", "messages"),
-    ([], "messages"),
-    ([{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1), "messages"),
-    (["hi"], "messages[0]"),
-    ([{"role": ["user"], "content": "x"}], "messages[0].role"),
-    ([{"role": {"user": 1}, "content": "x"}], "messages[0].role"),
-    ([{"role": 3, "content": "x"}], "messages[0].role"),
-    ([{"content": "x"}], "messages[0].role"),
-    ([{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}], "messages[1].role"),
-    ([{"role": "user", "content": {"text": "x"}}], "messages[0].content"),
-])
-def test_messages(messages, param: str) -> None:
-    _refused(param, check_messages, messages)
-
-
-def test_valid_messages_pass() -> None:
-    check_messages([{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant", "tool")])
-    check_messages([{"role": "user", "content": [{"type": "text", "text": "x"}]}, {"role": "assistant"}])
-
-
-def test_choices() -> None:
-    check_choices(1, MAX_N)
-    check_choices(4, 4)
-    _refused("n", check_choices, 1, 0)
-    _refused("n", check_choices, 1, MAX_N + 1)
-    _refused("n", check_choices, 1, 2**64)
-    _refused("n", check_choices, 3, 6)
-    _refused("prompt", check_choices, MAX_N + 1, 1)
 
 
 def test_the_library_uses_the_same_check(tiny_llm) -> None:

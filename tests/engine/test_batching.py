@@ -46,10 +46,11 @@ class LogitsRecorder:
 
         def recording_execute(batch):
             pending = [(seq, seq.num_tokens - 1) for seq in batch.sampling]
-            logits = execute(batch)
+            out = execute(batch)
+            logits = out.logits
             assert logits.shape[0] == len(pending)
             self.rows.extend((seq, pos, row.float().clone()) for (seq, pos), row in zip(pending, logits))
-            return logits
+            return out
 
         engine.runner.execute = recording_execute
 

@@ -10,15 +10,22 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from gpullama.chat.model_format import ChatFormat, chat_format
 from gpullama.chat_template import ChatTemplate
 from gpullama.server.chat_output import ChatOutputShaper
+from gpullama.server.chat_plan import plan_chat
 from gpullama.server.errors import APIError
-from gpullama.server.responses import ChunkBuilder, chat_completion
-from gpullama.server.structured_request import ChatFormat, chat_format, plan_chat
+from gpullama.server.openai.choices import ChunkBuilder, chat_completion
 from gpullama.structured import StructuredOutput
 from gpullama.tokenizer import Tokenizer
+from tests.chat.test_tool_parsers import (
+    CONVERSATION,
+    QWEN25_TOOLS_TEMPLATE,
+    QWEN_CODER_BARE,
+    QWEN_CODER_FENCED,
+    TOOLS,
+)
 from tests.fixtures.vocabs import vocab_metadata
-from tests.server.test_tool_parsers import CONVERSATION, QWEN25_TOOLS_TEMPLATE, TOOLS
 
 HERMES_REASONING = ChatFormat("hermes", template_tools=True, reasoning=True)
 GENERIC = ChatFormat("generic", template_tools=False, reasoning=False)
@@ -81,6 +88,26 @@ def test_reasoning_content_and_tool_calls_whole_and_streamed_at_every_split():
         assert got.finish_reason == "tool_calls" and got.message.content == message.content
         assert _calls(got.message) == _calls(message)
         assert "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in sent) == reasoning
+
+
+QWEN_CODER = ChatFormat("hermes", template_tools=True, reasoning=False)
+
+
+@pytest.mark.parametrize("text", [QWEN_CODER_BARE, QWEN_CODER_FENCED, "I'll check.\n" + QWEN_CODER_FENCED])
+def test_qwen_coder_calls_without_the_tag_reach_the_client_as_tool_calls(text):
+    """Qwen2.5-Coder's auto tool call (bare JSON or a ```json fence, no <tool_call> tag) is a tool call, whole and
+    streamed at every split, read back by the openai SDK; the same JSON without tools offered stays content."""
+    plan = plan_chat({"tools": TOOLS, "tool_choice": "auto"}, USER, QWEN_CODER)
+    whole = _whole(ChatOutputShaper(plan, "prompt"), text).choices[0]
+    assert whole.finish_reason == "tool_calls" and _calls(whole.message) == [("get_weather", {"city": "Paris"})]
+    assert whole.message.content == ("I'll check." if text.startswith("I'll") else None)
+    for cut in range(len(text) + 1):
+        streamed, _ = _streamed(ChatOutputShaper(plan, "prompt"), [text[:cut], text[cut:]])
+        got = streamed.choices[0]
+        assert got.finish_reason == "tool_calls" and _calls(got.message) == _calls(whole.message), cut
+        assert (got.message.content or None) == whole.message.content  # the role chunk carries content ""
+    without_tools = plan_chat({}, USER, QWEN_CODER)
+    assert _whole(ChatOutputShaper(without_tools, "prompt"), text).choices[0].message.content == text
 
 
 def test_prompt_opened_reasoning_and_template_kwargs():

@@ -13,15 +13,15 @@ import pytest
 
 from gpullama.engine.detokenizer import Detokenizer
 from gpullama.engine.sequence import Sequence
-from gpullama.server.app import _prepare_chat
 from gpullama.server.chat_output import ChatOutputShaper
-from gpullama.server.protocol import sampling_params
-from gpullama.server.responses_api import _prepare
-from gpullama.server.responses_items import OutputItems
-from gpullama.server.responses_request import parse_responses
+from gpullama.server.openai.chat import prepare_chat
+from gpullama.server.openai.responses.items import OutputItems
+from gpullama.server.openai.responses.request import parse_responses
+from gpullama.server.openai.responses.serving import prepare
+from gpullama.server.sampling import sampling_params
 from gpullama.tokenizer import Tokenizer
+from tests.chat.test_tool_parsers import TOOLS
 from tests.fixtures.vocabs import vocab_metadata
-from tests.server.test_tool_parsers import TOOLS
 
 # Mistral v3's template, shortened: tools before the last user turn, calls after [TOOL_CALLS]
 MISTRAL_TEMPLATE = (
@@ -39,7 +39,7 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def mistral_state() -> SimpleNamespace:
-    """What `_prepare_chat` reads of the server state: a served model whose tokenizer is Mistral-style."""
+    """What `prepare_chat` reads of the server state: a served model whose tokenizer is Mistral-style."""
     tok = Tokenizer.from_metadata(dict(vocab_metadata("tekken"), **{"tokenizer.chat_template": MISTRAL_TEMPLATE}))
     return SimpleNamespace(llm=SimpleNamespace(tokenizer=tok), model_name="mistral-tiny")
 
@@ -50,10 +50,10 @@ def _generate(state: SimpleNamespace, body: dict, output: str,
     the engine does; the text pieces and the request's output shaper."""
     tok = state.llm.tokenizer
     if endpoint == "chat":
-        req, plan, prompt, prompt_ids = _prepare_chat(state, orjson.dumps(body))
+        req, plan, prompt, prompt_ids = prepare_chat(state, orjson.dumps(body))
     else:
         req = parse_responses(body)
-        plan, prompt, prompt_ids = _prepare(tok, req)
+        plan, prompt, prompt_ids = prepare(tok, req)
     ids = tok.encode(output)
     seq = Sequence("r", prompt_ids, sampling_params(req.options), max_tokens=len(ids))
     detok, pieces = Detokenizer(tok), []

@@ -13,15 +13,16 @@ from openai._types import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types import responses as types
 
+from gpullama.chat.model_format import ChatFormat
 from gpullama.chat_template import ChatTemplate
 from gpullama.server.chat_output import ChatOutputShaper
+from gpullama.server.chat_plan import plan_chat
 from gpullama.server.errors import APIError
-from gpullama.server.responses_api import ResponseObject
-from gpullama.server.responses_items import OutputItems
-from gpullama.server.responses_request import chat_names_to_responses, parse_responses
-from gpullama.server.structured_request import ChatFormat, plan_chat
+from gpullama.server.openai.responses.items import OutputItems
+from gpullama.server.openai.responses.request import NAMES, parse_responses
+from gpullama.server.openai.responses.serving import ResponseObject
+from tests.chat.test_tool_parsers import CONVERSATION, QWEN25_TOOLS_TEMPLATE, TOOLS
 from tests.server.test_chat_output import HERMES_REASONING, THINK_AND_CALL
-from tests.server.test_tool_parsers import CONVERSATION, QWEN25_TOOLS_TEMPLATE, TOOLS
 
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 EVENT_TYPES = {
@@ -190,7 +191,7 @@ def test_planning_errors_are_renamed_to_the_responses_fields(body, param):
         try:
             plan_chat(req.chat_fields, req.messages, ChatFormat("generic", False, False))
         except APIError as exc:
-            raise chat_names_to_responses(exc) from None
+            raise NAMES.apply(exc) from None
     assert info.value.status == 400 and info.value.param == param, info.value.message
     assert "function." not in info.value.message and "response_format" not in info.value.message
 

@@ -39,6 +39,23 @@ def test_tokenize_messages_with_the_chat_template(http: httpx.Client, hf_tokeniz
     assert r.json()["tokens"] == hf_tokenizer.encode(text, add_special_tokens=False)
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tokenize_counts_the_tools_as_the_chat_prompt_has_them(http: httpx.Client, client, model_name: str) -> None:
+    """With `tools` the count is the prompt chat completions renders (its usage.prompt_tokens), not the messages'
+    alone; tool_choice "none" hides the tools from both."""
+    body = {"model": model_name, "messages": MESSAGES[:2], "tools": [WEATHER_TOOL]}
+    with_tools = http.post("/tokenize", json=body).json()["count"]
+    without = http.post("/tokenize", json={"messages": MESSAGES[:2]}).json()["count"]
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES[:2], tools=[WEATHER_TOOL], max_tokens=1)
+    assert with_tools == chat.usage.prompt_tokens > without
+    hidden = http.post("/tokenize", json={**body, "tool_choice": "none"}).json()["count"]
+    assert hidden == without
+
+
 def test_detokenize_is_the_tokenizers_decode(http: httpx.Client, hf_tokenizer) -> None:
     text = hf_tokenizer.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True)
     ids = hf_tokenizer.encode(text + "Paris 😀 ça", add_special_tokens=False)

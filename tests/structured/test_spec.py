@@ -133,7 +133,7 @@ def test_tool_call_grammar_errors_name_the_parameter(tools, choice, param):
 
 
 def test_importing_the_package_does_not_import_xgrammar():
-    code = ("import sys, gpullama.structured, gpullama.server.tool_parsers, gpullama.server.reasoning; "
+    code = ("import sys, gpullama.structured, gpullama.chat.formats, gpullama.chat.output; "
             "from gpullama.structured import StructuredOutput, tool_call_grammar; "
             "StructuredOutput(json_object=True); "
             "assert 'xgrammar' not in sys.modules, 'xgrammar imported'; "

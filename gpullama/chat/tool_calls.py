@@ -1,4 +1,5 @@
-"""Tool calls in model output text (Hermes, Llama 3 JSON, Mistral, generic JSON), parsed whole or streamed.
+"""Tool calls in model output text, parsed whole or streamed: the calls and their pieces, and the scanner every
+format's parser (`gpullama.chat.formats`) builds on.
 
 A parser reads characters one at a time, so feeding any split of a text gives the same content and calls as
 feeding it whole. A call is committed (its id and name streamed) once its name is read; until then its text is
@@ -14,10 +15,8 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.server.reasoning import ReasoningDelta, ReasoningParser
-
-_WS = " \t\r\n"
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+WHITESPACE = " \t\r\n"
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 Char = str | None  # one character, or None at the end of the text
 Scan = Generator[None, Char, Any]
 
@@ -97,7 +96,7 @@ def accumulate(deltas: Iterable[ParsedDelta]) -> ParsedOutput:
                                        for _, c in sorted(calls.items())])
 
 
-class _Fail(Exception):
+class NotACall(Exception):
     """The text held back is not a tool call after all."""
 
 
@@ -105,7 +104,7 @@ class _Bad(Exception):
     """A committed call's JSON is malformed at the current character."""
 
 
-class _EOF(Exception):
+class EndOfText(Exception):
     """The text ended inside a call."""
 
 
@@ -164,6 +163,7 @@ class ToolParser:
     markers: tuple[str, ...] = ()  # open a call region anywhere in the content
     start_markers: tuple[str, ...] = ()  # open one only at the start of the text (after whitespace)
     start_chars: str = ""  # characters that open a region at the start of the text and belong to it
+    open_chars: str = ""  # characters that open a region anywhere in the content and belong to it
     # the format's words that a vocabulary may hold as special tokens, which must then stay in the text it reads
     token_markers: tuple[str, ...] = ()
     args_keys: tuple[str, ...] = ("arguments", "parameters")
@@ -222,7 +222,7 @@ class ToolParser:
 
     def _region_scan(self) -> Scan:
         """Read one call region, character by character (``c = yield``); return the first character it does
-        not take (or None). Raise _Fail to release the text as content."""
+        not take (or None). Raise NotACall to release the text as content."""
         raise NotImplementedError
         yield  # pragma: no cover
 
@@ -253,7 +253,7 @@ class ToolParser:
     # ---- scanning pieces ----
 
     def _skip_ws(self, c: Char) -> Scan:
-        while c is not None and c in _WS:
+        while c is not None and c in WHITESPACE:
             c = yield
         return c
 
@@ -263,7 +263,7 @@ class ToolParser:
         while not decoder.closed:
             c = yield
             if c is None:
-                raise _EOF
+                raise EndOfText
             out.append(decoder.feed(c))
         return "".join(out)
 
@@ -272,7 +272,7 @@ class ToolParser:
         are followed to find its end); return the character after it."""
         emit = emit or (lambda text: None)
         if c is None:
-            raise _EOF
+            raise EndOfText
         if c in '{["':
             in_string, escaped = c == '"', False
             depth = 0 if in_string else 1
@@ -280,7 +280,7 @@ class ToolParser:
             while True:
                 c = yield
                 if c is None:
-                    raise _EOF
+                    raise EndOfText
                 emit(c)
                 if in_string:
                     if escaped:
@@ -300,7 +300,7 @@ class ToolParser:
                     if depth == 0:
                         return (yield)
         text = []
-        while c is not None and c not in _WS and c not in ",}]":
+        while c is not None and c not in WHITESPACE and c not in ",}]":
             text.append(c)
             c = yield
         emit("".join(text))
@@ -327,13 +327,13 @@ class ToolParser:
                     raise _Bad
                 c = yield from self._skip_ws((yield))
                 if c is None:
-                    raise _EOF
+                    raise EndOfText
                 if key == "name" and name is None:
                     if c != '"':
                         raise _Bad
                     found = yield from self._string()
                     if not self._valid_name(found):
-                        raise _Fail
+                        raise NotACall
                     name = found
                     self._begin(name)
                     self._args("".join(early))
@@ -348,16 +348,70 @@ class ToolParser:
                     c = yield from self._skip_ws((yield))
                 elif c == "}":
                     if name is None:
-                        raise _Fail
+                        raise NotACall
                     self._end()
                     return (yield)
                 else:
                     raise _Bad
-        except (_Bad, _EOF) as e:
+        except (_Bad, EndOfText) as e:
             if name is None:
-                raise _Fail from None
+                raise NotACall from None
             self._end()  # a committed call ends here; what follows is the region's business
-            return None if isinstance(e, _EOF) else c
+            return None if isinstance(e, EndOfText) else c
+
+    def _whole_call(self, c: Char) -> Scan:
+        """A call object starting at `c` == '{' that counts only once it is complete: its keys are the name and
+        the arguments (any other fails at once), the name is an offered tool's and the arguments parse as a JSON
+        object. Commits the whole call then; anything else raises NotACall (the text stays content). Return the
+        character after the object."""
+        name: str | None = None
+        parts: list[str] | None = None
+        try:
+            c = yield from self._skip_ws((yield))
+            while True:
+                if c != '"':
+                    raise _Bad
+                key = yield from self._string()
+                if key != "name" and key not in self.args_keys:
+                    raise NotACall
+                c = yield from self._skip_ws((yield))
+                if c != ":":
+                    raise _Bad
+                c = yield from self._skip_ws((yield))
+                if c is None:
+                    raise EndOfText
+                if key == "name" and name is None:
+                    if c != '"':
+                        raise _Bad
+                    name = yield from self._string()
+                    if not self._valid_name(name):
+                        raise NotACall
+                    c = yield
+                elif key != "name" and parts is None:
+                    parts = []
+                    c = yield from self._arguments(c, parts.append)
+                else:
+                    raise _Bad
+                c = yield from self._skip_ws(c)
+                if c == ",":
+                    c = yield from self._skip_ws((yield))
+                elif c == "}":
+                    break
+                else:
+                    raise _Bad
+        except (_Bad, EndOfText):
+            raise NotACall from None
+        arguments = "".join(parts) if parts is not None else "{}"
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if name is None or parts is None or not isinstance(parsed, dict):
+            raise NotACall
+        self._begin(name)
+        self._args(arguments)
+        self._end()
+        return (yield)
 
     def _arguments(self, c: str, out: Callable[[str], None]) -> Scan:
         """The arguments value: an object as written, a JSON string holding JSON text decoded, null as {}."""
@@ -366,7 +420,7 @@ class ToolParser:
             while not decoder.closed:
                 c = yield
                 if c is None:
-                    raise _EOF
+                    raise EndOfText
                 out(decoder.feed(c))
             return (yield)
         if c in "{[":
@@ -384,7 +438,7 @@ class ToolParser:
             if c == "]" and self._committed:
                 return (yield)
             if c != "{":
-                raise _Fail
+                raise NotACall
             c = yield from self._call(c)
             c = yield from self._skip_ws(c)
             if c == ",":
@@ -396,7 +450,7 @@ class ToolParser:
                 return None
             else:
                 self._set_mark()
-                raise _Fail
+                raise NotACall
 
     # ---- the driver ----
 
@@ -421,9 +475,9 @@ class ToolParser:
             self._marker = ""
             self._text(first)
             queue.extendleft(reversed(rest))
-        elif c in _WS:
+        elif c in WHITESPACE:
             self._ws += c
-        elif self._at_start and c in self.start_chars:
+        elif (self._at_start and c in self.start_chars) or c in self.open_chars:
             self._open_region("", c, queue)
         elif any(m.startswith(c) for m in markers):
             self._marker = c
@@ -465,7 +519,7 @@ class ToolParser:
             self._after_call = True
             if stop.value is not None:
                 queue.appendleft(stop.value)
-        except _Fail:
+        except NotACall:
             self._region = None
             self._release(queue)
 
@@ -474,9 +528,10 @@ class ToolParser:
         if self._committed:
             rest = self._buf[self._mark:]
             self._after_call = True
-        else:
-            self._emit(self._region_ws + self._trigger)
-            rest = self._buf
+        else:  # a region opened by its first character gives that character back as text, or it would reopen
+            first = "" if self._trigger or not self._buf else self._buf[0]
+            self._emit(self._region_ws + self._trigger + first)
+            rest = self._buf[len(first):]
             self._after_call = False
         self._buf = []
         queue.extendleft(reversed(rest))
@@ -487,210 +542,3 @@ class ToolParser:
         out = ParsedDelta("".join(self._content), list(self._deltas.values()))
         self._content, self._deltas, self._fragments = [], {}, {}
         return out
-
-
-class HermesToolParser(ToolParser):
-    """Qwen2.5 / Qwen3 / Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, repeated."""
-
-    name = "hermes"
-    markers = ("<tool_call>",)
-    CLOSE = "</tool_call>"
-    token_markers = ("<tool_call>", "</tool_call>")
-
-    def _region_scan(self) -> Scan:
-        c = yield from self._skip_ws((yield))
-        if c != "{":
-            raise _Fail
-        c = yield from self._call(c)
-        matched = 0  # the close tag; anything else before it is dropped
-        while c is not None:
-            if c == self.CLOSE[matched]:
-                matched += 1
-                if matched == len(self.CLOSE):
-                    return None
-            else:
-                matched = 1 if c == self.CLOSE[0] else 0
-            c = yield
-        return None
-
-
-class Llama3ToolParser(ToolParser):
-    """Llama 3.x JSON: ``{"name": ..., "parameters": {...}}`` at the start of the output or after
-    ``<|python_tag|>``, several separated by ``;``."""
-
-    name = "llama3"
-    markers = ("<|python_tag|>",)
-    start_chars = "{"
-    token_markers = ("<|python_tag|>",)
-
-    def _region_scan(self) -> Scan:
-        c = yield from self._skip_ws((yield))
-        while True:
-            if c != "{":
-                raise _Fail
-            c = yield from self._call(c)
-            c = yield from self._skip_ws(c)
-            if c is None:
-                return None
-            self._set_mark()
-            if c == ";":
-                c = yield from self._skip_ws((yield))
-                if c is None:
-                    return None
-
-
-class MistralToolParser(ToolParser):
-    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (v3), or ``[TOOL_CALLS]name[ARGS]{...}``
-    (v11+, one call per marker)."""
-
-    name = "mistral"
-    markers = ("[TOOL_CALLS]",)
-    ARGS = "[ARGS]"
-    token_markers = ("[TOOL_CALLS]", "[ARGS]")
-
-    def _region_scan(self) -> Scan:
-        c = yield from self._skip_ws((yield))
-        if c == "[":
-            return (yield from self._calls_list(c))
-        if c == "{":
-            return (yield from self._call(c))
-        name = []
-        while c is not None and c in _NAME_CHARS:
-            name.append(c)
-            c = yield
-        for expected in self.ARGS:
-            if c != expected:
-                raise _Fail
-            c = yield
-        if not self._valid_name("".join(name)):
-            raise _Fail
-        self._begin("".join(name))
-        c = yield from self._skip_ws(c)
-        try:
-            if c is None:
-                raise _EOF
-            c = yield from self._arguments(c, self._args)
-        except _EOF:
-            c = None
-        self._end()
-        return c
-
-
-class GenericToolParser(ToolParser):
-    """The generic format (templates without tools): the whole answer is ``{"name": ..., "arguments": {...}}``
-    or a JSON array of such objects, possibly in a ``` code fence. Anything else is content."""
-
-    name = "generic"
-    start_chars = "{["
-    start_markers = ("```",)
-
-    def _region_scan(self) -> Scan:
-        c = yield
-        fenced = self._trigger == "```"
-        if fenced:
-            while c is not None and c.isalpha():  # the fence's language tag
-                c = yield
-            c = yield from self._skip_ws(c)
-        if c == "[":
-            c = yield from self._calls_list(c)
-        elif c == "{":
-            c = yield from self._call(c)
-            while True:  # more objects, one per line
-                c = yield from self._skip_ws(c)
-                if c != "{":
-                    break
-                self._set_mark()
-                c = yield from self._call(c)
-        else:
-            raise _Fail
-        if fenced:
-            c = yield from self._skip_ws(c)
-            for _ in range(3):
-                if c != "`":
-                    break
-                c = yield
-        return c
-
-
-PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3ToolParser, MistralToolParser, GenericToolParser)}
-
-
-def parser_name_for_template(source: str | None) -> str:
-    """The tool-call format a chat template's source uses: hermes, llama3, mistral, or generic (none)."""
-    source = source or ""
-    if "<tool_call>" in source:
-        return "hermes"
-    if "[TOOL_CALLS]" in source:
-        return "mistral"
-    if "<|python_tag|>" in source or "ipython" in source:
-        return "llama3"
-    return "generic"
-
-
-def parser_for_template(source: str | None, tool_names: Iterable[str] | None = None) -> ToolParser:
-    """A fresh parser of the format the chat template `source` uses (see `parser_name_for_template`)."""
-    return PARSERS[parser_name_for_template(source)](tool_names)
-
-
-@dataclass
-class ChatDelta:
-    """One piece of a chat answer, split: reasoning text, content text and tool-call pieces."""
-
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
-
-
-@dataclass
-class ChatOutput:
-    """A whole chat answer, split: reasoning (None if none), content (None if none) and tool calls."""
-
-    reasoning: str | None
-    content: str | None
-    tool_calls: list[ToolCall]
-
-
-class ChatOutputParser:
-    """The reasoning parser first, then the tool parser on the answer only (a call written inside the
-    reasoning is reasoning text). Either may be None. Same result for any split of the text."""
-
-    def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolParser | None = None) -> None:
-        self.reasoning, self.tools = reasoning, tools
-        self._reasoning_text: list[str] = []
-
-    def feed(self, text: str) -> ChatDelta:
-        """Take the next piece of output text."""
-        return self._split(self.reasoning.feed(text) if self.reasoning else ReasoningDelta(content=text), False)
-
-    def finish(self) -> ChatDelta:
-        """The output ended: settle what is held back."""
-        return self._split(self.reasoning.finish() if self.reasoning else ReasoningDelta(), True)
-
-    def parse(self, text: str) -> ChatOutput:
-        """Reasoning, content and calls of a whole output (use a fresh parser)."""
-        return accumulate_chat([self.feed(text), self.finish()])
-
-    def _split(self, piece: ReasoningDelta, final: bool) -> ChatDelta:
-        out = ChatDelta(reasoning=piece.reasoning)
-        if self.tools is None:
-            out.content = piece.content
-            return out
-        parts = [self.tools.feed(piece.content)] if piece.content else []
-        if final:
-            parts.append(self.tools.finish())
-        for p in parts:
-            out.content += p.content
-            out.tool_calls.extend(p.tool_calls)
-        return out
-
-
-def accumulate_chat(deltas: Iterable[ChatDelta]) -> ChatOutput:
-    """Join streamed chat pieces as a client does."""
-    deltas = list(deltas)
-    reasoning = "".join(d.reasoning for d in deltas)
-    calls = accumulate(ParsedDelta(d.content, d.tool_calls) for d in deltas)
-    return ChatOutput(reasoning or None, calls.content, calls.tool_calls)

@@ -1,10 +1,9 @@
-"""What every route handler uses: the orjson response, the JSON body reader with its type, size and time limits,
-the readiness and model checks, and moving long work off the event loop."""
+"""Request bodies and JSON answers: the orjson response, the JSON body reader with its type, size and time limits,
+and moving long work off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import anyio
@@ -13,9 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .errors import APIError
-from .generation import Generation, Job
-from .sse import ClientDisconnected, unless_disconnected
-from .state import ServerState
+from .state import server_state
 
 THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
 # Bodies past this many bytes are parsed, validated, rendered and tokenized off the event loop: every one of those
@@ -32,11 +29,6 @@ class JSONResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
-
-
-def server_state(request: Request) -> ServerState:
-    """The server's shared state."""
-    return request.app.state.server
 
 
 def _is_json_type(content_type: str) -> bool:
@@ -98,25 +90,6 @@ async def read_json(request: Request) -> Any:
     return await off_loop_if_large(len(raw), parse_json, raw)
 
 
-def require_ready(state: ServerState) -> None:
-    """503 while the model loads, when it failed to, while the server stops, or when the engine has stopped."""
-    if state.status == "loading":
-        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
-    if state.status == "stopping":
-        raise APIError(503, "the server is shutting down", code="engine_stopped")
-    if state.status != "ready" or state.engine is None:
-        raise APIError(503, f"the model is not available ({state.status}: {state.error})", code="model_unavailable")
-    if not getattr(state.engine, "is_alive", True):
-        raise APIError(503, "the generation engine has stopped; restart the server", code="engine_dead")
-
-
-def check_model(state: ServerState, model: str | None) -> None:
-    """404 unless `model` is absent or the served model's name."""
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
-                       param="model", code="model_not_found")
-
-
 async def off_loop_if_long(size: int, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, in a worker thread when the input is longer than `THREAD_TOKENIZE_CHARS`."""
     if size > THREAD_TOKENIZE_CHARS:
@@ -129,30 +102,3 @@ async def off_loop_if_large(body_bytes: int, fn, *args, **kwargs):
     if body_bytes > OFF_LOOP_BODY_BYTES:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
-
-
-def request_id(request: Request) -> str:
-    """The id `RequestIdMiddleware` gave this request ("-" outside it)."""
-    return getattr(request.state, "request_id", "-")
-
-
-async def start_generation(request: Request, state: ServerState, jobs: list[Job], arrival: float) -> Generation | None:
-    """Submit a request's jobs under the server's limits: 429 past ``--max-queue``, a ``--request-timeout`` deadline,
-    the engine's admission check (a bad job is a 400). None when the client left before every job was queued."""
-    config = state.config
-    queued = state.engine.num_queued
-    if queued >= config.max_queue:
-        raise APIError(429, f"the server is busy: {queued} requests are waiting for a place in the batch, the limit "
-                       f"is {config.max_queue} (--max-queue); retry later", code="queue_full",
-                       headers={"retry-after": "1"})
-    gen = Generation(state.engine, jobs, state.metrics, arrival, request_id(request))
-    if config.request_timeout:
-        gen.set_deadline(config.request_timeout - (time.perf_counter() - arrival),
-                         APIError(504, f"the request took longer than {config.request_timeout:g} seconds "
-                                  "(--request-timeout)", code="request_timeout"))
-    try:
-        await unless_disconnected(request.receive, gen.start)
-    except ClientDisconnected:
-        return None
-    state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
-    return gen

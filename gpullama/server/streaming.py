@@ -1,4 +1,5 @@
-"""Server-sent events: event encoding, a streaming response that notices disconnects, and a disconnect guard."""
+"""Streamed answers: server-sent events (plain ``data:`` events and typed ``event: TYPE`` ones), newline-delimited
+JSON, a streaming response that notices disconnects, and a disconnect guard."""
 
 from __future__ import annotations
 
@@ -14,16 +15,24 @@ log = logging.getLogger("gpullama.server")
 T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
-_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
+SSE_MEDIA_TYPE = b"text/event-stream; charset=utf-8"
+NDJSON_MEDIA_TYPE = b"application/x-ndjson"
 
 
 def event(obj: Any) -> bytes:
     """One SSE ``data:`` event holding ``obj`` as JSON."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def typed_event(kind: str, obj: Any) -> bytes:
+    """One SSE event of type `kind` (``event: KIND``) holding ``obj`` as JSON (the Responses and Anthropic
+    streams)."""
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+def ndjson_line(obj: Any) -> bytes:
+    """One line of newline-delimited JSON (Ollama's streams)."""
+    return orjson.dumps(obj) + b"\n"
 
 
 class ClientDisconnected(Exception):
@@ -37,16 +46,19 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-class SSEResponse:
-    """Streams ``events`` as ``text/event-stream``; stops them at once when the client disconnects.
+class StreamResponse:
+    """Streams ``events`` (``text/event-stream`` unless `media_type` says otherwise); stops them at once when the
+    client disconnects.
 
     Stopping closes the ``events`` generator (its ``finally`` aborts the engine requests) and calls ``on_disconnect``.
     """
 
-    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None] | None = None,
+                 media_type: bytes = SSE_MEDIA_TYPE) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
         self.status_code = 200
+        self.headers = [(b"content-type", media_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
@@ -64,7 +76,7 @@ class SSEResponse:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
-                await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
                 try:
                     async for chunk in self.events:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -1,69 +1,29 @@
-"""The structured-output and tool fields of a request (`response_format`, `tools`, `tool_choice`,
-`parallel_tool_calls`, `chat_template_kwargs`), checked and turned into a prompt plan and a grammar.
+"""The common chat plan every chat-like endpoint builds (chat completions, responses, Anthropic's messages,
+Ollama's chat): the structured-output and tool fields in chat completions' shape (`response_format`, `tools`,
+`tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`), checked and turned into the prompt's messages and
+tools, the grammar, and how to read the output. An API in another shape converts its body into this one first.
 
-What the model's chat template supports decides how tools reach the prompt: a template with tool support
-(Hermes/Qwen, Llama 3, Mistral) renders them itself, with the calls in earlier assistant messages given as
-objects; any other template gets the generic tool prompt (llama.cpp's approach) and the calls written as the
-generic JSON. `required` and named choices are forced by a grammar in the same format; `auto` is parsed.
+What the model's chat template supports decides how tools reach the prompt (`gpullama.chat.formats`): a template
+with tool support (Hermes/Qwen, Llama 3, Mistral) renders them itself, with the calls in earlier assistant
+messages given as objects; any other template gets the generic tool prompt (llama.cpp's approach) and the calls
+written as the generic JSON. `required` and named choices are forced by a grammar in the same format; `auto` is
+parsed.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpullama.chat.model_format import ChatFormat
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.tools import parse_tool, tool_call_grammar
 
 from .errors import APIError
-from .reasoning import THINK_CLOSE, THINK_OPEN
-from .tool_parsers import PARSERS, parser_name_for_template
-from .tool_prompt import generic_messages, template_messages
 
 TOOL_CHOICES = ("none", "auto", "required")
 # names the render itself passes; chat_template_kwargs may not replace them
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "documents"})
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """What a model's chat template and vocabulary support: its tool-call format (hermes, llama3, mistral or
-    generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
-    of the format's markers are special tokens of the vocabulary (the detokenizer drops special tokens unless
-    told to keep them, and the parsers must see these)."""
-
-    tool_format: str
-    template_tools: bool
-    reasoning: bool
-    tool_marker_ids: tuple[int, ...] = ()  # the tool-call format's markers ([TOOL_CALLS], <|python_tag|>)
-    reasoning_marker_ids: tuple[int, ...] = ()  # <think> and </think>
-
-
-_formats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_formats_lock = threading.Lock()
-
-
-def chat_format(tokenizer: Any) -> ChatFormat:
-    """The chat format of `tokenizer` (computed once per tokenizer). A model reasons when its vocabulary has
-    <think> and </think> as single tokens or its template speaks of </think> (Qwen3, DeepSeek-R1 distills)."""
-    with _formats_lock:
-        found = _formats.get(tokenizer)
-    if found is None:
-        from gpullama.structured.reasoning_gate import reasoning_token_ids  # imports torch: not for --help
-
-        source = tokenizer.chat_template.source
-        name = parser_name_for_template(source)
-        reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
-        ids = sorted(tokenizer.special_token_ids)
-        special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
-        found = ChatFormat(name, name != "generic", reasoning,
-                           tuple(special[m] for m in PARSERS[name].token_markers if m in special),
-                           tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
-        with _formats_lock:
-            _formats[tokenizer] = found
-    return found
 
 
 @dataclass
@@ -171,11 +131,8 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> Ch
     plan.spec = response_format_spec(body)
     offered = tools if kind != "none" else None  # tool_choice "none": the model is not shown the tools
     try:
-        if fmt.template_tools:
-            plan.messages = template_messages(messages)
-            plan.tools = offered
-        else:
-            plan.messages = generic_messages(messages, offered, choice, parallel)
+        plan.messages = fmt.tools.prompt_messages(messages, offered, choice, parallel)
+        plan.tools = offered if fmt.template_tools else None
         if offered:
             plan.tool_names = [parse_tool(t, i)[0] for i, t in enumerate(offered)]
             forced = tool_call_grammar(offered, choice, parallel_tool_calls=parallel, format=fmt.tool_format)
@@ -186,17 +143,21 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> Ch
     return plan
 
 
-def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any], param: str,
-                what: str) -> tuple[str, list[int]]:
+def render_plan(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool = True) -> str:
+    """The prompt text of the plan's messages and tools; a template that rejects them is a 400 naming
+    ``messages``."""
+    try:
+        return tokenizer.apply_chat_template(plan.messages, add_generation_prompt=add_generation_prompt,
+                                             tools=plan.tools, **plan.template_kwargs)
+    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
+        raise APIError(400, f"the chat template rejected the conversation: {exc}", param="messages") from exc
+
+
+def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any]) -> tuple[str, list[int]]:
     """Give the request's sampling options the plan's grammar and kept marker tokens, render the chat template on
-    the plan's messages and tools, and tokenize; a template that rejects the input is a 400 naming `param`
-    (`what`: how the message calls it)."""
+    the plan's messages and tools (`render_plan`), and tokenize."""
     if plan.spec is not None:
         sampling_kwargs["structured_output"] = plan.spec
     sampling_kwargs["preserved_token_ids"] = plan.preserved_token_ids
-    try:
-        text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
-                                             **plan.template_kwargs)
-    except Exception as exc:  # jinja2 errors (raise_exception in templates) and ValueError
-        raise APIError(400, f"the chat template rejected {what}: {exc}", param=param) from exc
+    text = render_plan(tokenizer, plan)
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -1,61 +1,21 @@
-"""Tools in the prompt: messages with tool calls made ready for a chat template, and the generic tool prompt
-for templates without tool support (the format `GenericToolParser` reads)."""
+"""The generic format, llama.cpp's way for templates without tool support: a system prompt that describes the
+tools and asks for ``{"name": ..., "arguments": {...}}`` (or an array of them), earlier calls written as that JSON,
+tool results as user messages, and the parser of that JSON."""
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Sequence
 from typing import Any
 
+from gpullama.chat.formats.base import ChatToolFormat, call_arguments
+from gpullama.chat.tool_calls import NotACall, Scan, ToolParser
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.structured.tools import TOOL_CALL_FORMATS, parse_tool
 
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
-
-
-def _call_arguments(call: Any, where: str) -> tuple[str, str | None, Any]:
-    """(name, id, arguments object) of one assistant ``tool_calls`` entry; errors name the field."""
-    if not isinstance(call, dict):
-        raise StructuredOutputError(f"{where} must be an object", where)
-    fn = call.get("function")
-    if call.get("type", "function") != "function" or not isinstance(fn, dict):
-        raise StructuredOutputError(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
-    name = fn.get("name")
-    if not isinstance(name, str) or not name:
-        raise StructuredOutputError(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
-    args = fn.get("arguments", "{}")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise StructuredOutputError(f"{where}.function.arguments is not valid JSON",
-                                        f"{where}.function.arguments") from None
-    if not isinstance(args, dict):
-        raise StructuredOutputError(f"{where}.function.arguments must be a JSON object",
-                                    f"{where}.function.arguments")
-    call_id = call.get("id")
-    return name, call_id if isinstance(call_id, str) else None, args
-
-
-def template_messages(messages: Sequence[dict[str, Any]], param: str = "messages") -> list[dict[str, Any]]:
-    """A copy of `messages` for a template with tool support: each assistant call's ``arguments`` parsed
-    from its JSON string into an object (templates render it with ``tojson``). Malformed calls raise
-    StructuredOutputError naming the field."""
-    out = copy.deepcopy(list(messages))
-    for i, message in enumerate(out):
-        calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if calls is None:
-            continue
-        where = f"{param}[{i}].tool_calls"
-        if message.get("role") != "assistant" or not isinstance(calls, list):
-            raise StructuredOutputError(f"{where} must be a list, on an assistant message", where)
-        for j, call in enumerate(calls):
-            _, _, args = _call_arguments(call, f"{where}[{j}]")
-            call["function"]["arguments"] = args
-    return out
 
 
 def generic_tool_prompt(tools: Sequence[Any], tool_choice: Any = "auto", parallel_tool_calls: bool = True) -> str:
@@ -105,7 +65,7 @@ def generic_messages(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | 
             calls = message["tool_calls"]
             if role != "assistant" or not isinstance(calls, list):
                 raise StructuredOutputError(f"{where} must be a list, on an assistant message", where)
-            parsed = [_call_arguments(c, f"{where}[{j}]") for j, c in enumerate(calls)]
+            parsed = [call_arguments(c, f"{where}[{j}]") for j, c in enumerate(calls)]
             names.update({cid: name for name, cid, _ in parsed if cid})
             text = fmt.render([(name, args) for name, _, args in parsed], parallel=len(parsed) > 1)
             content = message.get("content") or ""
@@ -125,3 +85,43 @@ def generic_messages(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | 
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+class GenericToolParser(ToolParser):
+    """The generic format (templates without tools): the whole answer is ``{"name": ..., "arguments": {...}}``
+    or a JSON array of such objects, possibly in a ``` code fence. Anything else is content."""
+
+    name = "generic"
+    start_chars = "{["
+    start_markers = ("```",)
+
+    def _region_scan(self) -> Scan:
+        c = yield
+        fenced = self._trigger == "```"
+        if fenced:
+            while c is not None and c.isalpha():  # the fence's language tag
+                c = yield
+            c = yield from self._skip_ws(c)
+        if c == "[":
+            c = yield from self._calls_list(c)
+        elif c == "{":
+            c = yield from self._call(c)
+            while True:  # more objects, one per line
+                c = yield from self._skip_ws(c)
+                if c != "{":
+                    break
+                self._set_mark()
+                c = yield from self._call(c)
+        else:
+            raise NotACall
+        if fenced:
+            c = yield from self._skip_ws(c)
+            for _ in range(3):
+                if c != "`":
+                    break
+                c = yield
+        return c
+
+
+FORMAT = ChatToolFormat("generic", GenericToolParser, TOOL_CALL_FORMATS["generic"], lambda source: True,
+                        template_tools=False, prompt_messages=generic_messages)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gpullama.server.reasoning import ReasoningParser, prompt_opens_reasoning
+from gpullama.chat.reasoning import ReasoningParser, prompt_opens_reasoning
 
 CASES = [
     # (text, start_in_reasoning, (reasoning, content))

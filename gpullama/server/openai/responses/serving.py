@@ -1,9 +1,9 @@
 """``POST /v1/responses``: OpenAI's Responses API (what the SDK's ``client.responses.create`` calls), over the same
 chat template, tool and structured-output planning, output parsing and engine as chat completions.
 
-The request (`responses_request.py`) becomes chat messages and chat's tool and format fields, which
-`structured_request.plan_chat` turns into the prompt and the grammar; the answer is a ``response`` object whose
-`output` is a list of items (`responses_items.py`: reasoning, the assistant message, function calls), streamed as
+The request (`request.py`) becomes chat messages and chat's tool and format fields, which `chat_plan.plan_chat`
+turns into the prompt and the grammar; the answer is a ``response`` object whose `output` is a list of items
+(`items.py`: reasoning, the assistant message, function calls), streamed as
 typed server-sent events (``response.created``, ``response.output_item.added``, ``response.output_text.delta``,
 ``response.function_call_arguments.delta``, ..., ``response.completed``).
 """
@@ -16,27 +16,21 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .chat_output import ChatOutputShaper
-from .common import (
-    JSONResponse,
-    check_model,
-    off_loop_if_long,
-    read_json,
-    require_ready,
-    server_state,
-    start_generation,
-)
-from .errors import APIError
-from .generation import Generation, Job
-from .protocol import sampling_params
-from .responses_items import Event, OutputItems
-from .responses_request import ResponsesRequest, chat_names_to_responses, parse_responses
-from .sse import ClientDisconnected, SSEResponse, unless_disconnected
-from .structured_request import ChatPlan, chat_format, plan_chat, render_planned_chat
+from gpullama.chat.model_format import chat_format
+
+from ...body import JSONResponse, off_loop_if_long, read_json
+from ...chat_output import ChatOutputShaper
+from ...chat_plan import ChatPlan, plan_chat, render_planned_chat
+from ...errors import APIError
+from ...generation import Generation, Job, start_generation
+from ...sampling import sampling_params
+from ...state import check_model, require_ready, server_state
+from ...streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
+from .items import Event, OutputItems
+from .request import NAMES, ResponsesRequest, parse_responses
 
 
 class ResponseObject:
@@ -74,14 +68,11 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def _prepare(tokenizer: Any, req: ResponsesRequest) -> tuple[ChatPlan, str, list[int]]:
-    """Plan the request's tools and format as chat's (errors renamed to the Responses fields), render the chat
-    template and tokenize (a worker thread may run it)."""
-    try:
-        plan = plan_chat(req.chat_fields, req.messages, chat_format(tokenizer))
-    except APIError as exc:
-        raise chat_names_to_responses(exc) from None
-    text, ids = render_planned_chat(tokenizer, plan, req.options.kwargs, "input", "this input")
+def prepare(tokenizer: Any, req: ResponsesRequest) -> tuple[ChatPlan, str, list[int]]:
+    """Plan the request's tools and format as chat's (errors in chat's names), render the chat template and
+    tokenize (a worker thread may run it)."""
+    plan = plan_chat(req.chat_fields, req.messages, chat_format(tokenizer))
+    text, ids = render_planned_chat(tokenizer, plan, req.options.kwargs)
     return plan, text, ids
 
 
@@ -96,24 +87,21 @@ def _input_size(req: ResponsesRequest) -> int:
 async def create_response(request: Request) -> Response:
     """``POST /v1/responses``."""
     arrival = time.perf_counter()
+    request.state.field_names = NAMES
     state = server_state(request)
     require_ready(state)
     req = parse_responses(await read_json(request))
     check_model(state, req.model)
-    plan, prompt, ids = await off_loop_if_long(_input_size(req), _prepare, state.llm.tokenizer, req)
+    plan, prompt, ids = await off_loop_if_long(_input_size(req), prepare, state.llm.tokenizer, req)
     response = ResponseObject(req, state.model_name)
-    job = Job(0, ids, sampling_params(req.options), prompt_param="input", max_tokens_param="max_output_tokens",
-              request_id=response.id)
-    try:
-        gen = await start_generation(request, state, [job], arrival)
-    except APIError as exc:  # the engine's admission and grammar errors name chat's fields
-        raise chat_names_to_responses(exc) from None
+    job = Job(0, ids, sampling_params(req.options), request_id=response.id)
+    gen = await start_generation(request, state, [job], arrival)
     if gen is None:
         return Response(status_code=499)
     shaper = ChatOutputShaper(plan, prompt)
     items = OutputItems(shaper if shaper.active else None)
     if req.stream:
-        return SSEResponse(_events(response, gen, items))
+        return StreamResponse(_events(response, gen, items))
     return await _whole(request, response, gen, items)
 
 
@@ -140,8 +128,7 @@ async def _whole(request: Request, response: ResponseObject, gen: Generation, it
 
 def _event(sequence: itertools.count, kind: str, **fields: Any) -> bytes:
     """One typed SSE event: ``event: TYPE`` and its JSON (which repeats the type and carries a sequence number)."""
-    data = orjson.dumps({"type": kind, "sequence_number": next(sequence), **fields})
-    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+    return typed_event(kind, {"type": kind, "sequence_number": next(sequence), **fields})
 
 
 async def _events(response: ResponseObject, gen: Generation, items: OutputItems) -> AsyncIterator[bytes]:
@@ -161,7 +148,7 @@ async def _events(response: ResponseObject, gen: Generation, items: OutputItems)
                 yield chunk
             finish = delta.finish_reason or finish
     except APIError as exc:
-        error = {"code": "server_error", "message": exc.message}
+        error = {"code": "server_error", "message": NAMES.apply(exc).message}
         yield _event(seq, "response.failed", response=response.build("failed", items.fail(), gen, error=error))
         return
     finally:

@@ -1,24 +1,26 @@
 """A ``POST /v1/responses`` body checked and put in the chat shape, so both endpoints share one tool and
-structured-output pipeline (`structured_request.plan_chat`).
+structured-output pipeline (`chat_plan.plan_chat`).
 
 `input` items and `instructions` become chat messages: message items as they are, ``function_call`` items as an
 assistant message's ``tool_calls``, ``function_call_output`` items as ``tool`` messages, a ``reasoning`` item as
 the next assistant message's ``reasoning_content``. The flat function `tools`, `tool_choice` and `text.format`
-become chat's `tools`, `tool_choice` and `response_format`; the errors `plan_chat` raises in chat's names are
-renamed back to the Responses fields (`chat_names_to_responses`).
+become chat's `tools`, `tool_choice` and `response_format`; the errors of the common plan and the engine, in
+chat's names, are renamed back to the Responses fields (`NAMES`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.engine.admission import MAX_MESSAGES
+from gpullama.chat.messages import MAX_MESSAGES
 
-from .errors import APIError
-from .protocol import CHAT_ROLES, SamplingOptions, _options
+from ...errors import APIError, FieldNames
+from ...fields import bad as _bad
+from ...fields import kind as _kind
+from ...sampling import SamplingOptions, sampling_options
+from ..chat import CHAT_ROLES
 
 # message items' roles (tool results arrive as function_call_output items)
 INPUT_ROLES = {k: v for k, v in CHAT_ROLES.items() if k != "tool"}
@@ -28,10 +30,12 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 TEXT_PARTS = ("input_text", "output_text", "text")
 TOOL_CHOICES = ("none", "auto", "required")
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-# chat's field names in plan_chat's errors -> the Responses fields they came from
-_RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
-            (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
-            (re.compile(r"\bmessages(\[\d+\][\w.\[\]]*)?"), "input"))
+NAMES = FieldNames(
+    fields=(("prompt", "input"), ("max_tokens", "max_output_tokens")),
+    paths=((r"\btools\[(\d+)\]\.function\b", r"tools[\1]"), (r"\bresponse_format(\.json_schema)?\b", "text.format"),
+           (r"\bmessages(\[\d+\][\w.\[\]]*)?", "input")))
+"""The Responses names for chat's fields (``tools[0].function.name`` is ``tools[0].name``,
+``response_format.json_schema.schema`` is ``text.format.schema``, the messages are the input)."""
 
 
 @dataclass
@@ -46,24 +50,6 @@ class ResponsesRequest:
     instructions: str | None
     chat_fields: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls, ...
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
-
-
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param)
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def chat_names_to_responses(error: APIError) -> APIError:
-    """`error` (raised in chat's field names: ``tools[0].function.name``, ``response_format.json_schema.schema``)
-    with the Responses names (``tools[0].name``, ``text.format.schema``)."""
-    param, message = error.param, error.message
-    for pattern, name in _RENAMES:
-        param = pattern.sub(name, param) if param else param
-        message = pattern.sub(name, message)
-    return APIError(error.status, message, param=param, code=error.code, headers=error.headers)
 
 
 def _text(content: Any, where: str) -> str:
@@ -244,7 +230,7 @@ def _refuse_unsupported(body: dict) -> None:
 
 def parse_responses(body: Any) -> ResponsesRequest:
     """Validate a Responses body; raises ``APIError`` (400) naming the bad field. The tool and format fields are
-    checked further by `plan_chat` (whose errors `chat_names_to_responses` renames)."""
+    checked further by `plan_chat` (whose errors `NAMES` renames)."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
     _refuse_unsupported(body)
@@ -263,11 +249,11 @@ def parse_responses(body: Any) -> ResponsesRequest:
     response_format, format_echo = _response_format(body.get("text"))
     chat_fields = {"tools": tools, "tool_choice": _tool_choice(body.get("tool_choice"), tools),
                    "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": response_format}
-    opts = _options({name: body[name] for name in SAMPLING_FIELDS if name in body})
+    opts = sampling_options({name: body[name] for name in SAMPLING_FIELDS if name in body})
     max_output = body.get("max_output_tokens")
     if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
         raise _bad("max_output_tokens", f"'max_output_tokens' must be an integer >= 1, got {max_output!r}")
-    opts.max_tokens, opts.max_tokens_param = max_output, "max_output_tokens"
+    opts.max_tokens = max_output
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", f"'stream' must be a boolean, got {_kind(stream)}")

@@ -1,0 +1,46 @@
+"""The tool-call formats, one module each (markers, template detection, prompt, parser, the grammar's text form).
+
+A new format is one module defining a `ChatToolFormat` named ``FORMAT``, listed in `FORMATS` (detection tries them
+in order; the generic format, last, takes any template). Its forced calls need its text form in
+`gpullama.structured.tools.TOOL_CALL_FORMATS`, which the grammar engine (a lower layer) reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpullama.chat.formats import generic, hermes, llama3, mistral
+from gpullama.chat.formats.base import ChatToolFormat, call_arguments, template_messages
+from gpullama.chat.formats.generic import GenericToolParser, generic_messages, generic_tool_prompt
+from gpullama.chat.formats.hermes import HermesToolParser
+from gpullama.chat.formats.llama3 import Llama3ToolParser
+from gpullama.chat.formats.mistral import MistralToolParser
+from gpullama.chat.tool_calls import ToolParser
+
+FORMATS: tuple[ChatToolFormat, ...] = (hermes.FORMAT, mistral.FORMAT, llama3.FORMAT, generic.FORMAT)
+"""Every format, in the order template detection tries them."""
+
+FORMAT_BY_NAME: dict[str, ChatToolFormat] = {f.name: f for f in FORMATS}
+PARSERS: dict[str, type[ToolParser]] = {f.name: f.parser for f in FORMATS}
+
+
+def format_for_template(source: str | None) -> ChatToolFormat:
+    """The tool-call format a chat template's source is written for (the generic one when none is)."""
+    return next(f for f in FORMATS if f.detects(source or ""))
+
+
+def parser_name_for_template(source: str | None) -> str:
+    """The name of the tool-call format a chat template's source uses: hermes, llama3, mistral, or generic."""
+    return format_for_template(source).name
+
+
+def parser_for_template(source: str | None, tool_names: Iterable[str] | None = None) -> ToolParser:
+    """A fresh parser of the format the chat template `source` uses (see `format_for_template`)."""
+    return format_for_template(source).parser(tool_names)
+
+
+__all__ = [
+    "FORMATS", "FORMAT_BY_NAME", "PARSERS", "ChatToolFormat", "GenericToolParser", "HermesToolParser",
+    "Llama3ToolParser", "MistralToolParser", "call_arguments", "format_for_template", "generic_messages",
+    "generic_tool_prompt", "parser_for_template", "parser_name_for_template", "template_messages",
+]

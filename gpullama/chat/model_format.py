@@ -1,0 +1,56 @@
+"""The chat format of one model: its template's tool-call format, whether it reasons in ``<think>`` blocks, and
+which of those formats' markers its vocabulary holds as special tokens."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from gpullama.chat.formats import FORMAT_BY_NAME, ChatToolFormat, format_for_template
+from gpullama.chat.reasoning import THINK_CLOSE, THINK_OPEN
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What a model's chat template and vocabulary support: its tool-call format (hermes, llama3, mistral or
+    generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
+    of the format's markers are special tokens of the vocabulary (the detokenizer drops special tokens unless
+    told to keep them, and the parsers must see these)."""
+
+    tool_format: str
+    template_tools: bool
+    reasoning: bool
+    tool_marker_ids: tuple[int, ...] = ()  # the tool-call format's markers ([TOOL_CALLS], <|python_tag|>)
+    reasoning_marker_ids: tuple[int, ...] = ()  # <think> and </think>
+
+    @property
+    def tools(self) -> ChatToolFormat:
+        """The tool-call format itself (parser, prompt, grammar form)."""
+        return FORMAT_BY_NAME[self.tool_format]
+
+
+_formats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_formats_lock = threading.Lock()
+
+
+def chat_format(tokenizer: Any) -> ChatFormat:
+    """The chat format of `tokenizer` (computed once per tokenizer). A model reasons when its vocabulary has
+    <think> and </think> as single tokens or its template speaks of </think> (Qwen3, DeepSeek-R1 distills)."""
+    with _formats_lock:
+        found = _formats.get(tokenizer)
+    if found is None:
+        from gpullama.structured.reasoning_gate import reasoning_token_ids  # imports torch: not for --help
+
+        source = tokenizer.chat_template.source
+        tools = format_for_template(source)
+        reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
+        ids = sorted(tokenizer.special_token_ids)
+        special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
+        found = ChatFormat(tools.name, tools.template_tools, reasoning,
+                           tuple(special[m] for m in tools.token_markers if m in special),
+                           tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
+        with _formats_lock:
+            _formats[tokenizer] = found
+    return found

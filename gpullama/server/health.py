@@ -1,0 +1,28 @@
+"""``GET /health`` (readiness, as llama.cpp's and vLLM's) and ``GET /metrics`` (Prometheus)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .body import JSONResponse
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .state import server_state
+
+
+async def health(request: Request) -> Response:
+    """``GET /health``: 200 ``{"status": "ok"}`` when ready, 503 while loading or when the engine is gone."""
+    state = server_state(request)
+    if state.status in ("loading", "stopping"):
+        return JSONResponse({"status": state.status}, status_code=503)
+    if state.status != "ready" or state.engine is None:
+        return JSONResponse({"status": "error", "message": f"{state.status}: {state.error}"}, status_code=503)
+    if not getattr(state.engine, "is_alive", True):
+        return JSONResponse({"status": "error", "message": "the generation engine has stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics``: Prometheus text exposition."""
+    state = server_state(request)
+    return Response(state.metrics.render(state.engine), media_type=METRICS_CONTENT_TYPE)

@@ -1,0 +1,70 @@
+"""``POST /api/embed`` (``{"input": str | [str]}`` -> ``{"embeddings": [[...]]}``) and the older
+``POST /api/embeddings`` (``{"prompt": str}`` -> ``{"embedding": [...]}``), on the engine's embedding requests."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gpullama.pooling_params import PoolingParams
+
+from ..body import JSONResponse, read_json
+from ..embedding import run_embeddings
+from ..errors import FieldNames
+from ..fields import bad, int_field, kind, object_body
+from ..state import require_ready, server_state
+from ..streaming import ClientDisconnected
+from .request import check_model_name
+
+NAMES = FieldNames(fields=(("prompt", "input"),))
+LEGACY_NAMES = FieldNames(fields=(("prompt", "prompt"),))
+
+
+async def _embed(request: Request, texts: list[str], dimensions: int | None) -> tuple[list[list[float]], int] | None:
+    state = server_state(request)
+    ids = [state.llm.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+    try:
+        return await run_embeddings(request, state, ids, PoolingParams(dimensions=dimensions),
+                                    f"embed-{uuid.uuid4().hex}")
+    except ClientDisconnected:
+        return None
+
+
+async def embed(request: Request) -> Response:
+    """``POST /api/embed``."""
+    arrival = time.perf_counter()
+    request.state.field_names = NAMES
+    state = server_state(request)
+    require_ready(state)
+    body = object_body(await read_json(request))
+    check_model_name(state, body.get("model"))
+    value = body.get("input")
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise bad("input", f"'input' must be a non-empty string or a non-empty list of them, got {kind(value)}")
+    done = await _embed(request, texts, int_field(body, "dimensions"))
+    if done is None:
+        return Response(status_code=499)
+    vectors, prompt_tokens = done
+    return JSONResponse({"model": state.model_name, "embeddings": vectors,
+                         "total_duration": int((time.perf_counter() - arrival) * 1e9), "load_duration": 0,
+                         "prompt_eval_count": prompt_tokens})
+
+
+async def embeddings(request: Request) -> Response:
+    """``POST /api/embeddings`` (Ollama's older endpoint): one prompt, one vector."""
+    request.state.field_names = LEGACY_NAMES
+    state = server_state(request)
+    require_ready(state)
+    body = object_body(await read_json(request))
+    check_model_name(state, body.get("model"))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("prompt", f"'prompt' must be a non-empty string, got {kind(prompt)}")
+    done = await _embed(request, [prompt], None)
+    if done is None:
+        return Response(status_code=499)
+    return JSONResponse({"embedding": done[0][0]})

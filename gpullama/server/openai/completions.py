@@ -1,0 +1,120 @@
+"""``POST /v1/completions``: prompts (text or token ids) run as n choices each, answered as a
+``text_completion`` or its chunks (`choices`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gpullama.engine.admission import check_count
+from gpullama.sampling_params import SamplingParams
+
+from ..body import off_loop_if_large, parse_json, read_request_body
+from ..chat_plan import response_format_spec
+from ..errors import CHAT_NAMES, FieldNames
+from ..fields import admitted, bad, bool_field, int_field, str_field
+from ..generation import Job
+from ..sampling import MAX_N, SamplingOptions, check_choices, sampling_options, sampling_params
+from ..state import ServerState, check_model, require_ready, server_state
+from .choices import Answer, new_id, parse_head, serve_choices
+
+NAMES = CHAT_NAMES
+"""Completions' names for the common plan's fields: the same ones."""
+
+
+@dataclass
+class CompletionRequest:
+    """A validated ``POST /v1/completions`` body; each prompt is a string or a list of token ids."""
+
+    model: str | None
+    prompts: list[str | list[int]]
+    options: SamplingOptions
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    names: FieldNames = NAMES
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("prompt", "'prompt' is a required field")
+
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        admitted(check_count, "prompt", len(prompt), MAX_N)  # a list of prompts: its length before its items
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids "
+                  "or a list of token-id lists (non-empty)")
+    return prompts
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Validate a text completions body; raises ``APIError`` (400) naming the bad field."""
+    head = parse_head(body)
+    prompts = _prompts(body)
+    admitted(check_choices, len(prompts), head.n)
+    opts = sampling_options(body)
+    logprobs = int_field(body, "logprobs")
+    if logprobs is not None:
+        if not 0 <= logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise bad("logprobs", f"'logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {logprobs}")
+        opts.kwargs["logprobs"] = logprobs
+    echo = bool_field(body, "echo")
+    if echo and logprobs is not None:
+        raise bad("echo", "'echo' together with 'logprobs' is not supported (prompt log-probabilities are not computed)")
+    if str_field(body, "suffix"):
+        raise bad("suffix", "'suffix' is not supported")
+    best_of = int_field(body, "best_of")
+    if best_of is not None and best_of not in (1, head.n):
+        raise bad("best_of", f"'best_of' other than 1 or n is not supported, got {best_of}")
+    names = NAMES.but(max_tokens="max_completion_tokens") if body.get("max_completion_tokens") is not None else NAMES
+    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names)
+
+
+def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+    """Parse and validate a completions body and tokenize its prompts (a worker thread may run it)."""
+    body = parse_json(raw)
+    req = parse_completion(body)
+    check_model(state, req.model)
+    spec = response_format_spec(body)
+    if spec is not None:
+        req.options.kwargs["structured_output"] = spec
+    tok = state.llm.tokenizer
+    return req, [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in req.prompts]
+
+
+async def completions(request: Request) -> Response:
+    """``POST /v1/completions``."""
+    arrival = time.perf_counter()
+    request.state.field_names = NAMES
+    state = server_state(request)
+    require_ready(state)
+    raw = await read_request_body(request)
+    req, prompt_ids = await off_loop_if_large(len(raw), prepare_completion, state, raw)
+    request.state.field_names = req.names
+    jobs: list[Job] = []
+    texts: list[str | None] = []
+    for p, (prompt, ids) in enumerate(zip(req.prompts, prompt_ids)):
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        else:
+            texts.append(None if req.echo else "")  # echoed text is decoded once the engine accepted the ids
+        for i in range(req.n):
+            jobs.append(Job(p * req.n + i, ids, sampling_params(req.options, seed_offset=i), prompt_index=p))
+    answer = Answer(chat=False, id=new_id("cmpl"), jobs=jobs, prompt_texts=texts, echo=req.echo,
+                    include_usage=req.include_usage, arrival=arrival, names=req.names)
+    return await serve_choices(request, state, answer, req.stream)

@@ -1,0 +1,30 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}``: the one served model in OpenAI's shapes."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..body import JSONResponse
+from ..state import ServerState, check_model, require_ready, server_state
+
+
+def model_card(state: ServerState) -> dict:
+    """The served model as an OpenAI model object (with vLLM's ``max_model_len``)."""
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "gpullama",
+            "max_model_len": state.llm.max_model_len}
+
+
+async def list_models(request: Request) -> Response:
+    """``GET /v1/models``: the one served model in OpenAI's list shape."""
+    state = server_state(request)
+    require_ready(state)
+    return JSONResponse({"object": "list", "data": [model_card(state)]})
+
+
+async def get_model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the served model's card, 404 for any other name."""
+    state = server_state(request)
+    require_ready(state)
+    check_model(state, request.path_params["model"])
+    return JSONResponse(model_card(state))
