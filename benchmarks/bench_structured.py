@@ -8,7 +8,10 @@ mode first in turn): free
 has tokens (`minItems`), so every constrained row also decodes exactly `--output-len` tokens and the modes do the
 same work apart from the grammar. The first step (prefill and first token) is left out: the table is decode only.
 "Mask" is the time spent filling and applying the token bitmask (`StructuredOutputManager.mask`). The grammars
-are compiled (and xgrammar imported) before timing; their compile times are printed.
+are compiled (and the grammar engine imported) before timing. Printed first, cold: the backend's build (importing
+the engine, indexing the vocabulary), and for each schema (also a pydantic-style schema with $defs and a tool-call
+grammar of three functions) its compile time and its first bitmask fill on a fresh matcher (an engine that builds
+lexer states lazily pays there). Runs with any gpullama checkout's backend (xgrammar before issue 20).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from machine import cpu_name  # benchmarks/machine.py
 
 from gpullama import LLM, SamplingParams, StructuredOutput
-from gpullama.structured import get_backend
+from gpullama.structured import get_backend, tool_call_grammar
 
 SCHEMAS = {
     "json: integers": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100000},
@@ -31,6 +34,24 @@ SCHEMAS = {
     "json: strings": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 1000},
 }
 PROMPT = "List as many numbers or words as you can, as JSON."
+ADDRESS = {"type": "object", "properties": {"street": {"type": "string"}, "zip": {"anyOf": [{"type": "string"},
+                                                                                           {"type": "null"}]}},
+           "required": ["street", "zip"]}
+COMPILE_ONLY = {  # compiled (cold) for the compile times only
+    "json: person ($defs)": StructuredOutput(json_schema={
+        "$defs": {"Address": ADDRESS}, "type": "object", "required": ["name", "age", "role", "tags", "address"],
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                       "role": {"enum": ["admin", "user"]}, "tags": {"type": "array", "items": {"type": "string"}},
+                       "address": {"$ref": "#/$defs/Address"}}}),
+    "tools: 3 functions (hermes)": tool_call_grammar([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"]}}},
+        {"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"]}}},
+        {"type": "function", "function": {"name": "now"}}], "required", format="hermes"),
+}
 
 
 class MaskTimer:
@@ -79,8 +100,16 @@ def main() -> None:
     llm = LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=max(batches))
     tok = llm.tokenizer
     specs = {name: StructuredOutput(json_schema=s) for name, s in SCHEMAS.items()}
+    start = time.perf_counter()
     backend = get_backend(tok, llm.config.vocab_size)
-    compile_ms = {name: backend.compile(spec).compile_s * 1000 for name, spec in specs.items()}
+    build_ms = (time.perf_counter() - start) * 1000
+    cold = {}  # name -> (compile ms, first fill ms)
+    for name, spec in {**specs, **COMPILE_ONLY}.items():
+        compiled = backend.compile(spec)
+        matcher, bitmask = backend.matcher(compiled), backend.allocate_bitmask(1)
+        start = time.perf_counter()
+        backend.fill_bitmask([matcher], bitmask, threads=1)
+        cold[name] = (compiled.compile_s * 1000, (time.perf_counter() - start) * 1000)
     t = args.temperature
     modes = {"free": SamplingParams(temperature=t, seed=0, max_tokens=args.output_len, ignore_eos=True)}
     modes.update({name: SamplingParams(temperature=t, seed=0, max_tokens=args.output_len, structured_output=spec)
@@ -99,7 +128,10 @@ def main() -> None:
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
           f"model {llm.model_name} ({llm.model.ops.name}, {llm.model.ops.mode}, {llm.dtype}); vocabulary "
           f"{llm.config.vocab_size}; {datetime.date.today()}")
-    print("compile ms (cold): " + ", ".join(f"{n} {ms:.0f}" for n, ms in compile_ms.items()))
+    engine = type(backend).__module__.rsplit(".", 1)[-1].replace("_backend", "")
+    version = getattr(__import__(engine), "__version__", "?")
+    print(f"grammar engine {engine} {version}; backend build (import, vocabulary) {build_ms:.0f} ms")
+    print("cold: " + "; ".join(f"{n}: compile {c:.1f} ms, first fill {f:.2f} ms" for n, (c, f) in cold.items()))
     print(f"decode only, {args.output_len} tokens per request, temperature {t}, median of {args.repeats} "
           "alternated runs\n")
     print("| batch | mode | ms / token | tokens/s | mask ms / step | vs free |")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 _ALL = -1  # int32 with every bit set
@@ -50,7 +51,7 @@ def check_apply_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
     if bitmask.shape[-1] * 32 < logits.shape[-1]:
-        # xgrammar would leave the columns past the mask unmasked; refuse instead.
+        # a kernel that trusts the mask would leave the columns past it unmasked; refuse instead.
         raise ValueError(f"bitmask of {bitmask.shape[-1]} words covers {bitmask.shape[-1] * 32} tokens but the "
                          f"logits have {logits.shape[-1]} columns: allocate it for the logits width")
     if rows is None and bitmask.shape[0] != logits.shape[0]:
@@ -60,8 +61,21 @@ def check_apply_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
     """Set to -inf, in place, every logit whose bit is 0, in rows `rows` (default all) of both tensors.
 
-    Portable torch version (any device; the bitmask is moved to the logits' device). Other rows are untouched.
+    CPU logits in float32, float16 or float64 take `apply_bitmask_numpy` (one thread, no temporaries the size of
+    the logits: it does not contend with the model's threads); everything else `apply_bitmask_torch`.
     """
+    check_apply_args(logits, bitmask, rows)
+    if rows is not None and len(rows) == 0:
+        return
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and bitmask.device.type == "cpu" \
+            and not logits.requires_grad:
+        apply_bitmask_numpy(logits, bitmask, rows)
+    else:
+        apply_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    """`apply_bitmask` in torch: any device and dtype (the bitmask is moved to the logits' device)."""
     check_apply_args(logits, bitmask, rows)
     if rows is not None and len(rows) == 0:
         return
@@ -74,3 +88,22 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         else:
             index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
             logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+# _BLOCKED[b, j]: bit j of byte b is 0 (the token is disallowed). Bitmask words are little-endian int32, so byte k of
+# a row holds tokens 8k..8k+7, lowest bit first.
+_BLOCKED = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 0
+
+
+def apply_bitmask_numpy(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    """`apply_bitmask` for CPU logits in float32, float16 or float64, with numpy: each row's bytes expand to a
+    bool row through a 256-entry table, and `np.copyto` writes -inf where it is set."""
+    check_apply_args(logits, bitmask, rows)
+    vocab = logits.shape[-1]
+    with torch.inference_mode():
+        out = logits.detach().numpy()  # shares memory with the logits
+    words = bitmask.numpy().astype("<i4", copy=False)  # little-endian words (a no-op on x86 and ARM)
+    for r in range(logits.shape[0]) if rows is None else rows:
+        blocked = _BLOCKED[np.ascontiguousarray(words[r]).view(np.uint8)].reshape(-1)[:vocab]
+        np.copyto(out[r], -np.inf, where=blocked)
