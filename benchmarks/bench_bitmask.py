@@ -1,9 +1,11 @@
-"""Applying a token bitmask to CPU logits: gpullama's numpy and torch paths (and xgrammar's kernel if installed).
+"""Applying a token bitmask to CPU logits: gpullama's CPU and portable torch paths (and xgrammar's kernel if
+installed, as in a checkout from before issue 20).
 
     python benchmarks/bench_bitmask.py --vocab 49152 --batch 1,16 --repeats 200
 
-Every row of the bitmask allows about half the tokens at random (the cost does not depend on how many). "rows" is
-the engine's case: the constrained rows given as a list; "all" masks every row. Median milliseconds per call.
+Three kinds of masks: every token allowed or not at random ("half"), 5% of the tokens at random ("5%"), and a
+handful of tokens ("few", as inside JSON punctuation). The constrained rows are given as a list of rows, as the
+engine does. Median milliseconds per call, float32 logits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import time
 import torch
 from machine import cpu_name  # benchmarks/machine.py
 
-from gpullama.structured.bitmask import apply_bitmask_numpy, apply_bitmask_torch, bitmask_width
+from gpullama.structured import allow_only, bitmask_width
+
+try:
+    from gpullama.structured.bitmask import apply_bitmask_cpu, apply_bitmask_torch
+except ImportError:  # a checkout from before issue 20: apply_bitmask was the torch path
+    from gpullama.structured.bitmask import apply_bitmask as apply_bitmask_torch
+    apply_bitmask_cpu = None
 
 
 def timed(fn, repeats: int) -> float:
@@ -37,7 +45,9 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16")
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
-    paths = {"numpy": apply_bitmask_numpy, "torch": apply_bitmask_torch}
+    paths = {"torch": apply_bitmask_torch}
+    if apply_bitmask_cpu is not None:
+        paths["cpu"] = apply_bitmask_cpu
     try:
         import xgrammar
 
@@ -48,15 +58,23 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; vocabulary "
           f"{args.vocab}; {datetime.date.today()}\n")
-    print("| batch | rows | " + " | ".join(f"{p} ms" for p in paths) + " |")
+    print("| batch | mask | " + " | ".join(f"{p} ms" for p in paths) + " |")
     print("|---:|---|" + "---:|" * len(paths))
     for batch in (int(b) for b in args.batch.split(",")):
         logits = torch.randn(batch, args.vocab, generator=gen)
-        mask = torch.randint(-2**31, 2**31 - 1, (batch, bitmask_width(args.vocab)), dtype=torch.int32, generator=gen)
-        for rows_name, rows in (("all", None), ("rows", list(range(batch)))):
+        width = bitmask_width(args.vocab)
+        for kind in ("half", "5%", "few"):
+            mask = torch.zeros(batch, width, dtype=torch.int32)
+            for r in range(batch):
+                if kind == "few":
+                    allow_only(mask, r, [int(t) for t in torch.randint(args.vocab, (8,), generator=gen)])
+                else:
+                    share = 0.5 if kind == "half" else 0.05
+                    ids = torch.nonzero(torch.rand(args.vocab, generator=gen) < share).flatten().tolist()
+                    allow_only(mask, r, ids)
+            rows = list(range(batch))
             cells = [timed(lambda f=f, lg=logits, m=mask, r=rows: f(lg, m, r), args.repeats) for f in paths.values()]
-            print(f"| {batch} | {rows_name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
-
+            print(f"| {batch} | {kind} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
 if __name__ == "__main__":
     main()

@@ -61,21 +61,16 @@ def check_apply_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
     """Set to -inf, in place, every logit whose bit is 0, in rows `rows` (default all) of both tensors.
 
-    CPU logits in float32, float16 or float64 take `apply_bitmask_numpy` (one thread, no temporaries the size of
-    the logits: it does not contend with the model's threads); everything else `apply_bitmask_torch`.
+    CPU logits take `apply_bitmask_cpu` (branch-free, several times faster), other devices `apply_bitmask_torch`.
     """
-    check_apply_args(logits, bitmask, rows)
-    if rows is not None and len(rows) == 0:
-        return
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and bitmask.device.type == "cpu" \
-            and not logits.requires_grad:
-        apply_bitmask_numpy(logits, bitmask, rows)
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu":
+        apply_bitmask_cpu(logits, bitmask, rows)
     else:
         apply_bitmask_torch(logits, bitmask, rows)
 
 
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
-    """`apply_bitmask` in torch: any device and dtype (the bitmask is moved to the logits' device)."""
+    """`apply_bitmask` in torch alone: any device and dtype (the bitmask is moved to the logits' device)."""
     check_apply_args(logits, bitmask, rows)
     if rows is not None and len(rows) == 0:
         return
@@ -90,20 +85,22 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
             logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
-# _BLOCKED[b, j]: bit j of byte b is 0 (the token is disallowed). Bitmask words are little-endian int32, so byte k of
-# a row holds tokens 8k..8k+7, lowest bit first.
-_BLOCKED = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 0
-
-
-def apply_bitmask_numpy(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
-    """`apply_bitmask` for CPU logits in float32, float16 or float64, with numpy: each row's bytes expand to a
-    bool row through a 256-entry table, and `np.copyto` writes -inf where it is set."""
+def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    """`apply_bitmask` for CPU logits (any float dtype): numpy's `unpackbits` of the inverted bitmask is the bool
+    row of disallowed tokens as is, and `torch.where` writes -inf there without a branch per token."""
     check_apply_args(logits, bitmask, rows)
+    if rows is not None and len(rows) == 0:
+        return
     vocab = logits.shape[-1]
-    with torch.inference_mode():
-        out = logits.detach().numpy()  # shares memory with the logits
     words = bitmask.numpy().astype("<i4", copy=False)  # little-endian words (a no-op on x86 and ARM)
-    for r in range(logits.shape[0]) if rows is None else rows:
-        blocked = _BLOCKED[np.ascontiguousarray(words[r]).view(np.uint8)].reshape(-1)[:vocab]
-        np.copyto(out[r], -np.inf, where=blocked)
+    if rows is not None:
+        words = words[list(rows)]
+    inverted = np.invert(np.ascontiguousarray(words).view(np.uint8))
+    blocked = torch.from_numpy(np.unpackbits(inverted, axis=-1, count=vocab, bitorder="little").view(np.bool_))
+    with torch.inference_mode():  # the engine's logits are inference tensors
+        minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype)
+        if rows is None:
+            torch.where(blocked, minus_inf, logits, out=logits)
+        else:
+            for i, r in enumerate(rows):
+                torch.where(blocked[i], minus_inf, logits[r], out=logits[r])

@@ -1,4 +1,4 @@
-"""Bitmask helpers and both apply paths against a numpy reference built from the bitmask's bits."""
+"""Bitmask helpers and every apply path against a numpy reference built from the bitmask's bits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpullama.structured import allocate_bitmask, allow_only, apply_bitmask, bitmask_to_bool, bitmask_width, get_backend
-from gpullama.structured.bitmask import apply_bitmask_numpy, apply_bitmask_torch
+from gpullama.structured.bitmask import apply_bitmask_cpu, apply_bitmask_torch
 from tests.structured.helpers import allowed_ids, allowed_matrix
 
 
@@ -47,12 +47,11 @@ def grammar_backend(vocab_tokenizer):
 def _apply(path: str, backend):
     if path == "backend":
         return backend.apply_bitmask
-    return {"dispatch": apply_bitmask, "torch": apply_bitmask_torch, "numpy": apply_bitmask_numpy}[path]
+    return {"dispatch": apply_bitmask, "torch": apply_bitmask_torch, "cpu": apply_bitmask_cpu}[path]
 
 
-# numpy has no bfloat16: apply_bitmask sends it to torch
 _PATHS_DTYPES = [(p, d) for p in ("dispatch", "torch", "backend") for d in (torch.float32, torch.bfloat16)] + \
-    [("numpy", torch.float32), ("numpy", torch.float16)]
+    [("cpu", torch.float32), ("cpu", torch.float16), ("cpu", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("path, dtype", _PATHS_DTYPES)
@@ -67,7 +66,7 @@ def test_apply_masks_exactly_the_disallowed_columns(grammar_backend, path, vocab
     assert np.array_equal(logits.float().numpy(), expected)
 
 
-@pytest.mark.parametrize("path", ["dispatch", "torch", "numpy", "backend"])
+@pytest.mark.parametrize("path", ["dispatch", "torch", "cpu", "backend"])
 def test_apply_refuses_a_bitmask_narrower_than_the_logits(grammar_backend, path):
     logits = torch.zeros(2, 100)
     narrow = allocate_bitmask(2, 64)  # covers 64 columns: a kernel that trusts it would leave 64..99 unmasked
@@ -75,7 +74,7 @@ def test_apply_refuses_a_bitmask_narrower_than_the_logits(grammar_backend, path)
         _apply(path, grammar_backend)(logits, narrow)
 
 
-@pytest.mark.parametrize("path", ["dispatch", "torch", "numpy", "backend"])
+@pytest.mark.parametrize("path", ["dispatch", "torch", "cpu", "backend"])
 def test_apply_masks_the_last_columns_of_a_width_not_a_multiple_of_32(grammar_backend, path):
     logits = torch.zeros(1, 70)
     bm = allocate_bitmask(1, 70)
@@ -84,7 +83,7 @@ def test_apply_masks_the_last_columns_of_a_width_not_a_multiple_of_32(grammar_ba
     assert torch.isinf(logits[0, 64:]).all() and logits[0, 3] == 0 and torch.isinf(logits[0]).sum() == 69
 
 
-@pytest.mark.parametrize("path", ["dispatch", "torch", "numpy"])
+@pytest.mark.parametrize("path", ["dispatch", "torch", "cpu"])
 @pytest.mark.parametrize("rows", [None, [1]])
 def test_apply_takes_inference_tensors(path, rows):
     """The engine's logits come out of inference mode."""
