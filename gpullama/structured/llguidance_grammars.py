@@ -161,7 +161,7 @@ def reason(message: str) -> str:
             continue
         lines.append(line.strip())
     text = " ".join(x for x in lines if x)
-    return re.sub(r"^at \d+\(\d+\): ", "", text)
+    return re.sub(r"^(at \d+\(\d+\): |failed to compile JSON schema: )", "", text)
 
 
 def check(grammar: str, param: str, what: str) -> None:
