@@ -12,10 +12,11 @@ cd "$(dirname "$0")/.."
 WHEELS="${WHEELS:-wheels}"
 PY_VERSION="${PY_VERSION:-3.12}"
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
-# the server and the GGUF writer (gguf, starlette, uvicorn, orjson); structured output (jsonschema, xgrammar) and
-# what they pull that the machine lacks (typing-extensions: pydantic needs a newer one than some machines have)
+# the server and the GGUF writer (gguf, starlette, uvicorn, orjson); structured output (jsonschema, llguidance) and
+# what they pull that the machine lacks; pydantic for the structured-output tests (typing-extensions: pydantic needs
+# a newer one than some machines have)
 PACKAGES=(gguf starlette uvicorn orjson jsonschema jsonschema-specifications referencing rpds-py
-          xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+          llguidance pydantic pydantic-core annotated-types typing-inspection typing-extensions)
 pins=$("$PYTHON" - "${PACKAGES[@]}" <<'PY'
 import importlib.metadata as md
 import sys
@@ -26,7 +27,7 @@ rm -rf "$WHEELS"
 mkdir -p "$WHEELS"
 # one version of each, built for the machine's CPython on x86-64 linux
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$WHEELS" $pins "$@" 2>&1 | grep -v "is ignored" || true
 count=$(ls "$WHEELS"/*.whl | wc -l)
 echo "$count wheels, $(du -sh "$WHEELS" | cut -f1), in $WHEELS (for CPython $PY_VERSION):"

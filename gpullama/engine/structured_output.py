@@ -48,7 +48,7 @@ class SequenceGrammar:
 
 class StructuredOutputManager:
     """The engine's grammar side: starts compilations, fills one bitmask per step for the constrained rows,
-    applies it to their logits and advances their matchers. The backend (xgrammar) is built on the compile pool
+    applies it to their logits and advances their matchers. The backend (llguidance) is built on the compile pool
     by the first constrained request, so an engine that never sees one never imports it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, device: torch.device | str = "cpu") -> None:
@@ -70,7 +70,7 @@ class StructuredOutputManager:
         outer: Future = Future()
         outer.set_running_or_notify_cancel()
 
-        def build() -> None:  # on the pool: build the backend (imports xgrammar), then compile without waiting
+        def build() -> None:  # on the pool: build the backend (imports llguidance), then compile without waiting
             try:
                 inner = self._get_backend().compile_async(spec)
             except BaseException as e:  # noqa: BLE001 - handed to the sequence

@@ -1,8 +1,7 @@
-"""Structured output: specs, a grammar-backend interface (xgrammar behind it), token bitmasks, tool-call grammars.
+"""Structured output: specs, a grammar-backend interface (llguidance behind it), token bitmasks, tool-call grammars.
 
 The names load on first use: importing the package (or `gpullama.structured.spec`, which `SamplingParams` reads)
-imports neither torch nor xgrammar. xgrammar (about 5 s, and it pulls transformers) loads when the first backend
-is built.
+imports neither torch nor llguidance. llguidance loads when the first backend is built.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
     from gpullama.structured.tools import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_grammar
     from gpullama.tokenizer import Tokenizer
 
-BACKENDS = ("xgrammar",)
+BACKENDS = ("llguidance",)
 
 _EXPORTS = {
     "CompiledGrammar": "backend", "GrammarBackend": "backend", "GrammarMatcher": "backend", "compile_pool": "backend",
@@ -42,7 +41,7 @@ _backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def get_backend(tokenizer: Tokenizer, vocab_size: int | None = None, name: str = "xgrammar") -> GrammarBackend:
+def get_backend(tokenizer: Tokenizer, vocab_size: int | None = None, name: str = "llguidance") -> GrammarBackend:
     """The grammar backend for `tokenizer` with logits `vocab_size` wide (default the tokenizer's size), built
     once per (tokenizer, size, name) and shared; thread-safe. The first call imports the engine (seconds)."""
     if name not in BACKENDS:
@@ -52,9 +51,9 @@ def get_backend(tokenizer: Tokenizer, vocab_size: int | None = None, name: str =
         per_tokenizer = _backends.setdefault(tokenizer, {})
         backend = per_tokenizer.get((name, size))
         if backend is None:
-            from gpullama.structured.xgrammar_backend import XGrammarBackend
+            from gpullama.structured.llguidance_backend import LLGuidanceBackend
 
-            backend = per_tokenizer[(name, size)] = XGrammarBackend(tokenizer, size)
+            backend = per_tokenizer[(name, size)] = LLGuidanceBackend(tokenizer, size)
         return backend
 
 

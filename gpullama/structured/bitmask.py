@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 _ALL = -1  # int32 with every bit set
@@ -50,7 +51,7 @@ def check_apply_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
     if bitmask.shape[-1] * 32 < logits.shape[-1]:
-        # xgrammar would leave the columns past the mask unmasked; refuse instead.
+        # a kernel that trusts the mask would leave the columns past it unmasked; refuse instead.
         raise ValueError(f"bitmask of {bitmask.shape[-1]} words covers {bitmask.shape[-1] * 32} tokens but the "
                          f"logits have {logits.shape[-1]} columns: allocate it for the logits width")
     if rows is None and bitmask.shape[0] != logits.shape[0]:
@@ -60,8 +61,16 @@ def check_apply_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
     """Set to -inf, in place, every logit whose bit is 0, in rows `rows` (default all) of both tensors.
 
-    Portable torch version (any device; the bitmask is moved to the logits' device). Other rows are untouched.
+    CPU logits take `apply_bitmask_cpu` (branch-free, several times faster), other devices `apply_bitmask_torch`.
     """
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu":
+        apply_bitmask_cpu(logits, bitmask, rows)
+    else:
+        apply_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    """`apply_bitmask` in torch alone: any device and dtype (the bitmask is moved to the logits' device)."""
     check_apply_args(logits, bitmask, rows)
     if rows is not None and len(rows) == 0:
         return
@@ -74,3 +83,24 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         else:
             index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
             logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    """`apply_bitmask` for CPU logits (any float dtype): numpy's `unpackbits` of the inverted bitmask is the bool
+    row of disallowed tokens as is, and `torch.where` writes -inf there without a branch per token."""
+    check_apply_args(logits, bitmask, rows)
+    if rows is not None and len(rows) == 0:
+        return
+    vocab = logits.shape[-1]
+    words = bitmask.numpy().astype("<i4", copy=False)  # little-endian words (a no-op on x86 and ARM)
+    if rows is not None:
+        words = words[list(rows)]
+    inverted = np.invert(np.ascontiguousarray(words).view(np.uint8))
+    blocked = torch.from_numpy(np.unpackbits(inverted, axis=-1, count=vocab, bitorder="little").view(np.bool_))
+    with torch.inference_mode():  # the engine's logits are inference tensors
+        minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype)
+        if rows is None:
+            torch.where(blocked, minus_inf, logits, out=logits)
+        else:
+            for i, r in enumerate(rows):
+                torch.where(blocked[i], minus_inf, logits[r], out=logits[r])

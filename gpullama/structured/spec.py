@@ -74,7 +74,7 @@ class StructuredOutput:
     - ``regex``: text matching the regular expression in full.
     - ``grammar``: an EBNF (GBNF) grammar whose start rule is ``root``.
     - ``choice``: exactly one of the given strings.
-    - ``structural_tag``: an xgrammar structural tag (backend-specific).
+    - ``structural_tag``: a structural tag in xgrammar's JSON format (the subset in docs/usage.md).
     - ``tool_calls``: tool calls (build it with ``gpullama.structured.tool_call_grammar``).
 
     ``reasoning`` (default True) lets a reasoning model think first: when the vocabulary has ``<think>`` and

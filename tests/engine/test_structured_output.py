@@ -256,9 +256,9 @@ def test_sampling_params_field() -> None:
 
 
 def test_the_engine_imports_no_grammar_engine_until_a_request_needs_one(tiny_model) -> None:
-    """Loading a model and generating free text leaves xgrammar unimported."""
+    """Loading a model and generating free text leaves llguidance unimported."""
     path = tiny_model("llama", "F32").path
     code = ("import sys; from gpullama import LLM, SamplingParams; import gpullama.server.app; "
             f"LLM({str(path)!r}, device='cpu').generate('hi', SamplingParams(max_tokens=2)); "
-            "assert 'xgrammar' not in sys.modules, 'xgrammar imported'")
+            "assert 'llguidance' not in sys.modules, 'llguidance imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

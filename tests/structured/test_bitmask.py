@@ -1,4 +1,4 @@
-"""Bitmask helpers and both apply paths against a numpy reference built from the bitmask's bits."""
+"""Bitmask helpers and every apply path against a numpy reference built from the bitmask's bits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpullama.structured import allocate_bitmask, allow_only, apply_bitmask, bitmask_to_bool, bitmask_width, get_backend
+from gpullama.structured.bitmask import apply_bitmask_cpu, apply_bitmask_torch
 from tests.structured.helpers import allowed_ids, allowed_matrix
 
 
@@ -39,51 +40,57 @@ def test_bitmask_to_bool_matches_numpy():
 
 
 @pytest.fixture(scope="module")
-def xgr_backend(vocab_tokenizer):
+def grammar_backend(vocab_tokenizer):
     return get_backend(vocab_tokenizer("qwen2"))
 
 
-@pytest.mark.parametrize("path", ["torch", "xgrammar"])
+def _apply(path: str, backend):
+    if path == "backend":
+        return backend.apply_bitmask
+    return {"dispatch": apply_bitmask, "torch": apply_bitmask_torch, "cpu": apply_bitmask_cpu}[path]
+
+
+_PATHS_DTYPES = [(p, d) for p in ("dispatch", "torch", "backend") for d in (torch.float32, torch.bfloat16)] + \
+    [("cpu", torch.float32), ("cpu", torch.float16), ("cpu", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("path, dtype", _PATHS_DTYPES)
 @pytest.mark.parametrize("vocab", [64, 707, 49152 + 17])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [None, [1], [0, 3]])
-def test_apply_masks_exactly_the_disallowed_columns(xgr_backend, path, vocab, dtype, rows):
+def test_apply_masks_exactly_the_disallowed_columns(grammar_backend, path, vocab, dtype, rows):
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(4, vocab, generator=gen) * 5).to(dtype)
     bitmask = _random_bitmask(4, vocab, vocab + 1)
     expected = _reference(logits, bitmask, rows)
-    if path == "torch":
-        apply_bitmask(logits, bitmask, rows)
-    else:
-        xgr_backend.apply_bitmask(logits, bitmask, rows)
+    _apply(path, grammar_backend)(logits, bitmask, rows)
     assert np.array_equal(logits.float().numpy(), expected)
 
 
-@pytest.mark.parametrize("path", ["torch", "xgrammar"])
-def test_apply_refuses_a_bitmask_narrower_than_the_logits(xgr_backend, path):
+@pytest.mark.parametrize("path", ["dispatch", "torch", "cpu", "backend"])
+def test_apply_refuses_a_bitmask_narrower_than_the_logits(grammar_backend, path):
     logits = torch.zeros(2, 100)
-    narrow = allocate_bitmask(2, 64)  # covers 64 columns: xgrammar alone would leave 64..99 unmasked
-    apply = apply_bitmask if path == "torch" else xgr_backend.apply_bitmask
+    narrow = allocate_bitmask(2, 64)  # covers 64 columns: a kernel that trusts it would leave 64..99 unmasked
     with pytest.raises(ValueError, match="allocate it for the logits width"):
-        apply(logits, narrow)
+        _apply(path, grammar_backend)(logits, narrow)
 
 
-def test_apply_masks_the_last_columns_of_a_width_not_a_multiple_of_32(xgr_backend):
-    for apply in (apply_bitmask, xgr_backend.apply_bitmask):
-        logits = torch.zeros(1, 70)
-        bm = allocate_bitmask(1, 70)
-        allow_only(bm, 0, [3])
-        apply(logits, bm)
-        assert torch.isinf(logits[0, 64:]).all() and logits[0, 3] == 0 and torch.isinf(logits[0]).sum() == 69
+@pytest.mark.parametrize("path", ["dispatch", "torch", "cpu", "backend"])
+def test_apply_masks_the_last_columns_of_a_width_not_a_multiple_of_32(grammar_backend, path):
+    logits = torch.zeros(1, 70)
+    bm = allocate_bitmask(1, 70)
+    allow_only(bm, 0, [3])
+    _apply(path, grammar_backend)(logits, bm)
+    assert torch.isinf(logits[0, 64:]).all() and logits[0, 3] == 0 and torch.isinf(logits[0]).sum() == 69
 
 
+@pytest.mark.parametrize("path", ["dispatch", "torch", "cpu"])
 @pytest.mark.parametrize("rows", [None, [1]])
-def test_torch_apply_takes_inference_tensors(rows):
-    """The engine's logits come out of inference mode (the path every non-CPU device takes)."""
+def test_apply_takes_inference_tensors(path, rows):
+    """The engine's logits come out of inference mode."""
     with torch.inference_mode():
         logits = torch.zeros(2, 70)
     bm = allocate_bitmask(2, 70)
     allow_only(bm, 1, [5])
     expected = _reference(logits.clone(), bm, rows)
-    apply_bitmask(logits, bm, rows)
+    _apply(path, None)(logits, bm, rows)
     assert np.array_equal(logits.numpy(), expected)

@@ -198,7 +198,7 @@ def test_terminated_matcher_allows_only_eos(backends, vocabs):
     backend.fill_bitmask([matcher], bitmask)  # complete: only EOS may follow
     assert allowed_ids(bitmask, 0, backend.vocab_size).tolist() == [0, 2]
     assert matcher.accept_token(2) and matcher.is_terminated()
-    backend.fill_bitmask([matcher], bitmask, rows=[1])  # xgrammar alone raises here
+    backend.fill_bitmask([matcher], bitmask, rows=[1])  # a terminated matcher fills EOS only
     assert allowed_ids(bitmask, 1, backend.vocab_size).tolist() == [0, 2]
     matcher.fill_bitmask(bitmask, 0)
     assert allowed_ids(bitmask, 0, backend.vocab_size).tolist() == [0, 2]
@@ -284,4 +284,4 @@ def test_one_backend_per_tokenizer(tokenizers):
     tok = tokenizers["qwen2"]
     assert get_backend(tok) is get_backend(tok, tok.vocab_size)
     with pytest.raises(ValueError, match="unknown grammar backend"):
-        get_backend(tok, name="llguidance")
+        get_backend(tok, name="xgrammar")

@@ -132,10 +132,10 @@ def test_tool_call_grammar_errors_name_the_parameter(tools, choice, param):
     assert info.value.param == param
 
 
-def test_importing_the_package_does_not_import_xgrammar():
+def test_importing_the_package_does_not_import_llguidance():
     code = ("import sys, gpullama.structured, gpullama.chat.formats, gpullama.chat.output; "
             "from gpullama.structured import StructuredOutput, tool_call_grammar; "
             "StructuredOutput(json_object=True); "
-            "assert 'xgrammar' not in sys.modules, 'xgrammar imported'; "
+            "assert 'llguidance' not in sys.modules, 'llguidance imported'; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
