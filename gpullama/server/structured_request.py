@@ -17,6 +17,7 @@ from typing import Any
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.tools import parse_tool, tool_call_grammar
 
+from . import harmony
 from .errors import APIError
 from .reasoning import THINK_CLOSE, THINK_OPEN
 from .tool_parsers import PARSERS, parser_name_for_template
@@ -29,8 +30,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prom
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """What a model's chat template and vocabulary support: its tool-call format (hermes, llama3, mistral or
-    generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
+    """What a model's chat template and vocabulary support: its tool-call format (hermes, llama3, mistral,
+    generic, or harmony: gpt-oss's channels, its markers among the reasoning ones), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
     of the format's markers are special tokens of the vocabulary (the detokenizer drops special tokens unless
     told to keep them, and the parsers must see these)."""
 
@@ -54,13 +55,17 @@ def chat_format(tokenizer: Any) -> ChatFormat:
         from gpullama.structured.reasoning_gate import reasoning_token_ids  # imports torch: not for --help
 
         source = tokenizer.chat_template.source
-        name = parser_name_for_template(source)
-        reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
         ids = sorted(tokenizer.special_token_ids)
         special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
-        found = ChatFormat(name, name != "generic", reasoning,
-                           tuple(special[m] for m in PARSERS[name].token_markers if m in special),
-                           tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
+        if harmony.is_harmony_template(source):  # gpt-oss: channels carry the reasoning, the answer and the calls
+            found = ChatFormat("harmony", True, True, (),
+                               tuple(special[m] for m in harmony.MARKERS if m in special))
+        else:
+            name = parser_name_for_template(source)
+            reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
+            found = ChatFormat(name, name != "generic", reasoning,
+                               tuple(special[m] for m in PARSERS[name].token_markers if m in special),
+                               tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
         with _formats_lock:
             _formats[tokenizer] = found
     return found
@@ -169,6 +174,10 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> Ch
     plan = ChatPlan(fmt, messages, template_kwargs=_template_kwargs(body), tool_choice=kind,
                     parallel_tool_calls=parallel)
     plan.spec = response_format_spec(body)
+    if fmt.tool_format == "harmony" and (plan.spec is not None or kind in ("required", "named")):
+        field = "response_format" if plan.spec is not None else "tool_choice"
+        raise APIError(400, f"'{field}' is not supported with this model's chat format (gpt-oss's harmony "
+                       f"channels); ask without it (tool_choice 'auto' lets the model call tools)", param=field)
     offered = tools if kind != "none" else None  # tool_choice "none": the model is not shown the tools
     try:
         if fmt.template_tools:
@@ -178,7 +187,8 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> Ch
             plan.messages = generic_messages(messages, offered, choice, parallel)
         if offered:
             plan.tool_names = [parse_tool(t, i)[0] for i, t in enumerate(offered)]
-            forced = tool_call_grammar(offered, choice, parallel_tool_calls=parallel, format=fmt.tool_format)
+            forced = None if fmt.tool_format == "harmony" else tool_call_grammar(
+                offered, choice, parallel_tool_calls=parallel, format=fmt.tool_format)
             if forced is not None:  # required or named: the calls' grammar replaces any response_format
                 plan.spec = forced
     except StructuredOutputError as e:
