@@ -29,7 +29,9 @@ class TorchOps:
         # dtype of the matmul weights and inputs; norms, attention and the residual stream stay float32
         self.dtype = dtype
         # On the CPU, oneDNN's prepacked linear: about 2-4x MKL's sgemm here.
-        self.packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _has_packed_linear()
+        # (bfloat16 only where oneDNN has bf16 kernels for this CPU: AVX-512 BW/VL/DQ or AVX-NE-CONVERT)
+        self.packed = device.type == "cpu" and _has_packed_linear() and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and _mkldnn_bf16()))
 
     @property
     def mode(self) -> str:
@@ -359,6 +361,12 @@ def _has_packed_linear() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(
         mkldnn, "_linear_pointwise"
     )
+
+
+def _mkldnn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls on this CPU."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
