@@ -195,6 +195,39 @@ def _set_expert_sizes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -
         config.shared_expert_intermediate_size = shapes[p + "ffn_gate_shexp.weight"][0]
 
 
+@dataclass
+class ModelSize:
+    """What a model holds and what one token uses: parameters, and the weight bytes a token's step reads."""
+
+    parameters: int
+    active_parameters: int  # with each MoE layer's unused experts left out (all of them in a dense model)
+    expert_parameters: int
+    bytes: int  # of every tensor, as stored
+    active_bytes: int  # read for one token: all but the unused experts and the embedding table (one row of it)
+
+
+def model_size(header: GGUFHeader) -> ModelSize:
+    """Parameters and bytes of a model, and those one token uses (``num_experts_used`` of ``num_experts`` experts)."""
+    c = header.config
+    share = c.num_experts_used / c.num_experts if c.is_moe else 1.0
+    params = active = experts = nbytes = active_bytes = 0
+    for t in header.tensors:
+        count = 1
+        for d in t.shape:
+            count *= d
+        block, size = gguf.GGML_QUANT_SIZES[t.qtype]
+        stored = count // block * size
+        params, nbytes = params + count, nbytes + stored
+        if "_exps." in t.name:
+            experts += count
+            active += round(count * share)
+            active_bytes += round(stored * share)
+        else:
+            active += count
+            active_bytes += stored // t.shape[0] if t.name == "token_embd.weight" else stored
+    return ModelSize(params, active, experts, nbytes, active_bytes)
+
+
 def read_gguf(path: str) -> GGUFModel:
     """Read metadata and tensors of a GGUF model file (memory-mapped, nothing dequantized).
 

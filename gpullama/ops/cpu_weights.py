@@ -232,14 +232,17 @@ class CpuExperts:
             return QTensor(joined, parts[0].qtype, (rows, parts[0].shape[2]), parts[0].name)
 
         half = parts[0].qtype in HALF_SCALE_TYPES
-        while True:
+        while True:  # one layer's experts at a time into one buffer (no second copy of them at load)
             try:
-                packed = [CpuWeight._pack(expert(e), half_scales=half) for e in range(num_experts)]
+                first = CpuWeight._pack(expert(0), half_scales=half)
+                blocks = first.blocks.new_empty((num_experts, *first.blocks.shape))
+                blocks[0] = first.blocks
+                for e in range(1, num_experts):
+                    blocks[e] = CpuWeight._pack(expert(e), half_scales=half).blocks
                 break
             except _NotHalf:
                 half = False
-        first = packed[0]
-        return cls(first.fmt, first.group, half, torch.stack([w.blocks for w in packed]))
+        return cls(first.fmt, first.group, half, blocks)
 
 
 def packable_experts(parts: list[QTensor]) -> bool:
