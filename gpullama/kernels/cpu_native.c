@@ -1,5 +1,5 @@
 /* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
-   windows, soft caps), SwiGLU, GeGLU, the final soft cap, greedy argmax.
+   windows, soft caps, sinks), SwiGLU, GeGLU, the final soft cap, greedy argmax, mixture-of-experts blocks.
 
 Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp) and called
 through ctypes on float32 torch tensors. Every kernel computes each output row on its own, in an order that does
@@ -11,7 +11,7 @@ arithmetic and the reduction tree are the same on all three.
 
 Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
 rounded to integers Q = round(x / d), d = max |x| / 32258, held as 254 hi + lo (two int8); per group and weight
-row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI or plain C), and y
+row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI, AVX2 or plain C), and y
 accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of one
 accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
 weights; threads split the weight rows; a row's arithmetic is the same in any tile.
@@ -293,6 +293,70 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
         b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
     }
     return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(a, _mm512_set1_epi32(254)), b));
+}
+#elif defined(__AVX2__)
+/* AVX2. Q4: each chunk's 16 rows x 4 nibbles as bytes, 8 rows a register; vpmaddubsw multiplies them by hi and
+   by lo (int8) into int16 pair sums (at most 8 chunks x 2 x 15 x 127: no overflow), vpmaddwd by 1 adds a row's
+   pairs, and the row's dot is 254 sum(w hi) + sum(w lo). Q8: each chunk's values widened to int16, 4 rows a
+   register, times the whole integers Q = 254 hi + lo (an int16) with vpmaddwd. Both give the exact int32 sums of
+   the plain C path, so the same results bit for bit. */
+typedef struct { __m256i c[8][4]; int q4; } wg;
+static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
+    w->q4 = fmt == FMT_Q4;
+    if (fmt == FMT_Q4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
+        __m256i m = _mm256_set1_epi8(15);
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 2; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * j + 32 * r));
+                w->c[j][r] = _mm256_and_si256(v, m);
+                w->c[4 + j][r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+            }
+    } else {
+        for (int c = 0; c < 8; c++)
+            for (int g = 0; g < 4; g++)
+                w->c[c][g] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 64 * c + 16 * g)));
+    }
+}
+/* the 16 rows' sums of 4 rows a register (lanes: row r's two pair sums) -> the rows in order */
+static inline __m256i wg_rows(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
+}
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
+    __m256i r0, r1;
+    if (w->q4) {
+        __m256i sh0 = _mm256_setzero_si256(), sh1 = sh0, sl0 = sh0, sl1 = sh0;
+        for (int c = c0; c < c1; c++) {
+            int32_t h4, l4;
+            memcpy(&h4, hi + 4 * c, 4);
+            memcpy(&l4, lo + 4 * c, 4);
+            __m256i hb = _mm256_set1_epi32(h4), lb = _mm256_set1_epi32(l4);
+            sh0 = _mm256_add_epi16(sh0, _mm256_maddubs_epi16(w->c[c][0], hb));
+            sh1 = _mm256_add_epi16(sh1, _mm256_maddubs_epi16(w->c[c][1], hb));
+            sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(w->c[c][0], lb));
+            sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(w->c[c][1], lb));
+        }
+        __m256i ones = _mm256_set1_epi16(1), k254 = _mm256_set1_epi32(254);
+        r0 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh0, ones), k254), _mm256_madd_epi16(sl0, ones));
+        r1 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh1, ones), k254), _mm256_madd_epi16(sl1, ones));
+    } else {
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                          _mm256_setzero_si256()};
+        __m128i k254 = _mm_set1_epi16(254);
+        for (int c = c0; c < c1; c++) {
+            int32_t h4, l4;
+            memcpy(&h4, hi + 4 * c, 4);
+            memcpy(&l4, lo + 4 * c, 4);
+            __m128i q = _mm_add_epi16(_mm_mullo_epi16(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(h4)), k254),
+                                      _mm_cvtepi8_epi16(_mm_cvtsi32_si128(l4)));
+            __m256i qb = _mm256_set1_epi64x(_mm_cvtsi128_si64(q)); /* Q of the 4 values, for each of 4 rows */
+            for (int g = 0; g < 4; g++) acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(w->c[c][g], qb));
+        }
+        r0 = wg_rows(acc[0], acc[1]), r1 = wg_rows(acc[2], acc[3]);
+    }
+    float f[16];
+    _mm256_storeu_ps(f, _mm256_cvtepi32_ps(r0));
+    _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(r1));
+    return vf_load(f);
 }
 #else
 typedef struct { uint8_t c[8][64]; } wg;
@@ -812,12 +876,12 @@ static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
 }
 
 /* y [P, ldy] = rows of x [P, K] (as floats and, for the quantized formats, quantized) against each active expert:
-   rows start[e] .. start[e + 1] - 1 use expert e. Work items are (expert, 4 blocks of 16 rows), taken by the
+   rows start[e] .. start[e + 1] - 1 use expert e. Work items are (expert, 8 blocks of 16 rows), taken by the
    threads in any order: an output element's arithmetic is the same whichever thread computes it. */
 static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *xq, const int64_t *start,
                            const int64_t *active, int64_t n_active, float *y, int64_t ldy, int threads) {
     blocks_fn run = blocks_for(ex->w.fmt, ex->w.group);
-    int64_t K = ex->w.K, blocks = ex->N / 16, chunk = 4, per = (blocks + chunk - 1) / chunk;
+    int64_t K = ex->w.K, blocks = ex->N / 16, chunk = 8, per = (blocks + chunk - 1) / chunk;
     int64_t units = n_active * per;
     if (units < 2) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -849,6 +913,11 @@ static int moe_quantize(const float *x, int64_t M, int64_t K, xquant_t *xq, int 
    limit), u = clamp(up, -limit, limit). The (token, slot) pairs are grouped by expert (in token order within
    one), each active expert runs one matmul over its rows for gate|up and one for down; only their weights are
    read. A row's arithmetic depends on nothing else in the batch. Returns 0, or -1 when out of memory. */
+static int64_t moe_bytes; /* expert weight bytes gl_moe has read, for benchmarks */
+
+/* the expert weight bytes gl_moe has read so far (every block of each active expert's two matrices) */
+int64_t gl_moe_bytes_read(void) { return moe_bytes; }
+
 int gl_moe(int fmt1, int group1, int half1, const uint8_t *w1, int64_t stride1, int64_t N1, const float *b1,
            int fmt2, int group2, int half2, const uint8_t *w2, int64_t stride2, int64_t N2, const float *b2,
            const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *wts, int64_t k,
@@ -873,6 +942,7 @@ int gl_moe(int fmt1, int group1, int half1, const uint8_t *w1, int64_t stride1, 
     }
     for (int64_t p = 0; p < P; p++) pair[fill[ids[p]]] = p, row[p] = fill[ids[p]]++;
 
+    moe_bytes += n_active * (stride1 + stride2);
     int quant1 = fmt1 == FMT_Q4 || fmt1 == FMT_Q8, quant2 = fmt2 == FMT_Q4 || fmt2 == FMT_Q8;
     float *xs = moe_scratch(1, sizeof(float) * P * (H > I ? H : I)); /* gathered rows, then the activations */
     float *y1 = moe_scratch(2, sizeof(float) * P * N1);

@@ -111,6 +111,7 @@ def _build() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name in _RETURNS_STATUS else None)
         lib.gl_isa.restype = ctypes.c_char_p
+        lib.gl_moe_bytes_read.restype = ctypes.c_int64
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -258,6 +259,11 @@ def moe(
     if status:
         raise MemoryError(f"no memory for a MoE block of {t} x {k} rows")
     return out
+
+
+def moe_bytes_read() -> int:
+    """Expert weight bytes `moe` has read in this process so far (each active expert's gate|up and down blocks)."""
+    return int(_lib.gl_moe_bytes_read())
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
