@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{active / 1e6:.1f} | {experts_read / active:.3f} |")
     print(f"| everything (experts + other matrices + an embedding row) | {total_read / 1e6:.1f} | all a token uses | "
           f"{used / 1e6:.1f} | {total_read / used:.3f} |")
+    print(f"\nresident memory the gpullama load added: {bench.loaded_bytes / 2**20:.0f} MiB (file "
+          f"{Path(args.model).stat().st_size / 2**20:.0f} MiB)")
     return 0
 
 
