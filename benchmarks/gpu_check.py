@@ -1,6 +1,8 @@
 """GPU check: TritonOps against TorchOps on a random Llama-3.2-1B-shaped decoder, and decode timings.
 
-Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks), compares the logits of a prefill
+Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks; the moe-* formats a
+Qwen3-30B-A3B-shaped mixture-of-experts decoder, 4 layers of its 48, with Q8_0 or MXFP4 experts through the fused
+MoE kernel), compares the logits of a prefill
 and a decode step between the Triton kernels and the torch path, then times one decode step at each batch size:
 Triton eager, Triton replayed from the CUDA graphs of `gpullama.engine.decode_graphs.DecodeGraphs` (the model
 runner's decode path), and
@@ -28,10 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpullama.model import Decoder  # noqa: E402
 from gpullama.ops import TorchOps  # noqa: E402
 from gpullama.ops.triton_ops import TritonOps  # noqa: E402
-from tests.kernels.random_model import batch_metadata, llama_1b_config, random_tensors, tiny_config  # noqa: E402
+from tests.kernels.random_model import (  # noqa: E402
+    batch_metadata,
+    gpt_oss_like_config,
+    llama_1b_config,
+    qwen3_moe_config,
+    random_tensors,
+    tiny_config,
+)
 
 Q = gguf.GGMLQuantizationType
-FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K}
+FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "moe-q8_0": Q.Q8_0, "moe-mxfp4": Q.MXFP4}
+"""Weight formats; moe-*: the MoE decoder, its experts in that type, the other matrices Q8_0."""
 log = logging.getLogger("gpu_check")
 
 
@@ -58,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of the check."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 and --tiny")
-    p.add_argument("--formats", default="bf16,q8_0,q4_k", help=f"comma list of {', '.join(FORMATS)}")
+    p.add_argument("--formats", default="bf16,q8_0,q4_k,moe-q8_0,moe-mxfp4", help=f"comma list of {', '.join(FORMATS)}")
+    p.add_argument("--moe-layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped MoE decoder")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes to time")
     p.add_argument("--context", type=int, default=512, help="context length of every sequence while timing")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -147,10 +158,9 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype, rows: list[Ro
         paths.append(("torch eager", TorchOps(device, dtype)))
     for name, ops in paths:
         decoder = Decoder(config, tensors, ops, max_positions=args.context + 1)
-        weight_bytes = sum(_nbytes(w) for layer in decoder.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down))
-        weight_bytes += _nbytes(decoder.output)
-        floor_ms = weight_bytes / args.bandwidth * 1e3
         for batch in args.batches:
+            weight_bytes = step_bytes(decoder, batch)
+            floor_ms = weight_bytes / args.bandwidth * 1e3
             k, v = make_pools(config, batch, args.context, args.block_size, device, dtype)
             meta = batch_metadata([args.context] * batch, [1] * batch, args.block_size, device)
             ids = torch.randint(0, config.vocab_size, (batch,), device=device)
@@ -195,7 +205,11 @@ def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtyp
                  rows: list[Row]) -> None:
     """Logits check (a line appended to `checks`) and timing rows (appended to `rows`) of one format."""
     t0 = time.perf_counter()
-    tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
+    if fmt.startswith("moe-"):
+        config = gpt_oss_like_config(vocab_size=300) if args.tiny else qwen3_moe_config(args.moe_layers)
+        tensors = random_tensors(config, Q.Q8_0, device, seed=0, expert_qtype=FORMATS[fmt])
+    else:
+        tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
     log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
     errors = compare_logits(config, tensors, device, args.block_size)
     # float32 kernels must match the float32 torch path; bf16 kernels must be no worse than torch in bf16
@@ -212,6 +226,22 @@ def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtyp
 def _nbytes(weight) -> int:
     """Bytes a prepared weight occupies."""
     return weight.nbytes  # a tensor, a QTensor of GGUF blocks, or a CPU path weight (cpu_weights): all have it
+
+
+def step_bytes(decoder, batch: int) -> int:
+    """Weight bytes one decode step of `batch` tokens reads: every dense matrix, and in a MoE layer the router and
+    the experts `batch` tokens routed uniformly at random use on average (E * (1 - (1 - k / E)^batch))."""
+    c = decoder.config
+    total = _nbytes(decoder.output)
+    for layer in decoder.layers:
+        total += sum(_nbytes(w) for w in (*layer.qkv, layer.o))
+        if layer.moe is None:
+            total += sum(_nbytes(w) for w in (*layer.gate_up, layer.down))
+            continue
+        experts = layer.moe.experts
+        used = c.num_experts * (1 - (1 - c.num_experts_used / c.num_experts) ** batch)
+        total += _nbytes(layer.moe.router) + int((_nbytes(experts.gate_up) + _nbytes(experts.down)) * used / c.num_experts)
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("stopped early (%s): the table holds what was measured", stop)
         failed = True
     failed |= any(line.endswith("FAIL |") for line in checks)
-    shape = "tiny" if args.tiny else "Llama-3.2-1B shapes"
+    shape = "tiny" if args.tiny else f"Llama-3.2-1B shapes (moe-*: Qwen3-30B-A3B's, {args.moe_layers} layers)"
     print(f"\n### gpu_check: {card}, {shape}, bf16 compute, context {args.context}\n")
     print("Logits of a prefill + decode step, max |error| / max |value| against the torch float32 path; last, the\n"
           "decode step through DecodeGraphs (replayed CUDA graphs) against the same step run eagerly:\n")
     print("| format | triton f32 | triton bf16 | torch bf16 | graph vs eager | check |\n|---|---|---|---|---|---|")
     print("\n".join(checks))
-    print("\n| format | batch | path | ms/step | tok/s | weights GB | % of bandwidth floor |\n|---|---|---|---|---|---|---|")
+    print("\n| format | batch | path | ms/step | tok/s | weights read GB | % of bandwidth floor |\n|---|---|---|---|---|---|---|")
     print("\n".join(r.markdown() for r in rows), flush=True)
     return 1 if failed else 0
 

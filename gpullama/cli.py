@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import threading
 import time
@@ -284,18 +283,28 @@ def cmd_list(args) -> int:
 
 def cmd_info(args) -> int:
     """Print what a GGUF model is (from its header only): architecture, size, tensor types, context, template."""
-    from gpullama.gguf_file import read_header
+    from gpullama.gguf_file import model_size, read_header
 
     h = read_header(resolve_model(args.model, download=False))
     c, meta = h.config, h.metadata
-    params = sum(math.prod(t.shape) for t in h.tensors)
+    size = model_size(h)
     types = Counter(t.qtype.name for t in h.tensors)
     vocab = f"{c.vocab_size} ({meta.get('tokenizer.ggml.model')}, pre {meta.get('tokenizer.ggml.pre')})"
     rows = [
         ("file", h.path),
         ("name", meta.get("general.name", "")),
         ("architecture", c.architecture),
-        ("parameters", f"{params / 1e6:.1f}M"),
+        ("parameters", f"{size.parameters / 1e6:.1f}M"),
+    ]
+    if c.is_moe:
+        shared = f", a shared expert of {c.shared_expert_intermediate_size} rows" if c.shared_expert_intermediate_size else ""
+        rows += [
+            ("experts", f"{c.num_experts}, {c.num_experts_used} a token, {c.expert_intermediate_size} rows each{shared} "
+                        f"({size.expert_parameters / 1e6:.1f}M parameters)"),
+            ("active parameters", f"{size.active_parameters / 1e6:.1f}M a token"),
+        ]
+    rows += [
+        ("weights", f"{size.bytes / 1e6:.1f} MB, {size.active_bytes / 1e6:.1f} MB read a token"),
         ("layers", c.num_layers),
         ("hidden size", c.hidden_size),
         ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}"),

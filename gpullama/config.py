@@ -8,15 +8,18 @@ from typing import Any
 
 from gpullama.pooling_params import POOLING_TYPES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
+)
 
+_MOE_SUPPORTED = "the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss and Mixtral (llama)"
 # Families llama.cpp knows that are not implemented here, with why (named in the refusal).
 _NOT_SUPPORTED = {
-    "qwen2moe": "mixture-of-experts models are not supported",
-    "qwen3moe": "mixture-of-experts models are not supported",
-    "granitemoe": "mixture-of-experts models are not supported",
-    "phimoe": "mixture-of-experts models are not supported",
-    "deepseek2": "mixture-of-experts models are not supported",
+    "granitemoe": f"Granite MoE is not supported ({_MOE_SUPPORTED})",
+    "phimoe": f"Phi-3.5-MoE is not supported ({_MOE_SUPPORTED})",
+    "deepseek2": "DeepSeek V2/V3's multi-head latent attention ('deepseek2.attention.kv_lora_rank') is not supported",
+    "qwen3next": f"Qwen3-Next's linear attention is not supported ({_MOE_SUPPORTED})",
+    "olmoe": f"OLMoE is not supported ({_MOE_SUPPORTED})",
     "gemma": "Gemma 1 is not supported (Gemma 2 and Gemma 3 are)",
     "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
     "granitehybrid": "Granite 4 hybrid (Mamba) models are not supported (Granite 3.x is)",
@@ -25,8 +28,8 @@ _NOT_SUPPORTED = {
 
 @dataclass
 class ModelConfig:
-    """The shape and numerics of a decoder: one set of flags covering llama, mistral, qwen2, qwen3, phi3 (Phi-3,
-    Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2 and gemma3."""
+    """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
+    phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe and gpt-oss."""
 
     architecture: str
     num_layers: int
@@ -63,10 +66,39 @@ class ModelConfig:
     post_norms: bool = False  # gemma2/3: RMSNorm on the attention and MLP outputs before the residual add
     activation: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
     pooling_type: str = "last"  # how an embedding pools the hidden states: `{arch}.pooling_type`, else last token
+    ffn_norm_tensor: str = "ffn_norm"  # the pre-MLP norm's tensor (gpt-oss: post_attention_norm)
+    attn_output_bias: bool = False  # gpt-oss: the attention output projection carries a bias
+    attn_sinks: bool = False  # gpt-oss: a learned sink logit per head joins each softmax (tensor attn_sinks)
+    # YaRN rope scaling (rope.scaling.type "yarn"): frequencies mixed between interpolated (rope_scale) and
+    # original by a ramp over the dims whose wavelengths lie between beta_fast and beta_slow rotations of the
+    # original context; cos and sin multiplied by rope_attn_factor * (1 + 0.1 ln rope_scale)
+    rope_yarn: bool = False
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_ext_factor: float = 1.0
+    rope_yarn_truncate: bool = True  # the ramp's ends rounded to whole dims (gpt-oss: not, as its reference)
+    # mixture of experts: layers with an ffn_gate_inp router run `num_experts_used` of `num_experts` experts
+    num_experts: int = 0  # 0: a dense model
+    num_experts_used: int = 0  # top-k
+    expert_intermediate_size: int = 0  # rows of one expert's gate (and up) projection
+    shared_expert_intermediate_size: int = 0  # qwen2moe: a shared expert beside the routed ones, sigmoid-gated
+    expert_gating: str = "softmax"  # "softmax": top-k of softmax(router logits); "softmax_topk": softmax of the
+    # top-k logits (gpt-oss)
+    expert_weights_norm: bool = False  # the top-k weights renormalized to sum to 1 (qwen3moe, Mixtral)
+    expert_weights_scale: float = 1.0  # the top-k weights multiplied by it
+    expert_activation: str = "silu"  # "silu" (SwiGLU) or "swiglu_oai" (gpt-oss: clamped at swiglu_limit, with
+    # silu's slope swiglu_alpha, times (up + 1))
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
             self.rotary_dim = self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model routes tokens to experts."""
+        return self.num_experts > 0
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends only to its last `sliding_window` positions."""
@@ -91,11 +123,6 @@ class ModelConfig:
         def opt(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
 
-        if opt("expert_count"):  # e.g. Mixtral, stored as architecture llama with expert tensors
-            raise ValueError(
-                f"{path}: '{arch}.expert_count' = {opt('expert_count')}: mixture-of-experts models are not supported"
-            )
-
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         kv_heads = get("attention.head_count_kv", heads)
@@ -117,8 +144,8 @@ class ModelConfig:
             context_length=int(get("context_length", 2048)),
             rope_base=float(get("rope.freq_base", 10000.0)),
             rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),
+            attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             permuted_qk=arch in ("llama", "granite"),
             rotary_dim=int(opt("rope.dimension_count") or head_dim),
         )
@@ -132,6 +159,7 @@ class ModelConfig:
                 f"dim {head_dim}"
             )
         _read_rope_scaling(config, arch, opt, path)
+        _read_experts(config, arch, opt, path)
         family = _FAMILIES.get(arch)
         if family is not None:
             family(config, get, opt, path)
@@ -142,15 +170,69 @@ def _read_rope_scaling(config: ModelConfig, arch: str, opt, path: str) -> None:
     """`{arch}.rope.scaling.*`: linear scaling is applied; LongRoPE's factors are tensors (see `rope_factors`)."""
     kind = opt("rope.scaling.type")
     factor = float(opt("rope.scaling.factor") or 0.0)
-    if kind in (None, "none") or (kind == "linear" and factor in (0.0, 1.0)):
+    if kind in (None, "none") or (kind in ("linear", "yarn") and factor in (0.0, 1.0)):
         pass
     elif kind == "linear":
         config.rope_scale = factor
-    else:  # yarn and the rest change the rotation in ways not implemented here: refuse rather than be wrong
-        raise ValueError(f"{path}: '{arch}.rope.scaling.type' = {kind!r} is not supported (only linear rope scaling)")
+    elif kind == "yarn":
+        config.rope_scale, config.rope_yarn = factor, True
+        config.rope_yarn_beta_fast = float(opt("rope.scaling.yarn_beta_fast") or 32.0)
+        config.rope_yarn_beta_slow = float(opt("rope.scaling.yarn_beta_slow") or 1.0)
+        ext = opt("rope.scaling.yarn_ext_factor")
+        config.rope_yarn_ext_factor = 1.0 if ext is None or float(ext) < 0 else float(ext)  # llama.cpp: -1 means 1
+        if opt("rope.scaling.yarn_log_multiplier"):
+            raise ValueError(f"{path}: '{arch}.rope.scaling.yarn_log_multiplier' (DeepSeek's YaRN) is not supported")
+    else:  # the rest change the rotation in ways not implemented here: refuse rather than be wrong
+        raise ValueError(
+            f"{path}: '{arch}.rope.scaling.type' = {kind!r} is not supported (linear and yarn rope scaling are)"
+        )
     config.rope_scale_swa = config.rope_scale
-    config.rope_attn_factor = float(opt("rope.scaling.attn_factor") or 1.0)
+    config.rope_attn_factor = float(opt("rope.scaling.attn_factor") or opt("rope.scaling.yarn_attn_factor") or 1.0)
     config.rope_original_context = int(opt("rope.scaling.original_context_length") or 0)
+    if config.rope_yarn and not config.rope_original_context:
+        raise ValueError(f"{path}: YaRN rope scaling needs '{arch}.rope.scaling.original_context_length'")
+
+
+# llama.cpp's expert gating functions (`{arch}.expert_gating_func`): 1 softmax, 2 sigmoid, 3 softmax over the
+# chosen experts' logits
+_GATING = {1: "softmax", 3: "softmax_topk"}
+# MoE keys of features not implemented here: refused, naming the key
+_MOE_REFUSED = ("expert_group_count", "expert_shared_count", "leading_dense_block_count")
+
+
+def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
+    """`{arch}.expert_count` and the keys that shape routing, as llama.cpp's converter writes them; the expert
+    sizes themselves come from the tensors (`gguf_file`)."""
+    count = int(opt("expert_count") or 0)
+    if arch in ("qwen2moe", "qwen3moe", "gpt-oss") and count <= 0:
+        raise ValueError(f"{path}: missing metadata key '{arch}.expert_count' (a {arch} model routes to experts)")
+    if count <= 0:
+        return
+    used = int(opt("expert_used_count") or 0)
+    if not 0 < used <= count:
+        raise ValueError(
+            f"{path}: '{arch}.expert_used_count' = {opt('expert_used_count')} must be between 1 and "
+            f"'{arch}.expert_count' = {count}"
+        )
+    for key in _MOE_REFUSED:
+        if int(opt(key) or 0) > (1 if key == "expert_group_count" else 0):
+            raise ValueError(f"{path}: '{arch}.{key}' = {opt(key)}: not supported (DeepSeek-style routing)")
+    config.num_experts, config.num_experts_used = count, used
+    config.expert_intermediate_size = int(opt("expert_feed_forward_length") or config.intermediate_size)
+    config.shared_expert_intermediate_size = int(opt("expert_shared_feed_forward_length") or 0)
+    # llama.cpp's graphs: qwen3moe and Mixtral renormalize the top-k weights, qwen2moe does not; gpt-oss takes the
+    # softmax of the chosen logits (normalized by construction)
+    default_gating = 3 if arch == "gpt-oss" else 1
+    gating = int(opt("expert_gating_func") or default_gating)
+    if gating not in _GATING:
+        raise ValueError(
+            f"{path}: '{arch}.expert_gating_func' = {gating} is not supported (1: softmax, 3: softmax of the chosen "
+            f"experts' logits)"
+        )
+    config.expert_gating = _GATING[gating]
+    norm = opt("expert_weights_norm")
+    config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe")
+    config.expert_weights_scale = float(opt("expert_weights_scale") or 1.0)
 
 
 def _layer_pattern(num_layers: int, pattern: Any, key: str) -> tuple[bool, ...]:
@@ -221,4 +303,17 @@ def _gemma3(config: ModelConfig, get, opt, path: str) -> None:
         config.rope_scale_swa = 1.0
 
 
-_FAMILIES = {"phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3}
+def _gpt_oss(config: ModelConfig, get, opt, path: str) -> None:
+    """gpt-oss: biases on q/k/v/o and the router, attention sinks, a sliding window on the even layers (llama.cpp's
+    pattern 2), YaRN with unrounded ramp ends (as OpenAI's and transformers' references with the released config),
+    clamped SwiGLU (alpha 1.702, limit 7: llama.cpp's constants), the pre-MLP norm in post_attention_norm."""
+    window = int(get("attention.sliding_window"))
+    if window > 0:
+        config.sliding_window = window
+        config.swa_layers = _layer_pattern(config.num_layers, 2, f"{config.architecture}.attention.sliding_window")
+    config.ffn_norm_tensor = "post_attention_norm"
+    config.expert_activation = "swiglu_oai"
+    config.rope_yarn_truncate = False
+
+
+_FAMILIES = {"phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss}

@@ -159,8 +159,74 @@ def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -
     config.attention_bias = "blk.0.attn_q.bias" in shapes
     config.qk_norm = "blk.0.attn_q_norm.weight" in shapes
     config.tied_embeddings = "output.weight" not in shapes
+    config.attn_output_bias = "blk.0.attn_output.bias" in shapes
+    config.attn_sinks = "blk.0.attn_sinks.weight" in shapes
     if "token_embd.weight" in shapes:
         config.vocab_size = shapes["token_embd.weight"][0]
+    if config.is_moe:
+        _set_expert_sizes(config, shapes)
+
+
+def _set_expert_sizes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The expert sizes the tensors have (the first MoE layer's), checked against ``expert_count``; files with one
+    tensor per expert (old Mixtral conversions) are refused."""
+    arch = config.architecture
+    layer = next((i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes), None)
+    if layer is None:
+        if "blk.0.ffn_gate.0.weight" in shapes:
+            raise ValueError(
+                f"{arch} model stores one tensor per expert (blk.0.ffn_gate.0.weight): an old conversion; convert it "
+                f"again with a current llama.cpp (experts stacked in ffn_gate_exps)"
+            )
+        raise ValueError(f"'{arch}.expert_count' = {config.num_experts} but no layer has a router (ffn_gate_inp)")
+    p = f"blk.{layer}."
+    if p + "ffn_gate_up_exps.weight" in shapes:
+        experts, rows, _ = shapes[p + "ffn_gate_up_exps.weight"]
+        rows //= 2
+    elif p + "ffn_gate_exps.weight" in shapes:
+        experts, rows, _ = shapes[p + "ffn_gate_exps.weight"]
+    else:
+        raise ValueError(f"{arch} model file has no tensor {p + 'ffn_gate_exps.weight'!r}")
+    if experts != config.num_experts:
+        raise ValueError(
+            f"tensor {p}ffn_gate_exps.weight holds {experts} experts; '{arch}.expert_count' says {config.num_experts}"
+        )
+    config.expert_intermediate_size = rows
+    if p + "ffn_gate_shexp.weight" in shapes:
+        config.shared_expert_intermediate_size = shapes[p + "ffn_gate_shexp.weight"][0]
+
+
+@dataclass
+class ModelSize:
+    """What a model holds and what one token uses: parameters, and the weight bytes a token's step reads."""
+
+    parameters: int
+    active_parameters: int  # with each MoE layer's unused experts left out (all of them in a dense model)
+    expert_parameters: int
+    bytes: int  # of every tensor, as stored
+    active_bytes: int  # read for one token: all but the unused experts and the embedding table (one row of it)
+
+
+def model_size(header: GGUFHeader) -> ModelSize:
+    """Parameters and bytes of a model, and those one token uses (``num_experts_used`` of ``num_experts`` experts)."""
+    c = header.config
+    share = c.num_experts_used / c.num_experts if c.is_moe else 1.0
+    params = active = experts = nbytes = active_bytes = 0
+    for t in header.tensors:
+        count = 1
+        for d in t.shape:
+            count *= d
+        block, size = gguf.GGML_QUANT_SIZES[t.qtype]
+        stored = count // block * size
+        params, nbytes = params + count, nbytes + stored
+        if "_exps." in t.name:
+            experts += count
+            active += round(count * share)
+            active_bytes += round(stored * share)
+        else:
+            active += count
+            active_bytes += stored // t.shape[0] if t.name == "token_embd.weight" else stored
+    return ModelSize(params, active, experts, nbytes, active_bytes)
 
 
 def check_model_file(path: str) -> GGUFHeader:

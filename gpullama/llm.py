@@ -69,7 +69,7 @@ def quantized_cpu_path(dtype: str | torch.dtype, device: torch.device, tensors: 
     matrix dequantized once to float32), what the parity tests use."""
     if device.type != "cpu" or dtype != "auto":
         return False
-    return any(t.qtype not in FLOAT_TYPES for t in tensors.values() if len(t.shape) == 2)
+    return any(t.qtype not in FLOAT_TYPES for t in tensors.values() if len(t.shape) >= 2)
 
 
 def release_free_memory() -> None:

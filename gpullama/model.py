@@ -1,5 +1,5 @@
-"""The decoder: one forward over a ragged batch, for llama / mistral / qwen2 / qwen3 / phi3 / granite / gemma2 /
-gemma3 through config flags."""
+"""The decoder: one forward over a ragged batch, for llama (and Mixtral) / mistral / qwen2 / qwen3 / phi3 /
+granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss through config flags."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from gpullama.config import ModelConfig
 from gpullama.distributed import TensorParallel
-from gpullama.ops import BatchMetadata, TorchOps, rope_cos_sin
+from gpullama.ops import BatchMetadata, TorchOps, YarnParams, rope_cos_sin
+from gpullama.ops.experts import Experts
 from gpullama.quants import QTensor
 from gpullama.sharding import ShardPlan
 
@@ -26,14 +27,29 @@ class LayerWeights:
     qkv: list  # one fused weight, or [q, k, v]
     qkv_bias: torch.Tensor | None
     o: object
-    gate_up: list  # one fused weight, or [gate, up]
-    down: object
+    gate_up: list | None  # one fused weight, or [gate, up] (None in a MoE layer)
+    down: object | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None  # gemma: norm of the attention output before the residual add
     post_ffn_norm: torch.Tensor | None = None  # gemma: norm of the MLP output before the residual add
     window: int = 0  # sliding window of this layer (0: full attention)
     rope: int = 0  # index of this layer's rope table in `Decoder.rope_tables`
+    o_bias: torch.Tensor | None = None  # gpt-oss
+    sinks: torch.Tensor | None = None  # gpt-oss: [Hq] attention sink logits
+    moe: MoeWeights | None = None  # a MoE layer's router and experts (gate_up and down are then None)
+
+
+@dataclass
+class MoeWeights:
+    """A MoE layer: the router, the routed experts and (qwen2moe) the sigmoid-gated shared expert."""
+
+    router: object  # [E, H]
+    router_bias: torch.Tensor | None  # [E] (gpt-oss)
+    experts: Experts
+    shared_gate_up: list | None = None  # the shared expert's gate|up (fused, or [gate, up])
+    shared_down: object | None = None
+    shared_gate: torch.Tensor | None = None  # [H]: the shared expert's output is scaled by sigmoid(x . shared_gate)
 
 
 def unpermute_qk_rows(rows: int, num_heads: int) -> torch.Tensor:
@@ -96,6 +112,7 @@ class Decoder:
             return [ops.prepare_weight(joined)] if joined is not None else [ops.prepare_weight(p) for p in parts]
 
         c = config
+        self._tensors = tensors
         self.rope_tables, table_of_layer = self._rope_tables(tensors, max_positions, device)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
@@ -113,24 +130,28 @@ class Decoder:
                         dense(p + "attn_v.bias"),
                     ]
                 )
+            moe = self._moe_weights(p, get, dense, fused) if p + "ffn_gate_inp.weight" in tensors else None
             gate_up_fused = p + "ffn_gate.weight" not in tensors  # phi3: ffn_up holds gate then up, 2 I rows
             self.layers.append(
                 LayerWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
-                    ffn_norm=dense(p + "ffn_norm.weight"),
+                    ffn_norm=dense(p + c.ffn_norm_tensor + ".weight"),
                     qkv=[ops.prepare_weight(get(p + "attn_qkv.weight"))] if fused_qkv
                     else fused([q, k, get(p + "attn_v.weight")]),
                     qkv_bias=bias,
                     o=ops.prepare_weight(get(p + "attn_output.weight")),
-                    gate_up=[ops.prepare_weight(get(p + "ffn_up.weight"))] if gate_up_fused
-                    else fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
-                    down=ops.prepare_weight(get(p + "ffn_down.weight")),
+                    gate_up=None if moe is not None else [ops.prepare_weight(get(p + "ffn_up.weight"))]
+                    if gate_up_fused else fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
+                    down=None if moe is not None else ops.prepare_weight(get(p + "ffn_down.weight")),
                     q_norm=dense(p + "attn_q_norm.weight") if c.qk_norm else None,
                     k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm else None,
                     post_attn_norm=dense(p + "post_attention_norm.weight") if c.post_norms else None,
                     post_ffn_norm=dense(p + "post_ffw_norm.weight") if c.post_norms else None,
                     window=c.sliding_window if c.is_sliding(i) else 0,
                     rope=table_of_layer[i],
+                    o_bias=dense(p + "attn_output.bias") if c.attn_output_bias else None,
+                    sinks=dense(p + "attn_sinks.weight").reshape(-1) if c.attn_sinks else None,
+                    moe=moe,
                 )
             )
         embedding = get("token_embd.weight")
@@ -143,6 +164,36 @@ class Decoder:
         self.vocab_start = plan.vocab_start(tensors["token_embd.weight"].shape[0])
         self.vocab_rows = embedding.shape[0]
         self.scale = c.attention_scale or c.head_dim**-0.5
+        del self._tensors
+
+    def _moe_weights(self, p: str, get, dense, fused) -> MoeWeights:
+        """Layer `p`'s router, experts (``ffn_{gate,up,down}_exps``, or a fused ``ffn_gate_up_exps``, with their
+        biases) and shared expert (``ffn_*_shexp``), as llama.cpp's converter names them."""
+        c, ops, tensors = self.config, self.ops, self._tensors
+
+        def bias(name: str) -> torch.Tensor | None:
+            return dense(p + name) if p + name in tensors else None
+
+        if p + "ffn_gate_up_exps.weight" in tensors:
+            gate_up = [get(p + "ffn_gate_up_exps.weight")]
+            gate_up_bias = bias("ffn_gate_up_exps.bias")
+        else:
+            gate_up = [get(p + "ffn_gate_exps.weight"), get(p + "ffn_up_exps.weight")]
+            parts = [bias("ffn_gate_exps.bias"), bias("ffn_up_exps.bias")]
+            gate_up_bias = torch.cat(parts, dim=-1) if parts[0] is not None and parts[1] is not None else None
+        down = get(p + "ffn_down_exps.weight")
+        for t in (*gate_up, down):
+            if len(t.shape) != 3 or t.shape[0] != c.num_experts:
+                raise ValueError(f"tensor {t.name!r} has shape {t.shape}; expected {c.num_experts} stacked experts")
+        experts = ops.prepare_experts(gate_up, down, gate_up_bias, bias("ffn_down_exps.bias"), c.expert_activation,
+                                      c.swiglu_alpha, c.swiglu_limit)
+        moe = MoeWeights(ops.prepare_weight(get(p + "ffn_gate_inp.weight")), bias("ffn_gate_inp.bias"), experts)
+        if p + "ffn_down_shexp.weight" in tensors:
+            moe.shared_gate_up = fused([get(p + "ffn_gate_shexp.weight"), get(p + "ffn_up_shexp.weight")])
+            moe.shared_down = ops.prepare_weight(get(p + "ffn_down_shexp.weight"))
+            if p + "ffn_gate_inp_shexp.weight" in tensors:
+                moe.shared_gate = dense(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+        return moe
 
     @property
     def cos_sin(self) -> torch.Tensor:
@@ -180,8 +231,14 @@ class Decoder:
                     f"(half the rotary dims)"
                 )
 
+        yarn = None
+        if c.rope_yarn:
+            yarn = YarnParams(c.rope_original_context, c.rope_yarn_beta_fast, c.rope_yarn_beta_slow,
+                              c.rope_yarn_ext_factor, c.rope_yarn_truncate)
+
         def table(base: float, scale: float) -> torch.Tensor:
-            return rope_cos_sin(c.rotary_dim, max_positions, base, factors, scale, c.rope_attn_factor).to(device)
+            return rope_cos_sin(c.rotary_dim, max_positions, base, factors, scale, c.rope_attn_factor,
+                                yarn).to(device)
 
         tables = [table(c.rope_base, c.rope_scale)]
         swa = (c.rope_base_swa or c.rope_base, c.rope_scale_swa)
@@ -229,12 +286,19 @@ class Decoder:
                 k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
             table = self.rope_tables[layer.rope]
             q, k = ops.rope_and_cache(q, k, v, table, k_caches[i], v_caches[i], metas[layer.rope])
-            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap)
-            hidden = tp.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o))
+            if layer.sinks is not None:
+                attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap,
+                                     layer.sinks)
+            else:
+                attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap)
+            hidden = tp.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o, layer.o_bias))
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
             x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
-            hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
+            if layer.moe is not None:
+                hidden = tp.all_reduce(self._moe(x, layer.moe))
+            else:
+                hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
             if layer.post_ffn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
         rows = meta.logits_indices
@@ -253,6 +317,19 @@ class Decoder:
             logits = ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
         # rank 0 gets every rank's vocabulary slice, less the padding of the last one (one rank: `logits` itself)
         return tp.gather_last_dim(logits.float())[:, : self.vocab_size], pooled
+
+    def _moe(self, x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
+        """The MoE block of ``x [T, H]``: route, run the chosen experts, add the gated shared expert."""
+        c, ops = self.config, self.ops
+        ids, weights = ops.route(ops.linear(x, moe.router, moe.router_bias), c.num_experts_used, c.expert_gating,
+                                 c.expert_weights_norm, c.expert_weights_scale)
+        out = ops.moe(x, ids, weights, moe.experts)
+        if moe.shared_down is not None:
+            shared = ops.linear(ops.silu_mul(self._linear_parts(x, moe.shared_gate_up)), moe.shared_down)
+            if moe.shared_gate is not None:
+                shared = shared * torch.sigmoid(x @ moe.shared_gate)[:, None]
+            out = out + shared
+        return out
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, H]`` float32; under tensor parallelism each rank looks up the ids of its vocabulary

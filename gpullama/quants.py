@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES, QK_K
 Q = gguf.GGMLQuantizationType
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4}
 )
 """The GGUF tensor types gpullama can load."""
 
@@ -316,6 +316,36 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q.to(torch.float32)).reshape(*lead, QK_K)
 
 
+# ----------------------------------------------------------------------------------------------------
+# MXFP4 (OCP microscaling FP4, gpt-oss's experts)
+# ----------------------------------------------------------------------------------------------------
+
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+"""The 16 E2M1 values, doubled (ggml's ``kvalues_mxfp4``): sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2."""
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """An E8M0 exponent byte as the float32 ``2^(e - 127) / 2`` (ggml's ``e8m0_to_fp32_half``; subnormal for e < 2)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks `[..., 17]` -> float32 `[..., 32]`.
+
+    Block of 32 values, 17 bytes:
+      e   uint8      @0   E8M0 shared exponent
+      qs  uint8[16]  @1   4-bit E2M1 codes: x[i] in low nibble of qs[i], x[i + 16] in high nibble
+    x[i] = e8m0_half(e) * MXFP4_VALUES[q[i]]   (exact in float32: the scale is a power of two)
+    """
+    b, lead = _as_blocks(blocks, Q.MXFP4)
+    d = e8m0_half(b[:, 0:1])
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    q = _nibbles(b[:, 1:]).long()
+    return (d * table[q]).reshape(*lead, 32)
+
+
 _BLOCK_DEQUANTIZERS: dict[gguf.GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q8_0: dequantize_q8_0,
     Q.Q4_0: dequantize_q4_0,
@@ -325,6 +355,7 @@ _BLOCK_DEQUANTIZERS: dict[gguf.GGMLQuantizationType, Callable[[torch.Tensor], to
     Q.Q4_K: dequantize_q4_k,
     Q.Q5_K: dequantize_q5_k,
     Q.Q6_K: dequantize_q6_k,
+    Q.MXFP4: dequantize_mxfp4,
 }
 
 

@@ -9,7 +9,12 @@ Rank r of N holds:
   one all-reduce after each);
 - the embedding and the output head: a slice of the vocabulary (padded with zero rows to ``N`` equal slices, as
   vLLM pads it); the logits are gathered to rank 0;
-- everything else (norms, rope factors) whole.
+- mixture of experts: every expert cut as a dense MLP (each rank holds rows ``r * I/N`` on of every expert's
+  gate and up, the matching columns of its down; the shared expert likewise), so each rank runs the same routing
+  (router replicated) over its slice of every chosen expert and one all-reduce sums them;
+- biases added after a row-parallel matrix (attention output, down: gpt-oss) only on rank 0, zeros elsewhere, so
+  the all-reduce adds them once; attention sinks per head, with the heads;
+- everything else (norms, rope factors, routers) whole.
 
 Every cut is a view of the file's rows or a copy of whole blocks, made before `ops.prepare_weight`, so each rank
 reads and prepares only its own part, whatever the backend makes of it.
@@ -26,6 +31,8 @@ from gpullama.config import ModelConfig
 from gpullama.quants import QTensor, block_size
 
 _LAYER_TENSOR = re.compile(r"blk\.\d+\.(.+)")
+_ONCE = ("attn_output.bias", "ffn_down.bias", "ffn_down_exps.bias", "ffn_down_shexp.bias")
+"""Biases added after a row-parallel matmul: held by rank 0 (zeros on the others)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,15 @@ class ShardPlan:
                 f"tensor_parallel_size {n} and the {kv} KV heads ('{arch}.attention.head_count_kv', tensor "
                 f"blk.0.attn_k.weight) do not divide one another (each rank needs whole KV heads)"
             )
-        if c.intermediate_size % n:
+        if c.is_moe:
+            for size, key in ((c.expert_intermediate_size, "expert_feed_forward_length"),
+                              (c.shared_expert_intermediate_size, "expert_shared_feed_forward_length")):
+                if size % n:
+                    raise ValueError(
+                        f"tensor_parallel_size {n} does not divide each expert's {size} rows ('{arch}.{key}', "
+                        f"tensor blk.0.ffn_gate_exps.weight)"
+                    )
+        elif c.intermediate_size % n:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the MLP's {c.intermediate_size} rows "
                 f"('{arch}.feed_forward_length', tensor blk.0.ffn_up.weight)"
@@ -73,6 +88,11 @@ class ShardPlan:
     def intermediate_size(self) -> int:
         """MLP rows of this rank."""
         return self.config.intermediate_size // self.world_size
+
+    def _slice(self, size: int) -> tuple[int, int]:
+        """This rank's span of `size` rows cut in N equal parts."""
+        part = size // self.world_size
+        return self.rank * part, (self.rank + 1) * part
 
     def vocab_rows(self, vocab: int) -> int:
         """Rows of the embedding and output head each rank holds (the vocabulary padded to N equal slices)."""
@@ -102,7 +122,12 @@ class ShardPlan:
         q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         i0 = self.rank * self.intermediate_size
         mlp = (i0, i0 + self.intermediate_size)
+        shared = self._slice(c.shared_expert_intermediate_size)
+        heads = (self.rank * self.num_heads, (self.rank + 1) * self.num_heads)
         spans = {
+            "attn_sinks": ([heads], c.num_heads),
+            "ffn_gate_shexp": ([shared], c.shared_expert_intermediate_size),
+            "ffn_up_shexp": ([shared], c.shared_expert_intermediate_size),
             "attn_q": ([q], q_rows),
             "attn_k": ([kv], kv_rows),
             "attn_v": ([kv], kv_rows),
@@ -132,22 +157,55 @@ class ShardPlan:
         elif part == "ffn_down.weight":
             i0 = self.rank * self.intermediate_size
             span, expected = (i0, i0 + self.intermediate_size), c.intermediate_size
+        elif part == "ffn_down_shexp.weight":
+            span, expected = self._slice(c.shared_expert_intermediate_size), c.shared_expert_intermediate_size
+        elif part in ("ffn_down_exps.weight", "ffn_gate_exps.bias", "ffn_up_exps.bias"):
+            span, expected = self._slice(c.expert_intermediate_size), c.expert_intermediate_size
         else:
             return None
         if cols != expected:
             raise ValueError(f"tensor {name!r} has {cols} columns; the model's head and MLP sizes make {expected}")
         return span
 
+    def _expert_rows(self, name: str, rows: int) -> list[tuple[int, int]] | None:
+        """Spans along the expert rows (dim 1 of ``[E, rows, K]``, or the last dim of a gate|up bias ``[E, 2I]``) of
+        a fused gate|up expert tensor, None when `name` is not one."""
+        match = _LAYER_TENSOR.fullmatch(name)
+        if match is None or match.group(1) not in ("ffn_gate_exps.weight", "ffn_up_exps.weight",
+                                                   "ffn_gate_up_exps.weight", "ffn_gate_up_exps.bias"):
+            return None
+        size = self.config.expert_intermediate_size
+        span = self._slice(size)
+        fused = match.group(1).startswith("ffn_gate_up_exps")
+        expected = 2 * size if fused else size
+        if rows != expected:
+            raise ValueError(f"tensor {name!r} has {rows} expert rows; the expert size makes {expected}")
+        return [span, _shift(span, size)] if fused else [span]
+
     def local(self, name: str, tensor: QTensor) -> QTensor:
         """This rank's part of the weight `name` (the tensor itself when there is one rank, or it is replicated)."""
         if self.world_size == 1:
             return tensor
+        if name.endswith(_ONCE):  # added after a row-parallel matmul: once, by rank 0
+            return tensor if self.rank == 0 else QTensor(torch.zeros_like(tensor.data), tensor.qtype, tensor.shape,
+                                                         tensor.name)
+        if len(tensor.shape) >= 2:
+            dim = 1 if len(tensor.shape) == 3 else len(tensor.shape) - 1
+            expert = self._expert_rows(name, tensor.shape[dim])
+            if expert is not None:
+                if dim == len(tensor.shape) - 1:  # a bias [E, 2I]: float columns
+                    parts = [tensor.slice_cols(*span) for span in expert]
+                    return parts[0] if len(parts) == 1 else QTensor(
+                        torch.cat([p.data for p in parts], dim=-1), tensor.qtype,
+                        (*tensor.shape[:-1], sum(p.shape[-1] for p in parts)), tensor.name)
+                data = torch.cat([tensor.data[:, a:b] for a, b in expert], dim=1).contiguous()
+                return QTensor(data, tensor.qtype, (tensor.shape[0], data.shape[1], tensor.shape[2]), tensor.name)
         if name in ("token_embd.weight", "output.weight"):
             vocab = tensor.shape[0]
             start = self.vocab_start(vocab)
             rows = tensor.slice_rows(min(start, vocab), min(start + self.vocab_rows(vocab), vocab))
             return rows.pad_rows(self.vocab_rows(vocab))
-        cols = self._cols(name, tensor.shape[-1]) if len(tensor.shape) == 2 else None
+        cols = self._cols(name, tensor.shape[-1]) if len(tensor.shape) >= 2 else None
         if cols is not None:
             return tensor.slice_cols(*cols)
         spans = self._rows(name, tensor.shape[0])
@@ -162,7 +220,9 @@ class ShardPlan:
         if self.world_size == 1:
             return
         for name, tensor in tensors.items():
-            if len(tensor.shape) == 2 and (span := self._cols(name, tensor.shape[-1])) is not None:
+            if len(tensor.shape) >= 2 and self._expert_rows(name, tensor.shape[1 if len(tensor.shape) == 3 else -1]):
+                continue
+            if len(tensor.shape) >= 2 and (span := self._cols(name, tensor.shape[-1])) is not None:
                 bs = block_size(tensor.qtype)
                 if span[0] % bs or span[1] % bs:
                     raise ValueError(

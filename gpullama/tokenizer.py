@@ -195,6 +195,7 @@ class Tokenizer:
             raise ValueError(
                 f"tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {len(tokens)}"
             )
+        meta = _render_harmony_markers(meta)
         if model == "gpt2":
             backend = _build_byte_level(meta)
         elif model == "llama":
@@ -269,9 +270,26 @@ class Tokenizer:
         for key in ("eot_token_id", "eom_token_id"):
             ids.add(_token_id(meta, key, self.vocab_size))
         wanted = set(_EOG_TEXTS)
+        if {"<|return|>", "<|call|>"} <= set(self._tokens):  # gpt-oss (as llama.cpp): <|end|> closes a message,
+            wanted.discard("<|end|>")  # the answer ends at <|return|> or <|call|>
         ids.update(i for i, t in enumerate(self._tokens) if t in wanted)
         ids.discard(None)
         return ids  # type: ignore[return-value]
+
+
+# gpt-oss's harmony markers that llama.cpp always renders in output text (as user-defined tokens)
+_RENDERED_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
+
+def _render_harmony_markers(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with gpt-oss's channel markers typed user-defined (kept in decoded text, parsed whole), as llama.cpp
+    does, so the text shows which channel said what; other vocabularies unchanged."""
+    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+    if not types or "<|channel|>" not in tokens or "<|message|>" not in tokens:
+        return meta
+    marked = set(_RENDERED_MARKERS)
+    types = [USER_DEFINED if t in marked and k == CONTROL else k for t, k in zip(tokens, types)]
+    return {**meta, "tokenizer.ggml.token_type": types}
 
 
 def _token_id(meta: dict[str, Any], key: str, n: int) -> int | None:

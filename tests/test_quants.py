@@ -42,7 +42,7 @@ def _assert_matches_gguf(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, got:
 
 def test_supported_types() -> None:
     assert quants.SUPPORTED_TYPES == {
-        Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K
+        Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4
     }
     assert set(QUANTIZED_TYPES) | set(FLOAT_TYPES) == quants.SUPPORTED_TYPES
     for qtype in quants.SUPPORTED_TYPES:
@@ -82,6 +82,17 @@ def test_scale_edge_values(qtype: gguf.GGMLQuantizationType) -> None:
         raw[:, offset : offset + 2] = np.roll(edge, k).reshape(-1, 1).view(np.uint8)
     got = quants.dequantize(torch.from_numpy(raw), qtype, (len(edge), bs))
     want = gguf.quants.dequantize(raw, qtype)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply")  # gguf's own reference at exponent 254
+def test_mxfp4_exponent_edges() -> None:
+    """MXFP4's E8M0 exponent at its ends (0 and 1 give subnormal scales, 254 the largest finite one): gguf's
+    values exactly."""
+    raw = random_blocks(Q.MXFP4, 6, 64, seed=12)
+    raw[:, 0] = np.array([0, 1, 2, 126, 127, 254], dtype=np.uint8)
+    got = quants.dequantize(torch.from_numpy(raw), Q.MXFP4, (6, 64))
+    want = gguf.quants.dequantize(raw, Q.MXFP4)
     np.testing.assert_array_equal(got.numpy(), want)
 
 

@@ -77,6 +77,9 @@ CASES = [
     pytest.param("phi3", "F32", False, id="phi3-fused"),  # fused qkv and gate|up, partial rotary, LongRoPE, window
     pytest.param("gemma2", "Q8_0", False, id="gemma2-q8_0"),  # 1 KV head held by both ranks, post-norms, soft-caps
     pytest.param("gemma3", "Q4_0", False, id="gemma3-q4_0"),  # q/k norms, a second rope table for sliding layers
+    # experts cut like an MLP: gpt-oss's MXFP4 experts with biases (down and o biases on rank 0), sinks per head
+    pytest.param("gpt-oss", "MXFP4", False, id="gpt-oss-mxfp4"),
+    pytest.param("qwen2moe", "Q8_0", True, id="qwen2moe-q8_0-static"),  # the shared expert and its gate too
 ]
 
 
@@ -114,7 +117,8 @@ def test_two_ranks_match_one(tiny_model, arch: str, weight_type: str, static_dec
     assert wait_gone(pids) == []
 
 
-def test_two_ranks_on_the_cpu_fast_path(tiny_model, monkeypatch) -> None:
+@pytest.mark.parametrize(("arch", "weight_type"), [("qwen2", "Q4_0"), ("qwen3moe", "Q8_0")])
+def test_two_ranks_on_the_cpu_fast_path(tiny_model, monkeypatch, arch: str, weight_type: str) -> None:
     """dtype auto on a quantized file: every rank runs the CPU fast path (the workers are told to), and the sharded
     logits stay within the fast path's tolerance of the exact one-rank path, with its top tokens."""
     from gpullama.engine.tp_workers import TPWorkers
@@ -128,12 +132,12 @@ def test_two_ranks_on_the_cpu_fast_path(tiny_model, monkeypatch) -> None:
     specs = []
     start = TPWorkers.start.__func__
     monkeypatch.setattr(TPWorkers, "start", classmethod(lambda cls, spec, n: specs.append(spec) or start(cls, spec, n)))
-    path = str(tiny_model("qwen2", "Q4_0").path)
+    path = str(tiny_model(arch, weight_type).path)
     exact = LLM(path, device="cpu", dtype="float32")
     ids = token_ids(exact.config.vocab_size, n=40)
     with LLM(path, device="cpu", tensor_parallel_size=2) as two:
         assert isinstance(two.model.ops, CpuOps) and [spec.quantized_cpu for spec in specs] == [True]
-        assert_close_and_same_top1(two.logits(ids), exact.logits(ids), "qwen2 Q4_0, 2 ranks, fast path")
+        assert_close_and_same_top1(two.logits(ids), exact.logits(ids), f"{arch} {weight_type}, 2 ranks, fast path")
 
 
 def test_a_dead_worker_fails_calls_and_shutdown_still_cleans_up(tiny_model) -> None:
@@ -268,6 +272,49 @@ def test_shard_plan_cuts_whole_heads_and_blocks() -> None:
     down = {"blk.0.ffn_down.weight": weight("blk.0.ffn_down.weight", hidden, 256, Q.Q4_K)}
     with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' at 128, which cuts its Q4_K blocks of 256"):
         ShardPlan(dataclasses.replace(c, intermediate_size=256), 0, 2).check(down)
+
+
+def test_shard_plan_cuts_every_expert_like_an_mlp() -> None:
+    """Stacked experts: each rank holds its rows of every expert's gate and up (fused gate|up: both halves), the
+    matching columns of down and of the biases; down's and the output's biases on rank 0 only; routers whole."""
+    e, hidden, inter = 4, 64, 64
+    c = _config(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=hidden, num_experts=e, num_experts_used=2,
+                expert_intermediate_size=inter)
+
+    def experts(name: str, rows: int, cols: int, qtype=Q.Q8_0) -> QTensor:
+        raw = torch.from_numpy(random_blocks(qtype, e * rows, cols, 2)).view(e, rows, -1)
+        return QTensor(raw, qtype, (e, rows, cols), name)
+
+    def floats(name: str, *shape: int) -> QTensor:
+        return QTensor(torch.randn(*shape), Q.F32, shape, name)
+
+    tensors = {t.name: t for t in (
+        experts("blk.0.ffn_gate_exps.weight", inter, hidden), experts("blk.0.ffn_gate_up_exps.weight", 2 * inter,
+                                                                      hidden, Q.MXFP4),
+        experts("blk.0.ffn_down_exps.weight", hidden, inter), floats("blk.0.ffn_gate_exps.bias", e, inter),
+        floats("blk.0.ffn_gate_up_exps.bias", e, 2 * inter), floats("blk.0.ffn_down_exps.bias", e, hidden),
+        floats("blk.0.attn_output.bias", hidden), floats("blk.0.ffn_gate_inp.weight", e, hidden),
+        floats("blk.0.attn_sinks.weight", 4))}
+    whole = {name: t.dequantize() for name, t in tensors.items()}
+    for r in range(2):
+        plan = ShardPlan(c, r, 2)
+        plan.check(tensors)
+        part = {name: plan.local(name, t).dequantize() for name, t in tensors.items()}
+        i = slice(r * 32, r * 32 + 32)
+        assert part["blk.0.ffn_gate_exps.weight"].equal(whole["blk.0.ffn_gate_exps.weight"][:, i])
+        fused = whole["blk.0.ffn_gate_up_exps.weight"]
+        assert part["blk.0.ffn_gate_up_exps.weight"].equal(torch.cat([fused[:, :inter][:, i], fused[:, inter:][:, i]],
+                                                                      dim=1))
+        assert part["blk.0.ffn_down_exps.weight"].equal(whole["blk.0.ffn_down_exps.weight"][..., i])
+        assert part["blk.0.ffn_gate_exps.bias"].equal(whole["blk.0.ffn_gate_exps.bias"][:, i])
+        bias = whole["blk.0.ffn_gate_up_exps.bias"]
+        assert part["blk.0.ffn_gate_up_exps.bias"].equal(torch.cat([bias[:, :inter][:, i], bias[:, inter:][:, i]], -1))
+        for once in ("blk.0.ffn_down_exps.bias", "blk.0.attn_output.bias"):
+            assert part[once].equal(whole[once] if r == 0 else torch.zeros_like(whole[once]))
+        assert part["blk.0.ffn_gate_inp.weight"].equal(whole["blk.0.ffn_gate_inp.weight"])
+        assert part["blk.0.attn_sinks.weight"].equal(whole["blk.0.attn_sinks.weight"][2 * r : 2 * r + 2])
+    with pytest.raises(ValueError, match=r"does not divide each expert's 50 rows .*expert_feed_forward_length"):
+        ShardPlan(dataclasses.replace(c, expert_intermediate_size=50), 0, 4)
 
 
 def test_tensor_parallel_size_is_an_engine_argument() -> None:

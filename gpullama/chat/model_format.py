@@ -14,8 +14,8 @@ from gpullama.chat.reasoning import THINK_CLOSE, THINK_OPEN
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """What a model's chat template and vocabulary support: its tool-call format (hermes, llama3, mistral or
-    generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
+    """What a model's chat template and vocabulary support: its tool-call format (harmony, hermes, llama3, mistral
+    or generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
     of the format's markers are special tokens of the vocabulary (the detokenizer drops special tokens unless
     told to keep them, and the parsers must see these)."""
 
@@ -45,12 +45,15 @@ def chat_format(tokenizer: Any) -> ChatFormat:
 
         source = tokenizer.chat_template.source
         tools = format_for_template(source)
-        reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
         ids = sorted(tokenizer.special_token_ids)
         special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
-        found = ChatFormat(tools.name, tools.template_tools, reasoning,
-                           tuple(special[m] for m in tools.token_markers if m in special),
-                           tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
+        markers = tuple(special[m] for m in tools.token_markers if m in special)
+        if tools.name == "harmony":  # gpt-oss: channels carry the reasoning, the answer and the calls
+            found = ChatFormat(tools.name, tools.template_tools, True, (), markers)
+        else:
+            reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
+            found = ChatFormat(tools.name, tools.template_tools, reasoning, markers,
+                               tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
         with _formats_lock:
             _formats[tokenizer] = found
     return found

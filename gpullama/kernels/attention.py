@@ -16,6 +16,8 @@ Sliding window: a query at position p sees keys above ``p - WINDOW`` only (full-
 NO_WINDOW, beyond any context, so one code path serves both); decode splits the window's span instead of the
 whole context, prefill starts its key walk at the first key its first query sees.
 Soft-capping (HAS_SOFTCAP, Gemma 2): scores become ``SOFTCAP * tanh(scores / SOFTCAP)`` before the mask.
+Attention sinks (HAS_SINKS, gpt-oss): head h's softmax also counts ``exp(sinks[h])``, a key without a value: the
+prefill kernel adds it after its key walk, decode when the combine merges the splits.
 Scores and softmax are float32; 16-bit pools multiply in their dtype. Torch reference: `TorchOps.attention`.
 """
 
@@ -100,20 +102,27 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, D, num_splits, stride_ot, stride_oh,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, query_start_ptr, D, num_splits, stride_ot, stride_oh,
+    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head) by their log-sum-exp weights."""
+    """Merge the splits of one (sequence, query head) by their log-sum-exp weights (and the head's sink)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     lse = tl.load(part_lse_ptr + part + splits, mask=splits < num_splits, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, axis=0))
+    top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        top = tl.maximum(top, sink)
+    weights = tl.exp(lse - top)
+    total = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     parts = tl.load(part_out_ptr + (part + splits)[:, None] * D + dims[None, :],
                     mask=(splits[:, None] < num_splits) & (dims[None, :] < D), other=0.0)
-    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    out = tl.sum(parts * weights[:, None], axis=0) / total
     token = tl.load(query_start_ptr + b).to(tl.int64)
     width = tl.where(tl.load(query_start_ptr + b + 1) > token, D, 0)  # a sequence without a new token writes nothing
     tl.store(out_ptr + token * stride_ot + h * stride_oh + dims, out, mask=dims < width)
@@ -121,10 +130,10 @@ def _combine_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr, out_ptr,
     scale, GROUP, D, block_size, WINDOW, SOFTCAP,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """BLOCK_M new tokens of one sequence and one query head against their causal (windowed) context."""
@@ -166,6 +175,12 @@ def _prefill_kernel(
         v = _load_kv(v_cache_ptr, table_row, pos, valid, kvh, block_size, stride_cb, stride_cs, stride_ch, dims, D)
         acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE, EMULATE)
         m_i = m_new
+    if HAS_SINKS:  # the sink joins the softmax as one more score, with no value
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + h * stride_oh + dims[None, :], out, mask=m_mask[:, None] & d_mask)
 
@@ -188,9 +203,13 @@ def paged_attention(
     block_n: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q [T, Hq, D]`` over their paged context: float32 ``[T, Hq, D]``;
-    `window` > 0 limits each query to its last `window` positions, `softcap` > 0 soft-caps the scores."""
+    `window` > 0 limits each query to its last `window` positions, `softcap` > 0 soft-caps the scores, `sinks`
+    ``[Hq]`` adds each head's sink logit to its softmax."""
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_contiguous()):
+        raise ValueError(f"attention: sinks must be a contiguous [{q.shape[1]}] vector, got {tuple(sinks.shape)}")
     t, hq, d = q.shape
     num_blocks, block_size, hk, d_cache = k_cache.shape
     if d_cache != d or hq % hk or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
@@ -207,6 +226,7 @@ def paged_attention(
     if window < 0 or softcap < 0:
         raise ValueError(f"attention: window and softcap must be >= 0 (0: off), got {window}, {softcap}")
     common = dict(DOT_DTYPE=dot_dtype, EMULATE=interpreting(), HAS_SOFTCAP=softcap > 0)
+    sinks_arg = sinks if sinks is not None else out
     span = int(window) if window else NO_WINDOW
     if max_query_len == 1:
         splits = num_splits or decode_splits(b, hk, q.device)
@@ -220,17 +240,17 @@ def paged_attention(
             BLOCK_G=pow2(group, 16), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **common,
         )
         _combine_kernel[(b, hq)](
-            part_out, part_lse, out, query_start_loc, d, splits, out.stride(0), out.stride(1),
-            BLOCK_S=pow2(splits), BLOCK_D=block_d, num_warps=1,
+            part_out, part_lse, sinks_arg, out, query_start_loc, d, splits, out.stride(0), out.stride(1),
+            HAS_SINKS=sinks is not None, BLOCK_S=pow2(splits), BLOCK_D=block_d, num_warps=1,
         )
         return out
     block_m = 16 if max_query_len <= 16 else 64
     block_n = block_n or 64
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), b, hq)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks_arg, out,
         scale, group, d, block_size, span, float(softcap or 1.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SINKS=sinks is not None, num_warps=4, **common,
     )
     return out

@@ -1,5 +1,5 @@
 /* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
-   windows, soft caps), SwiGLU, GeGLU, the final soft cap, greedy argmax.
+   windows, soft caps, sinks), SwiGLU, GeGLU, the final soft cap, greedy argmax, mixture-of-experts blocks.
 
 Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp) and called
 through ctypes on float32 torch tensors. Every kernel computes each output row on its own, in an order that does
@@ -11,7 +11,7 @@ arithmetic and the reduction tree are the same on all three.
 
 Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
 rounded to integers Q = round(x / d), d = max |x| / 32258, held as 254 hi + lo (two int8); per group and weight
-row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI or plain C), and y
+row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI, AVX2 or plain C), and y
 accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of one
 accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
 weights; threads split the weight rows; a row's arithmetic is the same in any tile.
@@ -293,6 +293,70 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
         b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
     }
     return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(a, _mm512_set1_epi32(254)), b));
+}
+#elif defined(__AVX2__)
+/* AVX2. Q4: each chunk's 16 rows x 4 nibbles as bytes, 8 rows a register; vpmaddubsw multiplies them by hi and
+   by lo (int8) into int16 pair sums (at most 8 chunks x 2 x 15 x 127: no overflow), vpmaddwd by 1 adds a row's
+   pairs, and the row's dot is 254 sum(w hi) + sum(w lo). Q8: each chunk's values widened to int16, 4 rows a
+   register, times the whole integers Q = 254 hi + lo (an int16) with vpmaddwd. Both give the exact int32 sums of
+   the plain C path, so the same results bit for bit. */
+typedef struct { __m256i c[8][4]; int q4; } wg;
+static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
+    w->q4 = fmt == FMT_Q4;
+    if (fmt == FMT_Q4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
+        __m256i m = _mm256_set1_epi8(15);
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 2; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * j + 32 * r));
+                w->c[j][r] = _mm256_and_si256(v, m);
+                w->c[4 + j][r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+            }
+    } else {
+        for (int c = 0; c < 8; c++)
+            for (int g = 0; g < 4; g++)
+                w->c[c][g] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 64 * c + 16 * g)));
+    }
+}
+/* the 16 rows' sums of 4 rows a register (lanes: row r's two pair sums) -> the rows in order */
+static inline __m256i wg_rows(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
+}
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
+    __m256i r0, r1;
+    if (w->q4) {
+        __m256i sh0 = _mm256_setzero_si256(), sh1 = sh0, sl0 = sh0, sl1 = sh0;
+        for (int c = c0; c < c1; c++) {
+            int32_t h4, l4;
+            memcpy(&h4, hi + 4 * c, 4);
+            memcpy(&l4, lo + 4 * c, 4);
+            __m256i hb = _mm256_set1_epi32(h4), lb = _mm256_set1_epi32(l4);
+            sh0 = _mm256_add_epi16(sh0, _mm256_maddubs_epi16(w->c[c][0], hb));
+            sh1 = _mm256_add_epi16(sh1, _mm256_maddubs_epi16(w->c[c][1], hb));
+            sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(w->c[c][0], lb));
+            sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(w->c[c][1], lb));
+        }
+        __m256i ones = _mm256_set1_epi16(1), k254 = _mm256_set1_epi32(254);
+        r0 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh0, ones), k254), _mm256_madd_epi16(sl0, ones));
+        r1 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh1, ones), k254), _mm256_madd_epi16(sl1, ones));
+    } else {
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                          _mm256_setzero_si256()};
+        __m128i k254 = _mm_set1_epi16(254);
+        for (int c = c0; c < c1; c++) {
+            int32_t h4, l4;
+            memcpy(&h4, hi + 4 * c, 4);
+            memcpy(&l4, lo + 4 * c, 4);
+            __m128i q = _mm_add_epi16(_mm_mullo_epi16(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(h4)), k254),
+                                      _mm_cvtepi8_epi16(_mm_cvtsi32_si128(l4)));
+            __m256i qb = _mm256_set1_epi64x(_mm_cvtsi128_si64(q)); /* Q of the 4 values, for each of 4 rows */
+            for (int g = 0; g < 4; g++) acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(w->c[c][g], qb));
+        }
+        r0 = wg_rows(acc[0], acc[1]), r1 = wg_rows(acc[2], acc[3]);
+    }
+    float f[16];
+    _mm256_storeu_ps(f, _mm256_cvtepi32_ps(r0));
+    _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(r1));
+    return vf_load(f);
 }
 #else
 typedef struct { uint8_t c[8][64]; } wg;
@@ -641,7 +705,7 @@ void gl_soft_cap(float *x, int64_t T, int64_t n, int64_t ldx, float scale, float
 static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t bs,
                         int64_t Hq, int64_t Hk, int64_t D, const int32_t *table, int64_t seq_len, int64_t q_len,
                         int64_t t0, int64_t p0, int np, int64_t hk, int64_t h0, int nh, float scale, int64_t window,
-                        float softcap, float *scores, float *out) {
+                        float softcap, const float *sinks, float *scores, float *out) {
     int R = np * nh;
     int64_t n_max = seq_len - q_len + p0 + np, width = (n_max + 15) / 16 * 16;
     const float *qr[TILE_ROWS];
@@ -677,6 +741,8 @@ static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const
         for (; j + 16 <= n[r]; j += 16) mx = vf_max(mx, vf_load(sr + j));
         float m = vf_hmax(mx);
         for (; j < n[r]; j++) m = sr[j] > m ? sr[j] : m;
+        float sink = sinks ? sinks[h0 + r % nh] : -INFINITY; /* a sink joins the softmax, with no value */
+        m = sink > m ? sink : m;
         vf sum = vf_zero(), mv = vf_set1(m);
         for (j = lo[r] / 16 * 16; j < n[r]; j += 16) {
             int c = n[r] - j < 16 ? (int)(n[r] - j) : 16, skip = j < lo[r] ? (int)(lo[r] - j) : 0;
@@ -685,7 +751,7 @@ static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const
             vf_store(sr + j, p);
             sum = vf_add(sum, p);
         }
-        inv[r] = 1.0f / vf_hsum(sum);
+        inv[r] = 1.0f / (sinks ? vf_hsum(sum) + expf(sink - m) : vf_hsum(sum));
     }
     for (int r0 = 0; r0 < R; r0 += 4) { /* values: 4 rows at a time, D / 16 accumulators each */
         int rn = R - r0 < 4 ? R - r0 : 4;
@@ -710,16 +776,16 @@ static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const
 
 /* Causal attention of every query row over its sequence's context in the paged pool; window > 0: a query at
    position p sees the keys after p - window only (a sliding-window layer); softcap > 0: Gemma 2's soft-capped
-   scores.
+   scores; sinks (NULL: none) [Hq]: head h's softmax also counts exp(sinks[h]), a key without value (gpt-oss).
    q [T, Hq, D] (row stride ldq; D a multiple of 16, at most GL_MAX_HEAD_DIM), out [T, Hq, D]; v_cache
    [blocks * block_size, Hk, D]; k_cache [blocks, Hk, D, block_size] (each block transposed, block_size a multiple
    of 16); sequence b owns query rows query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens in
    the blocks block_tables[b, :] (row stride ldb); its last query row sits at position seq_lens[b] - 1.
    Returns 0, or -1 when out of memory. */
-int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
-                 int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
-                 const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, int64_t window,
-                 float softcap, float *out, int threads) {
+int gl_attention_sinks(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
+                       int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
+                       const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale,
+                       int64_t window, float softcap, const float *sinks, float *out, int threads) {
     int64_t G = Hq / Hk, nh = G < TILE_ROWS ? G : TILE_ROWS, np = TILE_ROWS / nh, head_tiles = (G + nh - 1) / nh;
     int64_t *first = scratch(1, sizeof(int64_t) * (B + 1)); /* first tile of each sequence */
     if (!first) return -1;
@@ -754,10 +820,200 @@ int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float 
             int64_t h0 = hk * G + ht * nh, p0 = pt * np;
             attend_tile(q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, block_tables + b * ldb, seq_lens[b], q_len,
                         query_start[b], p0, (int)(q_len - p0 < np ? q_len - p0 : np), hk, h0,
-                        (int)(G - ht * nh < nh ? G - ht * nh : nh), scale, window, softcap, scores, out);
+                        (int)(G - ht * nh < nh ? G - ht * nh : nh), scale, window, softcap, sinks, scores, out);
         }
     }
     return failed ? -1 : 0;
+}
+
+/* gl_attention_sinks without sinks */
+int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
+                 int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
+                 const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, int64_t window,
+                 float softcap, float *out, int threads) {
+    return gl_attention_sinks(q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, B, query_start, seq_lens, block_tables,
+                              ldb, scale, window, softcap, NULL, out, threads);
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+   mixture of experts
+   ------------------------------------------------------------------------------------------------------------ */
+
+/* a buffer of at least `bytes` for the MoE kernel, kept between calls (NULL when out of memory); the caller's
+   thread only */
+static void *moe_scratch(int which, size_t bytes) {
+    static _Thread_local void *buf[8];
+    static _Thread_local size_t size[8];
+    if (size[which] < bytes) {
+        free(buf[which]);
+        buf[which] = malloc(bytes);
+        size[which] = buf[which] ? bytes : 0;
+    }
+    return buf[which];
+}
+
+enum { ACT_SILU = 0, ACT_SWIGLU_OAI = 1 };
+
+/* The experts of one MoE matrix (gate|up or down) in a matmul format: expert e's blocks at data + e * stride
+   bytes, N rows (a multiple of 16) of K values each. */
+typedef struct {
+    weight_t w;
+    int64_t stride, N;
+} experts_t;
+
+typedef void (*blocks_fn)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t,
+                          float *, int64_t);
+
+static blocks_fn blocks_for(int fmt, int group) {
+    return fmt == FMT_Q4 ? mm_q4 : fmt == FMT_Q8 ? (group == 16 ? mm_q8_g16 : mm_q8) : fmt == FMT_F16 ? mm_f16 : mm_f32;
+}
+
+/* xquant_t of rows r .. of q */
+static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
+    int64_t G = K / 32;
+    xquant_t o = {q->hi + r * K, q->lo + r * K, q->d + r * G, q->s + r * 2 * G};
+    return o;
+}
+
+/* y [P, ldy] = rows of x [P, K] (as floats and, for the quantized formats, quantized) against each active expert:
+   rows start[e] .. start[e + 1] - 1 use expert e. Work items are (expert, 8 blocks of 16 rows), taken by the
+   threads in any order: an output element's arithmetic is the same whichever thread computes it. */
+static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *xq, const int64_t *start,
+                           const int64_t *active, int64_t n_active, float *y, int64_t ldy, int threads) {
+    blocks_fn run = blocks_for(ex->w.fmt, ex->w.group);
+    int64_t K = ex->w.K, blocks = ex->N / 16, chunk = 8, per = (blocks + chunk - 1) / chunk;
+    int64_t units = n_active * per;
+    if (units < 2) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; u++) {
+        int64_t e = active[u / per], c = u % per, r0 = start[e], M = start[e + 1] - r0;
+        weight_t w = ex->w;
+        w.data = ex->w.data + e * ex->stride;
+        xquant_t q = {NULL, NULL, NULL, NULL};
+        if (xq->hi) q = xq_rows(xq, r0, K);
+        int64_t b1 = (c + 1) * chunk < blocks ? (c + 1) * chunk : blocks;
+        run(&w, x + r0 * K, K, &q, M, c * chunk, b1, y + r0 * ldy, ldy);
+    }
+}
+
+/* quantize rows as quantize_rows does, into buffers `which`, `which + 1` of the MoE scratch */
+static int moe_quantize(const float *x, int64_t M, int64_t K, xquant_t *xq, int which, int threads) {
+    size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * (K / 32);
+    uint8_t *buf = moe_scratch(which, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * (K / 32));
+    if (!buf) return -1;
+    xq->hi = (int8_t *)buf, xq->lo = (int8_t *)(buf + qbytes);
+    xq->d = (float *)(buf + 2 * qbytes), xq->s = (int32_t *)(buf + 2 * qbytes + dbytes);
+    quantize_rows(x, K, M, K, xq, threads);
+    return 0;
+}
+
+/* A MoE block: out [T, H] = sum over j of wts[t, j] * expert_{ids[t, j]}(x[t]), j = 0 .. k-1 in order, where
+   expert e is down_e(act(gate_up_e x + b1_e)) + b2_e; gate_up_e has 2I rows (gate, then up; N1 >= 2I padded to
+   16), down_e H rows (N2 >= H). act is silu(gate) * up, or gpt-oss's g sigmoid(alpha g) (u + 1) with g = min(gate,
+   limit), u = clamp(up, -limit, limit). The (token, slot) pairs are grouped by expert (in token order within
+   one), each active expert runs one matmul over its rows for gate|up and one for down; only their weights are
+   read. A row's arithmetic depends on nothing else in the batch. Returns 0, or -1 when out of memory. */
+static int64_t moe_bytes; /* expert weight bytes gl_moe has read, for benchmarks */
+
+/* the expert weight bytes gl_moe has read so far (every block of each active expert's two matrices) */
+int64_t gl_moe_bytes_read(void) { return moe_bytes; }
+
+int gl_moe(int fmt1, int group1, int half1, const uint8_t *w1, int64_t stride1, int64_t N1, const float *b1,
+           int fmt2, int group2, int half2, const uint8_t *w2, int64_t stride2, int64_t N2, const float *b2,
+           const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *wts, int64_t k,
+           int64_t E, int act, float alpha, float limit, float *out, int threads) {
+    int64_t P = T * k;
+    experts_t ex1 = {{fmt1, group1, half1, H, H / 32, gl_block_bytes(fmt1, group1, half1), w1}, stride1, N1};
+    experts_t ex2 = {{fmt2, group2, half2, I, I / 32, gl_block_bytes(fmt2, group2, half2), w2}, stride2, N2};
+    int64_t *start = moe_scratch(0, sizeof(int64_t) * (3 * E + 2 + 2 * P));
+    if (!start) return -1;
+    int64_t *fill = start + E + 1, *active = fill + E, *pair = active + E, *row = pair + P;
+    /* counting sort of the pairs p = t * k + j by expert: pair[r] is the pair at row r, row[p] its row */
+    memset(start, 0, sizeof(int64_t) * (E + 1));
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0 || ids[p] >= E) return -2;
+        start[ids[p] + 1]++;
+    }
+    int64_t n_active = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (start[e + 1]) active[n_active++] = e;
+        start[e + 1] += start[e];
+        fill[e] = start[e];
+    }
+    for (int64_t p = 0; p < P; p++) pair[fill[ids[p]]] = p, row[p] = fill[ids[p]]++;
+
+    moe_bytes += n_active * (stride1 + stride2);
+    int quant1 = fmt1 == FMT_Q4 || fmt1 == FMT_Q8, quant2 = fmt2 == FMT_Q4 || fmt2 == FMT_Q8;
+    float *xs = moe_scratch(1, sizeof(float) * P * (H > I ? H : I)); /* gathered rows, then the activations */
+    float *y1 = moe_scratch(2, sizeof(float) * P * N1);
+    float *y2 = moe_scratch(3, sizeof(float) * P * N2);
+    if (!xs || !y1 || !y2) return -1;
+    xquant_t xq = {NULL, NULL, NULL, NULL};
+    if (quant1) { /* quantize each token once, then gather its rows (identical to quantizing the gathered rows) */
+        xquant_t tq;
+        if (moe_quantize(x, T, H, &tq, 4, threads)) return -1;
+        size_t qbytes = (size_t)(P * H + 63) & ~(size_t)63, dbytes = sizeof(float) * P * (H / 32);
+        uint8_t *buf = moe_scratch(5, 2 * qbytes + dbytes + sizeof(int32_t) * P * 2 * (H / 32));
+        if (!buf) return -1;
+        xq.hi = (int8_t *)buf, xq.lo = (int8_t *)(buf + qbytes);
+        xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
+        int64_t G = H / 32;
+#pragma omp parallel for num_threads(threads) if (P * H >= 65536)
+        for (int64_t r = 0; r < P; r++) {
+            int64_t t = pair[r] / k;
+            memcpy(xq.hi + r * H, tq.hi + t * H, H);
+            memcpy(xq.lo + r * H, tq.lo + t * H, H);
+            memcpy(xq.d + r * G, tq.d + t * G, sizeof(float) * G);
+            memcpy(xq.s + r * 2 * G, tq.s + t * 2 * G, sizeof(int32_t) * 2 * G);
+        }
+    } else {
+#pragma omp parallel for num_threads(threads) if (P * H >= 65536)
+        for (int64_t r = 0; r < P; r++) memcpy(xs + r * H, x + (pair[r] / k) * H, sizeof(float) * H);
+    }
+    experts_matmul(&ex1, xs, &xq, start, active, n_active, y1, N1, threads);
+
+    /* bias and activation: xs [P, I] */
+#pragma omp parallel for num_threads(threads) if (P * I >= 65536)
+    for (int64_t r = 0; r < P; r++) {
+        int64_t e = ids[pair[r]];
+        float *g = y1 + r * N1, *u = g + I, *h = xs + r * I;
+        const float *bg = b1 ? b1 + e * 2 * I : NULL, *bu = b1 ? bg + I : NULL;
+        for (int64_t i = 0; i < I; i += 16) {
+            int n = I - i < 16 ? (int)(I - i) : 16;
+            vf gv = vf_load_n(g + i, n), uv = vf_load_n(u + i, n);
+            if (b1) gv = vf_add(gv, vf_load_n(bg + i, n)), uv = vf_add(uv, vf_load_n(bu + i, n));
+            vf s;
+            if (act == ACT_SWIGLU_OAI) {
+                gv = vf_min(gv, vf_set1(limit));
+                uv = vf_add(vf_max(vf_min(uv, vf_set1(limit)), vf_set1(-limit)), vf_set1(1.0f));
+                s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_mul(vf_set1(-alpha), gv))));
+            } else {
+                s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
+            }
+            vf_store_n(h + i, vf_mul(s, uv), n);
+        }
+    }
+    xquant_t hq = {NULL, NULL, NULL, NULL};
+    if (quant2 && moe_quantize(xs, P, I, &hq, 6, threads)) return -1;
+    experts_matmul(&ex2, xs, &hq, start, active, n_active, y2, N2, threads);
+
+    /* out[t] = sum over j in order of wts[t, j] * (y2 + b2) */
+#pragma omp parallel for num_threads(threads) if (T * H * k >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        for (int64_t i = 0; i < H; i += 16) {
+            int n = H - i < 16 ? (int)(H - i) : 16;
+            vf acc = vf_zero();
+            for (int64_t j = 0; j < k; j++) {
+                int64_t p = t * k + j;
+                vf v = vf_load_n(y2 + row[p] * N2 + i, n);
+                if (b2) v = vf_add(v, vf_load_n(b2 + ids[p] * H + i, n));
+                acc = vf_fma(vf_set1(wts[p]), v, acc);
+            }
+            vf_store_n(o + i, acc, n);
+        }
+    }
+    return 0;
 }
 
 const char *gl_isa(void) { return GL_ISA; }

@@ -42,10 +42,16 @@ _SIGNATURES = {
     "gl_gelu_tanh_mul": [_P, _I64, _I64, _P, _I32],
     "gl_soft_cap": [_P, _I64, _I64, _I64, _F32, _F32, _I32],
     "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P, _I32],
+    "gl_attention_sinks": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P, _P,
+                           _I32],
     "gl_embedding": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
+    "gl_moe": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _I64, _I64, _P,
+               _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32],
 }
-_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_embedding")
+_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe")
+ACT_SILU, ACT_SWIGLU_OAI = 0, 1
+"""Expert activations of `moe`: SwiGLU, and gpt-oss's clamped SwiGLU."""
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -105,6 +111,7 @@ def _build() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name in _RETURNS_STATUS else None)
         lib.gl_isa.restype = ctypes.c_char_p
+        lib.gl_moe_bytes_read.restype = ctypes.c_int64
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -205,6 +212,21 @@ def attention(
     return out
 
 
+def attention_sinks(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, out: torch.Tensor, window: int, softcap: float, sinks: torch.Tensor,
+) -> torch.Tensor:
+    """`attention` where head h's softmax also counts ``exp(sinks[h])`` (float32 ``[Hq]``), a key with no value
+    (gpt-oss's attention sinks)."""
+    _, hq, d = q.shape
+    if _lib.gl_attention_sinks(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                               hq, k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(),
+                               seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), scale, window,
+                               softcap, sinks.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("no memory for the attention scores")
+    return out
+
+
 def embedding(fmt: int, group: int, half_scales: bool, blocks: torch.Tensor, n_rows: int, ids: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64, each in [0, n_rows)) of a matrix in the blocks of `matmul`, dequantized exactly: `out`
@@ -213,6 +235,35 @@ def embedding(fmt: int, group: int, half_scales: bool, blocks: torch.Tensor, n_r
                          ids.shape[0], out.data_ptr()):
         raise ValueError(f"token id out of range [0, {n_rows})")
     return out
+
+
+def moe(
+    gate_up: tuple[int, int, bool, torch.Tensor], gate_up_bias: torch.Tensor | None,
+    down: tuple[int, int, bool, torch.Tensor], down_bias: torch.Tensor | None,
+    x: torch.Tensor, intermediate: int, ids: torch.Tensor, weights: torch.Tensor, act: int, alpha: float,
+    limit: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """A MoE block: ``out [T, H]`` = for each row t, the sum over j (in order) of ``weights[t, j]`` times expert
+    ``ids[t, j]`` (int64 ``[T, k]``) applied to ``x[t]``. `gate_up` and `down` are (fmt, group, half_scales,
+    blocks ``[E, N / 16, K / 32, block bytes]``) as `matmul` reads them: expert e's gate rows 0 .. I-1 and up rows
+    I .. 2I-1 (`intermediate` = I) of K = H values, its down rows of I values; biases float32 ``[E, 2I]`` and
+    ``[E, H]`` or None; `act` ACT_SILU or ACT_SWIGLU_OAI (with `alpha`, `limit`)."""
+    (f1, g1, h1, w1), (f2, g2, h2, w2) = gate_up, down
+    t, k = ids.shape
+    status = _lib.gl_moe(f1, g1, h1, w1.data_ptr(), w1[0].numel(), 16 * w1.shape[1], _ptr(gate_up_bias),
+                         f2, g2, h2, w2.data_ptr(), w2[0].numel(), 16 * w2.shape[1], _ptr(down_bias),
+                         x.data_ptr(), t, x.shape[1], intermediate, ids.data_ptr(), weights.data_ptr(), k,
+                         w1.shape[0], act, alpha, limit, out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"expert id out of range [0, {w1.shape[0]})")
+    if status:
+        raise MemoryError(f"no memory for a MoE block of {t} x {k} rows")
+    return out
+
+
+def moe_bytes_read() -> int:
+    """Expert weight bytes `moe` has read in this process so far (each active expert's gate|up and down blocks)."""
+    return int(_lib.gl_moe_bytes_read())
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

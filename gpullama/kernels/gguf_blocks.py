@@ -17,6 +17,9 @@ at even offsets of blocks of even size, so they are read through a float16 view 
     Q6_K  256 values, 210 bytes: ql[128] | qh[64] | scales int8[16] | d f16; half h = e // 128, r = e % 128:
           low nibble of ql[64h + r % 64] (high nibble if r >= 64), 2 bits (r // 32) of qh[32h + r % 32];
           w = d * scales[e // 16] * (q - 32)
+    MXFP4 32 values,  17 bytes: e u8 (E8M0) | qs[16] (value j: nibble j%16, low nibble first half);
+          q's bit 3 the sign, bits 0-2 an E2M1 magnitude m (doubled: m < 2: m, else (2 + m % 2) << (m // 2 - 1));
+          w = 2^(e - 128) * value  (no f16 field: rows may start at odd offsets)
 Torch reference: `gpullama.quants.dequantize` (and `gguf.quants.dequantize`).
 """
 
@@ -30,7 +33,7 @@ import triton.language as tl
 Q = gguf.GGMLQuantizationType
 
 # Types the kernels read directly; the constexpr FMT of a kernel is the GGML type id.
-QUANTIZED_KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+QUANTIZED_KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
 DENSE_FORMATS = {torch.float32: int(Q.F32), torch.float16: int(Q.F16), torch.bfloat16: int(Q.BF16)}
 
 
@@ -40,6 +43,8 @@ def weight_pointers(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tup
         raise ValueError(f"no Triton dequantizer for type {qtype.name}")
     if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
         raise ValueError(f"quantized weight data must be uint8 [rows, bytes] with unit column stride, got {data.dtype} {tuple(data.shape)}")
+    if qtype == Q.MXFP4:  # no f16 field: the bytes serve as both views
+        return data, data, data.stride(0)
     if data.stride(0) % 2 or data.shape[1] % 2:
         raise ValueError(f"quantized weight rows must start at even byte offsets, got row stride {data.stride(0)}")
     return data, data.view(torch.float16), data.stride(0)
@@ -134,6 +139,14 @@ def dequantize_tile(w_ptr, h_ptr, rows, sub, lane, row_stride, row_mask, K, FMT:
         high = (_u8_at(w_ptr, base + 16 + lane, mask) >> s) & 1
         q = ((_u8_at(w_ptr, base + 48 + (s // 2) * 32 + lane, mask) >> ((s % 2) * 4)) & 0xF) | (high << 4)
         return d * q.to(tl.float32) - dm
+    elif FMT == 39:  # MXFP4
+        base = rows + sub * 17
+        e = _u8_at(w_ptr, base, sub_mask)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        q = (_u8_at(w_ptr, base + 1 + lane % 16, mask) >> ((lane // 16) * 4)) & 0xF
+        m = q & 7
+        magnitude = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+        return d * tl.where(q >= 8, -magnitude, magnitude).to(tl.float32)
     else:  # Q6_K (FMT == 14), SUB == 16: sub-block s = sub % 16 of super-block sub // 16
         tl.static_assert(FMT == 14)
         s = sub % 16

@@ -19,9 +19,9 @@ import torch
 from gpullama.kernels import cpu_native
 from gpullama.ops.cpu_ops import CpuOps
 from gpullama.ops.metadata import BatchMetadata
-from gpullama.ops.torch_ops import TorchOps, keep_mask, rope_cos_sin
+from gpullama.ops.torch_ops import TorchOps, YarnParams, keep_mask, rope_cos_sin
 
-__all__ = ["BatchMetadata", "CpuOps", "TorchOps", "keep_mask", "rope_cos_sin", "select_ops"]
+__all__ = ["BatchMetadata", "CpuOps", "TorchOps", "YarnParams", "keep_mask", "rope_cos_sin", "select_ops"]
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, quantized_cpu: bool = False) -> TorchOps:

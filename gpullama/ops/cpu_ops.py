@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from gpullama.kernels import cpu_native
-from gpullama.ops.cpu_weights import CpuWeight, packable
+from gpullama.ops.cpu_weights import CpuExperts, CpuWeight, packable, packable_experts
+from gpullama.ops.experts import Experts
 from gpullama.ops.metadata import BatchMetadata
 from gpullama.ops.torch_ops import TorchOps
 from gpullama.quants import QTensor
@@ -42,6 +43,34 @@ class CpuOps(TorchOps):
         if not packable(weight):
             return super().prepare_weight(weight)
         return self._tables.get(_key(weight)) or CpuWeight.from_qtensor(weight)
+
+    def prepare_experts(
+        self, gate_up: list[QTensor], down: QTensor, gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+    ) -> Experts:
+        """The experts packed for `cpu_native.moe` (gate and up rows of each expert joined), weights quantized as
+        stored; types the kernels do not take get `TorchOps`' dense experts."""
+        if not (packable_experts(gate_up) and packable_experts([down]) and down.shape[2] % 32 == 0):
+            return super().prepare_experts(gate_up, down, gate_up_bias, down_bias, activation, alpha, limit)
+        e, hidden = down.shape[0], down.shape[1]
+        rows = sum(p.shape[1] for p in gate_up)
+
+        def bias(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(torch.float32).contiguous()
+
+        return Experts(CpuExperts.from_qtensors(gate_up), CpuExperts.from_qtensors([down]), bias(gate_up_bias),
+                       bias(down_bias), e, rows // 2, hidden, activation, alpha, limit)
+
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+        """``[T, H]`` float32: each row's experts applied and summed in slot order, in the C kernel (only the
+        active experts' weights are read; a row's result does not depend on the rest of the batch)."""
+        if not isinstance(experts.gate_up, CpuExperts):
+            return super().moe(x, ids, weights, experts)
+        act = cpu_native.ACT_SWIGLU_OAI if experts.activation == "swiglu_oai" else cpu_native.ACT_SILU
+        out = x.new_empty(x.shape[0], experts.hidden_size)
+        return cpu_native.moe(experts.gate_up.operand, experts.gate_up_bias, experts.down.operand, experts.down_bias,
+                              x.contiguous(), experts.intermediate_size, ids.contiguous(),
+                              weights.float().contiguous(), act, experts.alpha, experts.limit, out)
 
     def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor | CpuWeight:
         """The table in its CPU weight format (rows are dequantized exactly)."""
@@ -127,11 +156,16 @@ class CpuOps(TorchOps):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its context in the paged pool: ``[T, Hq, D]``
-        (`window`: a sliding-window layer; `softcap`: Gemma 2's soft-capped scores)."""
+        (`window`: a sliding-window layer; `softcap`: Gemma 2's soft-capped scores; `sinks`: gpt-oss's sink
+        logits)."""
         if not self._kernel_attention(q, k_cache):
-            return super().attention(q, k_cache, v_cache, meta, scale, window, softcap)
+            return super().attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        if sinks is not None:
+            return cpu_native.attention_sinks(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                              meta.block_tables, scale, q.new_empty(q.shape), window, softcap, sinks)
         return cpu_native.attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                     scale, q.new_empty(q.shape), window, softcap)
 

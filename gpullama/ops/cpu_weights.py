@@ -17,8 +17,11 @@ is exact in float32 for every type), so the weights the kernels multiply by are 
 | Q5_K | Q8 | q (0..31) | dl | -ml | 32 | 1.25 (0.6875) |
 | Q8_0 | Q8 | q + 128 | d | -128d | 32 | 1.125 (1.0625) |
 | Q6_K | Q8 | q (0..63) | d * scale | -32 d * scale | 16 | 1.5 (0.8203) |
+| MXFP4 | Q8 | E2M1 value x 2 + 12 (0..24) | e8m0 / 2 | -12 e8m0 / 2 | 32 | 1.125 (0.53125) |
 | F16 | F16 | | | | | 2 |
 | BF16, F32 | F32 (exact) | | | | | 4 |
+
+MXFP4's scale is a power of two and its values small integers, so ``q * scale + zero`` is exact too.
 
 Scales and zeros are float16 for the types whose fields are float16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; float32
 where ``-8d`` and the like overflow float16), float32 for the K-quants.
@@ -36,7 +39,7 @@ import gguf
 import torch
 
 from gpullama.kernels import cpu_native
-from gpullama.quants import QTensor, _bits, _f16, _nibbles, _q5_quants, unpack_k_scales
+from gpullama.quants import MXFP4_VALUES, QTensor, _bits, _f16, _nibbles, _q5_quants, e8m0_half, unpack_k_scales
 
 Q = gguf.GGMLQuantizationType
 
@@ -45,7 +48,7 @@ _ROW_ALIGN = 16
 
 Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 """Types packed as 4-bit values."""
-Q8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0, Q.Q6_K)
+Q8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0, Q.Q6_K, Q.MXFP4)
 """Types packed as 8-bit values."""
 HALF_SCALE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 """Types whose scales and zeros are float16 values (``-8d`` included), kept as float16."""
@@ -82,6 +85,13 @@ def _k_quant(b: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.T
     return low | (_bits(b[:, 16:48], 1, 8).reshape(n, 256) << 4), dl, -ml  # Q5_K
 
 
+def _mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """u, scale, zero of MXFP4 blocks ``[n, 17]``: u = the doubled E2M1 value + 12."""
+    d = e8m0_half(b[:, 0])
+    table = torch.tensor([v + 12 for v in MXFP4_VALUES], dtype=torch.uint8)
+    return table[_nibbles(b[:, 1:]).long()], d, -12 * d
+
+
 def quantized_rows(weight: QTensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows `rows` of a quantized matrix as ``(u [n, K] uint8, scale [n, K / group], zero [n, K / group])`` with
     ``u * scale + zero`` (per group) equal to `gpullama.quants.dequantize`."""
@@ -89,7 +99,10 @@ def quantized_rows(weight: QTensor, rows: slice) -> tuple[torch.Tensor, torch.Te
     data = weight.data[rows]
     n = data.shape[0]
     b = data.reshape(-1, ts)
-    u, scale, zero = (_k_quant if weight.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else _legacy)(b, weight.qtype)
+    if weight.qtype == Q.MXFP4:
+        u, scale, zero = _mxfp4(b)
+    else:
+        u, scale, zero = (_k_quant if weight.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else _legacy)(b, weight.qtype)
     return u.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
 
 
@@ -183,4 +196,61 @@ def packable(weight: QTensor) -> bool:
         len(weight.shape) == 2
         and weight.shape[1] % 32 == 0
         and weight.qtype in Q4_TYPES + Q8_TYPES + (Q.F16, Q.BF16, Q.F32)
+    )
+
+
+@dataclass
+class CpuExperts:
+    """A MoE layer's E expert matrices of one kind (gate|up, or down) in one `cpu_native` format, stacked:
+    ``blocks [E, N padded to 16 / 16, K / 32, block bytes]``, as `cpu_native.moe` reads them."""
+
+    fmt: int
+    group: int
+    half_scales: bool
+    blocks: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.blocks.nbytes
+
+    @property
+    def operand(self) -> tuple[int, int, bool, torch.Tensor]:
+        """(fmt, group, half_scales, blocks), as `cpu_native.moe` takes them."""
+        return self.fmt, self.group, self.half_scales, self.blocks
+
+    @classmethod
+    def from_qtensors(cls, parts: list[QTensor]) -> CpuExperts:
+        """Pack stacked experts ``[E, rows, K]`` (the parts' rows of each expert joined: gate then up), one expert
+        at a time; all of them with float16 scales where every scale is a float16 value, else float32."""
+        num_experts = parts[0].shape[0]
+
+        def expert(e: int) -> QTensor:
+            data = [p.data[e] for p in parts]
+            rows = sum(p.shape[1] for p in parts)
+            joined = data[0] if len(data) == 1 else torch.cat(data, dim=0)
+            return QTensor(joined, parts[0].qtype, (rows, parts[0].shape[2]), parts[0].name)
+
+        half = parts[0].qtype in HALF_SCALE_TYPES
+        while True:  # one layer's experts at a time into one buffer (no second copy of them at load)
+            try:
+                first = CpuWeight._pack(expert(0), half_scales=half)
+                blocks = first.blocks.new_empty((num_experts, *first.blocks.shape))
+                blocks[0] = first.blocks
+                for e in range(1, num_experts):
+                    blocks[e] = CpuWeight._pack(expert(e), half_scales=half).blocks
+                break
+            except _NotHalf:
+                half = False
+        return cls(first.fmt, first.group, half, blocks)
+
+
+def packable_experts(parts: list[QTensor]) -> bool:
+    """Whether stacked experts have a CPU format: one type, a quantized one or F16/BF16/F32, rows of a multiple of
+    32 values."""
+    first = parts[0]
+    return (
+        all(len(p.shape) == 3 and p.qtype == first.qtype and p.shape[2] == first.shape[2] for p in parts)
+        and first.shape[2] % 32 == 0
+        and first.qtype in Q4_TYPES + Q8_TYPES + (Q.F16, Q.BF16, Q.F32)
     )

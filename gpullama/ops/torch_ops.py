@@ -7,11 +7,13 @@ what the parity tests against transformers use. The CPU fast path (quantized wei
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from gpullama.ops.experts import Experts, activate, expert_rows, route
 from gpullama.ops.metadata import BatchMetadata
 from gpullama.quants import QTensor
 
@@ -27,7 +29,9 @@ class TorchOps:
         # dtype of the matmul weights and inputs; norms, attention and the residual stream stay float32
         self.dtype = dtype
         # On the CPU, oneDNN's prepacked linear: about 2-4x MKL's sgemm here.
-        self.packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _has_packed_linear(dtype)
+        # (bfloat16 only where oneDNN has bf16 kernels for this CPU: AVX-512 BW/VL/DQ or AVX-NE-CONVERT)
+        self.packed = device.type == "cpu" and _has_packed_linear() and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and _mkldnn_bf16()))
 
     @property
     def mode(self) -> str:
@@ -40,6 +44,22 @@ class TorchOps:
         on the CPU)."""
         dense = weight.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous()
         return torch.ops.mkldnn._reorder_linear_weight(dense) if self.packed else dense
+
+    def prepare_experts(
+        self, gate_up: list[QTensor], down: QTensor, gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+    ) -> Experts:
+        """A MoE layer's experts from their stacked GGUF tensors: `gate_up` is ``[ffn_gate_up_exps]`` ``[E, 2I, H]``
+        or ``[ffn_gate_exps, ffn_up_exps]``, each ``[E, I, H]``; `down` is ``[E, H, I]``; biases float32 ``[E, 2I]``
+        and ``[E, H]``. Here dense matrices in the compute dtype."""
+        dense = [p.dequantize(torch.float32) for p in gate_up]
+        w1 = dense[0] if len(dense) == 1 else torch.cat(dense, dim=1)
+        e, rows, hidden = w1.shape
+        return Experts(
+            w1.to(device=self.device, dtype=self.dtype).contiguous(),
+            down.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous(),
+            _on(gate_up_bias, self.device), _on(down_bias, self.device), e, rows // 2, hidden, activation, alpha, limit,
+        )
 
     def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor:
         """Embedding table as `embedding` consumes it (kept in GGUF blocks: rows are gathered, then dequantized);
@@ -134,13 +154,15 @@ class TorchOps:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its context in the paged pool: ``[T, Hq, D]``.
 
         `window` > 0: a query at position p sees only positions above ``p - window`` (a sliding-window layer);
-        `softcap` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2)."""
+        `softcap` > 0: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); `sinks`
+        ``[Hq]`` float32: each head's softmax also counts ``exp(sink)`` (a key of its own, with no value: gpt-oss)."""
         if meta.is_decode:
-            return self._decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+            return self._decode_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         hq, hk = q.shape[1], k_cache.shape[2]
@@ -154,15 +176,16 @@ class TorchOps:
             blocks = meta.block_tables[i, :n_blocks].long()
             keys = k_cache[blocks].flatten(0, 1)[:seq_len].float()
             values = v_cache[blocks].flatten(0, 1)[:seq_len].float()
-            if window or softcap:  # keys from the first one the first query sees (SDPA has no soft-capping)
+            if window or softcap or sinks is not None:  # keys from the first one the first query sees (SDPA has no
+                # soft-capping and no sinks)
                 first = max(0, seq_len - q_len - window + 1) if window else 0
                 rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
                 cols = torch.arange(first, seq_len, device=q.device)[None, :]
                 visible = (cols <= rows) & (cols > rows - window) if window else cols <= rows
                 keys, values = keys[first:], values[first:]
-                if softcap:
+                if softcap or sinks is not None:
                     out[q_start:q_end] = rowwise_attention(q[None, q_start:q_end], keys[None], values[None],
-                                                           visible[None], scale, softcap)[0]
+                                                           visible[None], scale, softcap, sinks)[0]
                 else:
                     o = F.scaled_dot_product_attention(q[q_start:q_end].transpose(0, 1), keys.transpose(0, 1),
                                                        values.transpose(0, 1), attn_mask=visible, scale=scale,
@@ -190,6 +213,7 @@ class TorchOps:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One new token per sequence: gather every context into one padded batch and attend in a single call."""
         slots, valid = meta.context_slots, meta.context_mask
@@ -203,8 +227,9 @@ class TorchOps:
         flat = slots.view(-1)
         keys = k_cache.view(-1, hk, d).index_select(0, flat).view(batch, width, hk, d)
         values = v_cache.view(-1, hk, d).index_select(0, flat).view(batch, width, hk, d)
-        if softcap:
-            return rowwise_attention(q[:, None], keys, values, valid.view(batch, 1, width), scale, softcap)[:, 0]
+        if softcap or sinks is not None:
+            return rowwise_attention(q[:, None], keys, values, valid.view(batch, 1, width), scale, softcap,
+                                     sinks)[:, 0]
         o = F.scaled_dot_product_attention(
             q[:, :, None, :], keys.transpose(1, 2).float(), values.transpose(1, 2).float(), attn_mask=valid,
             scale=scale, enable_gqa=q.shape[1] != hk,
@@ -247,6 +272,26 @@ class TorchOps:
         """SwiGLU: ``silu(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def route(
+        self, logits: torch.Tensor, k: int, gating: str = "softmax", norm: bool = False, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's `k` experts ``[T, k]`` int64 and weights ``[T, k]`` float32 from router logits ``[T, E]``
+        (see `gpullama.ops.experts.route`)."""
+        return route(logits, k, gating, norm, scale)
+
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+        """``[T, H]`` float32: each row's experts ``ids [T, k]`` applied to it, weighted by ``weights [T, k]`` and
+        summed. Each active expert runs once over all its rows, in expert order (transformers' eager loop)."""
+        out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
+        for e, tokens, slots in expert_rows(ids, experts.num_experts):
+            bias1 = experts.gate_up_bias[e] if experts.gate_up_bias is not None else None
+            bias2 = experts.down_bias[e] if experts.down_bias is not None else None
+            h = activate(_plain_linear(x[tokens], experts.gate_up[e], bias1), experts.activation, experts.alpha,
+                         experts.limit)
+            y = _plain_linear(h, experts.down[e], bias2)
+            out.index_add_(0, tokens, y * weights[tokens, slots, None])
+        return out
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """GeGLU (Gemma): ``gelu_tanh(gate) * up`` where `gate_up` is ``[T, 2 * I]`` (gate first)."""
@@ -300,19 +345,28 @@ def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     return e >= torch.maximum(floor, t_p)[:, None]
 
 
-@functools.cache
-def _has_packed_linear(dtype: torch.dtype) -> bool:
-    """Whether this torch build and CPU run oneDNN's prepacked linear in `dtype`: its bfloat16 path needs
-    AVX512-BF16 or AVX-NE-CONVERT (an AVX2-only CPU refuses to pack, and then gets the plain matmul)."""
+def _plain_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in w's dtype, float32 out (weights not prepacked)."""
+    out = F.linear(x.to(w.dtype), w).float()
+    return out if bias is None else out + bias
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
+
+
+def _has_packed_linear() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear ops."""
     mkldnn = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise")):
-        return False
-    try:
-        mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
-    except RuntimeError:
-        return False
-    return True
+    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(
+        mkldnn, "_linear_pointwise"
+    )
+
+
+def _mkldnn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls on this CPU."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -327,11 +381,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def rowwise_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
-    softcap: float = 0.0,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention whose every row comes out the same however the batch around it is cut: ``q [B, L, Hq, D]`` over
     ``keys``/``values [B, S, Hk, D]`` where ``visible [B, L, S]``; float32 ``[B, L, Hq, D]``. `softcap` > 0 caps
-    the scores at ``softcap * tanh(scores / softcap)`` (Gemma 2).
+    the scores at ``softcap * tanh(scores / softcap)`` (Gemma 2); `sinks` ``[Hq]`` joins each head's softmax as
+    one more score whose value is zero (gpt-oss).
 
     Computed in float64 (SDPA has no soft-capping), where the rounding differences of batch shapes sit far below
     float32's.
@@ -344,7 +399,12 @@ def rowwise_attention(
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     mask = visible[:, None, :, None, :].expand(b, 1, n, g, visible.shape[-1]).reshape(b, 1, n * g, -1)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # head hk * G + j's sink beside each of its rows (row i * G + j of [B, Hk, L * G, S])
+        sink = sinks.to(torch.float64).view(1, hk, 1, g).expand(b, hk, n, g).reshape(b, hk, n * g, 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
     out = torch.matmul(probs, values.to(torch.float64).transpose(1, 2))  # [B, Hk, L * G, D]
     return out.view(b, hk, n, g, d).permute(0, 2, 1, 3, 4).reshape(b, n, hq, d).float()
 
@@ -366,6 +426,39 @@ def decode_context(meta: BatchMetadata, block_size: int) -> tuple[torch.Tensor, 
     return slots, (position[None, :] < meta.seq_lens[:, None])[:, None, None, :]
 
 
+@dataclass(frozen=True)
+class YarnParams:
+    """YaRN rope scaling as llama.cpp's ``rope_yarn`` and transformers' ``_compute_yarn_parameters`` apply it:
+    frequency pair i is ``interp * (1 - mix) + extrap * mix`` with ``interp = extrap / scale`` and ``mix =
+    ext_factor * (1 - ramp(i))``, the ramp rising from 0 to 1 between the dims where the original context
+    (`original_context`) holds `beta_fast` and `beta_slow` rotations (rounded out to whole dims with `truncate`,
+    as llama.cpp always does and transformers does unless told not to)."""
+
+    original_context: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 1.0
+    truncate: bool = True
+
+    def frequencies(self, inv_freq: torch.Tensor, dims: int, base: float, scale: float) -> torch.Tensor:
+        """The scaled inverse frequencies (float64) of the unscaled `inv_freq` ``[dims / 2]``."""
+
+        def dim_of(rotations: float) -> float:
+            return dims * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dims - 1)
+        ramp = ((torch.arange(dims // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+        mix = (1 - ramp) * self.ext_factor
+        return inv_freq / scale * (1 - mix) + inv_freq * mix
+
+    def mscale(self, scale: float) -> float:
+        """The factor on cos and sin: ``1 + 0.1 ln scale`` (1 without extrapolation)."""
+        return 1.0 + 0.1 * math.log(scale) if self.ext_factor != 0 and scale > 1 else 1.0
+
+
 def rope_cos_sin(
     head_dim: int,
     max_positions: int,
@@ -373,13 +466,18 @@ def rope_cos_sin(
     freq_factors: torch.Tensor | None = None,
     scale: float = 1.0,
     attn_factor: float = 1.0,
+    yarn: YarnParams | None = None,
 ) -> torch.Tensor:
     """The ``[max_positions, head_dim]`` table of cos|sin for NeoX rotary embedding of `head_dim` rotated dims;
     `freq_factors` divides the frequencies (Llama 3's ``rope_freqs``, Phi-3's LongRoPE factors), so does `scale`
-    (linear rope scaling); `attn_factor` multiplies cos and sin (LongRoPE's attention factor)."""
+    (linear rope scaling, or YaRN's interpolation with `yarn`); `attn_factor` multiplies cos and sin (LongRoPE's
+    attention factor; YaRN multiplies it by ``1 + 0.1 ln scale``)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.to(torch.float64)
-    inv_freq = inv_freq / scale
+    if yarn is not None and scale != 1.0:
+        inv_freq, attn_factor = yarn.frequencies(inv_freq, head_dim, base, scale), attn_factor * yarn.mscale(scale)
+    else:
+        inv_freq = inv_freq / scale
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return (torch.cat((angles.cos(), angles.sin()), dim=-1) * attn_factor).float()

@@ -6,6 +6,7 @@ import torch
 
 from gpullama.kernels.attention import paged_attention
 from gpullama.kernels.embedding import embedding as _embedding
+from gpullama.kernels.fused_moe import fused_moe
 from gpullama.kernels.gguf_blocks import QUANTIZED_KERNEL_TYPES
 from gpullama.kernels.quant_matmul import quant_linear
 from gpullama.kernels.rms_norm import head_rms_norm as _head_rms_norm
@@ -15,6 +16,7 @@ from gpullama.kernels.sampling import sample as _sample
 from gpullama.kernels.silu_mul import gelu_tanh_mul as _gelu_tanh_mul
 from gpullama.kernels.silu_mul import silu_mul as _silu_mul
 from gpullama.kernels.soft_cap import soft_cap as _soft_cap
+from gpullama.ops.experts import Experts
 from gpullama.ops.metadata import BatchMetadata
 from gpullama.ops.torch_ops import TorchOps
 from gpullama.quants import QTensor
@@ -33,6 +35,34 @@ class TritonOps(TorchOps):
         if weight.qtype in QUANTIZED_KERNEL_TYPES or weight.qtype.name in _DENSE_TYPES:
             return weight.to(self.device)
         return super().prepare_weight(weight)
+
+    def prepare_experts(
+        self, gate_up: list[QTensor], down: QTensor, gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+    ) -> Experts:
+        """The stacked experts as raw GGUF blocks on the device (gate and up rows of each expert joined) for
+        `fused_moe`; types the kernels do not read get `TorchOps`' dense experts."""
+        readable = {p.qtype for p in gate_up} | {down.qtype}
+        if len({p.qtype for p in gate_up}) != 1 or not all(
+            t in QUANTIZED_KERNEL_TYPES or t.name in _DENSE_TYPES for t in readable
+        ):
+            return super().prepare_experts(gate_up, down, gate_up_bias, down_bias, activation, alpha, limit)
+        data = torch.cat([p.data.to(self.device) for p in gate_up], dim=1)
+        e, rows, hidden = gate_up[0].shape[0], sum(p.shape[1] for p in gate_up), gate_up[0].shape[2]
+        joined = QTensor(data, gate_up[0].qtype, (e, rows, hidden), gate_up[0].name)
+
+        def bias(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=self.device, dtype=torch.float32).contiguous()
+
+        return Experts(joined, down.to(self.device), bias(gate_up_bias), bias(down_bias), e, rows // 2, hidden,
+                       activation, alpha, limit)
+
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+        """The MoE block by two grouped GEMMs over the pairs sorted by expert (`gpullama.kernels.fused_moe`)."""
+        if not isinstance(experts.gate_up, QTensor):
+            return super().moe(x, ids, weights, experts)
+        return fused_moe(x, ids, weights, experts.gate_up, experts.down, experts.gate_up_bias, experts.down_bias,
+                         experts.activation, experts.alpha, experts.limit, self.dtype)
 
     def prepare_step(self, meta: BatchMetadata, cos_sin: torch.Tensor, block_size: int) -> BatchMetadata:
         """The kernels read the metadata as it is (rotary rows and context spans are looked up inside them)."""
@@ -93,12 +123,13 @@ class TritonOps(TorchOps):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Paged attention: split-K decode when every sequence adds one token, else varlen causal prefill (a
-        sliding window and soft-capping when given)."""
+        sliding window, soft-capping and attention sinks when given)."""
         return paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks,
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpullama.chat.formats.harmony import HarmonyParser
 from gpullama.chat.output import ChatDelta, ChatOutputParser, accumulate_chat
 from gpullama.chat.reasoning import ReasoningParser, prompt_opens_reasoning
 
@@ -27,8 +28,10 @@ class ChatOutputShaper:
         """Whether the text needs reading at all (otherwise it is plain content)."""
         return self.plan.format.reasoning or self.plan.tool_names is not None
 
-    def _parser(self, index: int) -> ChatOutputParser:
+    def _parser(self, index: int) -> ChatOutputParser | HarmonyParser:
         parser = self._parsers.get(index)
+        if parser is None and self.plan.format.tool_format == "harmony":
+            parser = self._parsers[index] = HarmonyParser(self.plan.tool_names)
         if parser is None:
             plan = self.plan
             reasoning = ReasoningParser(start_in_reasoning=self._opened) if plan.format.reasoning else None

@@ -16,7 +16,17 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gpullama.kernels import attention, embedding, quant_matmul, rms_norm, rotary, sampling, silu_mul, soft_cap
+from gpullama.kernels import (
+    attention,
+    embedding,
+    fused_moe,
+    quant_matmul,
+    rms_norm,
+    rotary,
+    sampling,
+    silu_mul,
+    soft_cap,
+)
 from gpullama.kernels.gguf_blocks import sub_block_size
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -37,7 +47,7 @@ def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
 
 def cases(everything: bool) -> list[tuple[str, object, dict, dict, int]]:
     """(label, kernel, pointer types, constexprs, num_warps) of the kernels to compile."""
-    formats = [0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14] if everything else [30, 12, 14]
+    formats = [0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14, 39] if everything else [30, 12, 14, 39]
     dtypes = [tl.float32, tl.bfloat16, tl.float16] if everything else [tl.bfloat16]
     out = []
     for fmt in formats:
@@ -49,6 +59,13 @@ def cases(everything: bool) -> list[tuple[str, object, dict, dict, int]]:
             out.append((f"matmul fmt={fmt} {dt}", quant_matmul._matmul_kernel, ptrs,
                         dict(FMT=fmt, SUB=sub, HAS_BIAS=False, COMPUTE_DTYPE=dt, EMULATE=False, BLOCK_M=16, BLOCK_N=128,
                              BLOCK_K=128), 4))
+        moe = dict(a_ptr="*fp32", w_ptr=WEIGHT_POINTER.get(fmt, "*u8"), h_ptr="*u8" if fmt == 39 else "*fp16",
+                   bias_ptr="*fp32", scale_ptr="*fp32", out_ptr="*fp32", sorted_pairs_ptr="*i32",
+                   block_experts_ptr="*i32")
+        for dt in dtypes:
+            out.append((f"grouped gemm (fused MoE) fmt={fmt} {dt}", fused_moe._grouped_gemm_kernel, moe,
+                        dict(FMT=fmt, SUB=sub, A_PER_PAIR=True, HAS_BIAS=True, SCALE_ROWS=True, COMPUTE_DTYPE=dt,
+                             EMULATE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), 4))
         out.append((f"embedding fmt={fmt}", embedding._embedding_kernel,
                     dict(ids_ptr="*i64", w_ptr=WEIGHT_POINTER.get(fmt, "*u8"), h_ptr="*fp16", out_ptr="*fp32"), dict(FMT=fmt, SUB=sub, BLOCK=1024), 4))
     for pool, dt in [("*bf16", tl.bfloat16), ("*fp32", tl.float32)] if everything else [("*bf16", tl.bfloat16)]:
@@ -58,14 +75,17 @@ def cases(everything: bool) -> list[tuple[str, object, dict, dict, int]]:
                     dict(POOL_DTYPE=dt, EMULATE=False, HAS_REST=True, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=32,
                          BLOCK_D=128), 4))
         ptrs = dict(q_ptr="*fp32", k_cache_ptr=pool, v_cache_ptr=pool, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                    query_start_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*fp32")
+                    query_start_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*fp32",
+                    sinks_ptr="*fp32")
         out.append((f"decode attention {pool}", attention._decode_kernel, ptrs,
                     dict(DOT_DTYPE=dt, EMULATE=False, HAS_SOFTCAP=True, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64), 4))
         out.append((f"prefill attention {pool}", attention._prefill_kernel, ptrs,
-                    dict(DOT_DTYPE=dt, EMULATE=False, HAS_SOFTCAP=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64), 4))
+                    dict(DOT_DTYPE=dt, EMULATE=False, HAS_SOFTCAP=True, HAS_SINKS=True, BLOCK_M=64, BLOCK_N=64,
+                         BLOCK_D=64), 4))
     out += [
         ("combine", attention._combine_kernel,
-         dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*fp32", query_start_ptr="*i32"), dict(BLOCK_S=16, BLOCK_D=64), 1),
+         dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32", out_ptr="*fp32", query_start_ptr="*i32"),
+         dict(HAS_SINKS=True, BLOCK_S=16, BLOCK_D=64), 1),
         ("rms_norm", rms_norm._rms_norm_kernel,
          dict(x_ptr="*fp32", residual_ptr="*fp32", weight_ptr="*fp32", out_ptr="*fp32", sum_ptr="*fp32"), dict(HAS_RESIDUAL=True, BLOCK=2048), 4),
         ("silu_mul", silu_mul._silu_mul_kernel, dict(x_ptr="*fp32", out_ptr="*fp32"), dict(BLOCK=1024, GELU=False), 4),

@@ -23,8 +23,11 @@ SCALE_FIELDS = {
     Q.Q5_K: ((0, 1e-5, 3e-5), (2, 1e-5, 3e-5)),
     Q.Q4_K: ((0, 2e-5, 6e-5), (2, 2e-5, 6e-5)),
     Q.Q6_K: ((208, 1e-5, 3e-5),),
+    Q.MXFP4: (),  # its scale is the E8M0 exponent byte: MXFP4_EXPONENTS
 }
 """f16 fields of each block type: (byte offset, low, high), drawn uniformly (weights of a trained model's spread)."""
+MXFP4_EXPONENTS = (119, 121)
+"""MXFP4's exponent byte, drawn uniformly in this range: scales 2^-9 .. 2^-7, weights of a trained model's spread."""
 
 
 def llama_1b_config(num_layers: int = 16) -> ModelConfig:
@@ -49,7 +52,37 @@ def random_weight(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, device
     for offset, low, high in SCALE_FIELDS[qtype]:
         field = torch.rand(n_blocks, 1, device=device, generator=g) * (high - low) + low
         blocks[:, offset : offset + 2] = field.half().view(torch.uint8)
+    if qtype == Q.MXFP4:
+        low, high = MXFP4_EXPONENTS
+        blocks[:, 0] = torch.randint(low, high + 1, (n_blocks,), device=device, dtype=torch.uint8, generator=g)
     return QTensor(blocks.view(rows, -1), qtype, (rows, cols))
+
+
+def random_experts(qtype: gguf.GGMLQuantizationType, experts: int, rows: int, cols: int, device: torch.device,
+                   g: torch.Generator) -> QTensor:
+    """`experts` stacked random `[rows, cols]` weights of `qtype`: ``[experts, rows, cols]``."""
+    w = random_weight(qtype, experts * rows, cols, device, g)
+    return QTensor(w.data.view(experts, rows, -1), qtype, (experts, rows, cols))
+
+
+def qwen3_moe_config(num_layers: int = 48, num_experts: int = 128) -> ModelConfig:
+    """Qwen3-30B-A3B shapes (hidden 2048, 32 heads, 4 kv heads, head dim 128, 8 of 128 experts of 768 rows, q/k
+    norms, vocab 151936); fewer layers or experts to fit a smaller machine."""
+    return ModelConfig(
+        "qwen3moe", num_layers, 2048, 6144, 32, 4, 128, 151936, 40960, 1e6, 1e-6, qk_norm=True, num_experts=num_experts,
+        num_experts_used=8, expert_intermediate_size=768, expert_weights_norm=True,
+    )
+
+
+def gpt_oss_like_config(vocab_size: int = 72) -> ModelConfig:
+    """gpt-oss's flags on a tiny shape: 4 experts (2 a token) with biases and clamped SwiGLU, softmax of the top
+    logits, attention sinks, q/k/v/o biases, YaRN (unrounded ramp), a window on the first of two layers."""
+    return ModelConfig(
+        "gpt-oss", 2, 128, 128, 4, 2, 32, vocab_size, 512, 150000.0, 1e-5, attention_bias=True, attn_output_bias=True,
+        attn_sinks=True, sliding_window=4, swa_layers=(True, False), ffn_norm_tensor="post_attention_norm",
+        rope_scale=4.0, rope_yarn=True, rope_yarn_truncate=False, rope_original_context=32, num_experts=4,
+        num_experts_used=2, expert_intermediate_size=64, expert_gating="softmax_topk", expert_activation="swiglu_oai",
+    )
 
 
 def gemma_like_config(vocab_size: int = 72) -> ModelConfig:
@@ -73,17 +106,22 @@ def phi_granite_like_config(vocab_size: int = 72) -> ModelConfig:
 
 
 def random_tensors(
-    config: ModelConfig, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0, fused: bool = False
+    config: ModelConfig, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0, fused: bool = False,
+    expert_qtype: gguf.GGMLQuantizationType | None = None,
 ) -> dict[str, QTensor]:
     """GGUF-named tensors of a random decoder: matmul weights (and the embedding) in `qtype`, norms in F32; the
-    config's q/k norms and post-norms when it has them, no output.weight when tied, and with `fused` phi3's
-    stored attn_qkv and gate|up ffn_up instead of the separate matrices."""
+    config's q/k norms and post-norms when it has them, no output.weight when tied, with `fused` phi3's
+    stored attn_qkv and gate|up ffn_up instead of the separate matrices, and a MoE config's router and stacked
+    experts (in `expert_qtype`) with gpt-oss's biases and sinks where it has them."""
     g = torch.Generator(device=device).manual_seed(seed)
     c = config
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
     def norm(n: int) -> QTensor:
         return QTensor(1.0 + 0.1 * torch.randn(n, device=device, generator=g), Q.F32, (n,))
+
+    def vector(*shape: int, scale: float = 0.1) -> QTensor:
+        return QTensor(scale * torch.randn(*shape, device=device, generator=g), Q.F32, shape)
 
     tensors = {
         "token_embd.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
@@ -108,9 +146,28 @@ def random_tensors(
             }
         shapes["attn_output.weight"] = (c.hidden_size, q_rows)
         shapes["ffn_down.weight"] = (c.hidden_size, c.intermediate_size)
+        if c.is_moe:  # experts stacked (`expert_qtype`, default `qtype`); the router F32, as llama.cpp keeps it
+            del shapes["ffn_gate.weight"], shapes["ffn_up.weight"], shapes["ffn_down.weight"]
+            e, i, h = c.num_experts, c.expert_intermediate_size, c.hidden_size
+            kind = expert_qtype or qtype
+            tensors[p + "ffn_gate_exps.weight"] = random_experts(kind, e, i, h, device, g)
+            tensors[p + "ffn_up_exps.weight"] = random_experts(kind, e, i, h, device, g)
+            tensors[p + "ffn_down_exps.weight"] = random_experts(kind, e, h, i, device, g)
+            tensors[p + "ffn_gate_inp.weight"] = vector(e, h, scale=0.05)
+            if c.expert_activation == "swiglu_oai":  # gpt-oss's biases
+                tensors[p + "ffn_gate_inp.bias"] = vector(e)
+                tensors[p + "ffn_gate_exps.bias"], tensors[p + "ffn_up_exps.bias"] = vector(e, i), vector(e, i)
+                tensors[p + "ffn_down_exps.bias"] = vector(e, h, scale=0.01)
+        if c.attention_bias:
+            for name, rows in (("attn_q.bias", q_rows), ("attn_k.bias", kv_rows), ("attn_v.bias", kv_rows)):
+                tensors[p + name] = vector(rows)
+        if c.attn_output_bias:
+            tensors[p + "attn_output.bias"] = vector(c.hidden_size, scale=0.01)
+        if c.attn_sinks:
+            tensors[p + "attn_sinks.weight"] = vector(c.num_heads, scale=1.0)
         for name, (rows, cols) in shapes.items():
             tensors[p + name] = random_weight(qtype, rows, cols, device, g)
-        names = ["attn_norm.weight", "ffn_norm.weight"]
+        names = ["attn_norm.weight", c.ffn_norm_tensor + ".weight"]
         names += ["post_attention_norm.weight", "post_ffw_norm.weight"] if c.post_norms else []
         for name in names:
             tensors[p + name] = norm(c.hidden_size)

@@ -66,7 +66,7 @@ def test_rope_and_cache_partial_rotary_longrope(device):
 
 
 def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device, window=0, softcap=0.0,
-                    **kernel_args):
+                    sinks=None, **kernel_args):
     """(kernel output, TorchOps output) for one random batch."""
     meta = make_batch(seq_lens, q_lens, block_size, num_blocks=sum(-(-s // block_size) for s in seq_lens) + 3, seed=2)
     g = torch.Generator().manual_seed(3)
@@ -74,10 +74,11 @@ def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device
     k_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(cache_dtype)
     v_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(cache_dtype)
     q = torch.randn(meta.positions.shape[0], hq, d, generator=g)
-    want = TorchOps(CPU).attention(q, k_cache, v_cache, meta, d**-0.5, window, softcap)
+    want = TorchOps(CPU).attention(q, k_cache, v_cache, meta, d**-0.5, window, softcap, sinks)
     m = meta_to(meta, device)
     got = paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), m.block_tables, m.seq_lens,
-                          m.query_start_loc, m.max_query_len, d**-0.5, window=window, softcap=softcap, **kernel_args)
+                          m.query_start_loc, m.max_query_len, d**-0.5, window=window, softcap=softcap,
+                          sinks=None if sinks is None else sinks.to(device), **kernel_args)
     return got, want
 
 
@@ -119,6 +120,22 @@ def test_prefill_attention_window_softcap(window, softcap, device):
     got, want = _attention_case([5, 21, 30], [5, 9, 1], 4, 2, 16, 4, torch.float32, device, window=window,
                                 softcap=softcap, block_n=16)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_sinks_decode_and_prefill(window, device):
+    """gpt-oss's sinks (one logit per query head, some far above the scores): decode over several splits (one
+    empty) and prefill with a cached prefix, with and without a window."""
+    sinks = torch.tensor([0.5, -1.0, 3.0, 8.0, -20.0, 0.0])
+    got, want = _attention_case([3, 13, 37], [1, 1, 1], 6, 2, 32, 4, torch.float32, device, window=window,
+                                sinks=sinks, num_splits=3, block_n=16)
+    assert rel_err(got, want) < 1e-5
+    got, want = _attention_case([5, 21, 30], [5, 9, 1], 6, 2, 16, 4, torch.float32, device, window=window,
+                                sinks=sinks, block_n=16)
+    assert rel_err(got, want) < 1e-5
+    plain, _ = _attention_case([5, 21, 30], [5, 9, 1], 6, 2, 16, 4, torch.float32, device, window=window,
+                               block_n=16)
+    assert rel_err(plain, want) > 1e-2  # the sinks matter
 
 
 def test_prefill_attention_16bit_pool_odd_head_dim(device):

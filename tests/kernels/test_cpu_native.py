@@ -192,3 +192,45 @@ def test_processes_compiling_at_once_share_one_library(tmp_path: Path) -> None:
         assert proc.returncode == 0, stderr
         assert stdout.strip() == cpu_native.isa()
     assert [p.suffix for p in cache.iterdir()] == [".so"]
+
+
+def _avx2() -> bool:
+    try:
+        return " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _avx2(), reason="no AVX2 on this CPU")
+def test_avx2_matmul_equals_plain_c_bit_for_bit(tmp_path: Path) -> None:
+    """The AVX2 dot products (vpmaddubsw for 4-bit values, vpmaddwd for 8-bit) give the plain C path's exact
+    integer sums: the same outputs, bit for bit, for every weight format."""
+    import ctypes
+
+    import gguf
+
+    from gpullama.ops.cpu_weights import CpuWeight
+    from gpullama.quants import QTensor
+    from tests.fixtures.quant_blocks import random_blocks
+
+    Q = gguf.GGMLQuantizationType
+    libs = []
+    for flags in (["-O2", "-mavx2", "-mfma", "-mf16c"], ["-O2"]):
+        out = tmp_path / f"lib{len(libs)}.so"
+        subprocess.run([os.environ.get("CC", "cc"), *flags, "-shared", "-fPIC", "-std=gnu11", str(cpu_native.SOURCE),
+                        "-o", str(out), "-lm"], check=True, capture_output=True)
+        lib = ctypes.CDLL(str(out))
+        lib.gl_matmul.argtypes, lib.gl_matmul.restype = cpu_native._SIGNATURES["gl_matmul"], ctypes.c_int
+        lib.gl_isa.restype = ctypes.c_char_p
+        libs.append(lib)
+    assert [lib.gl_isa() for lib in libs] == [b"avx2", b"generic"]
+    x = torch.randn(11, 512, generator=gen(5)) * 3
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.MXFP4):
+        w = CpuWeight.from_qtensor(QTensor(torch.from_numpy(random_blocks(qtype, 40, 512, 1)), qtype, (40, 512)))
+        outs = []
+        for lib in libs:
+            out = torch.empty(11, 48)
+            assert lib.gl_matmul(w.fmt, w.group, w.half_scales, x.data_ptr(), 11, 512, 512, w.blocks.data_ptr(), 48,
+                                 out.data_ptr(), 48, 1) == 0
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), qtype.name

@@ -11,7 +11,7 @@ from gpullama.engine.decode_graphs import DecodeGraphs
 from gpullama.model import Decoder
 from gpullama.ops.triton_ops import TritonOps
 from tests.kernels.capture_rules import CaptureRuleError, capture_rules
-from tests.kernels.random_model import batch_metadata, random_tensors, tiny_config
+from tests.kernels.random_model import batch_metadata, gpt_oss_like_config, random_tensors, tiny_config
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 8
@@ -19,11 +19,17 @@ BLOCK = 8
 CPU_ONLY_CHECKS = {"gpullama.kernels.embedding.embedding"}
 
 
-def _decoder_with_context(device: torch.device, contexts: list[int]) -> tuple[Decoder, list, list]:
+def _decoder_with_context(device: torch.device, contexts: list[int], moe: bool = False) -> tuple[Decoder, list, list]:
     """A float32 TritonOps decoder and pools holding the prefilled k/v of sequences of `contexts` tokens, laid out
-    as `batch_metadata` does (sequence i owns blocks i * per_seq ...), plus a scratch block last."""
-    config = tiny_config(num_layers=2, vocab_size=300)
-    tensors = {k: v.to(device) for k, v in random_tensors(config, Q.Q4_K, torch.device("cpu"), seed=3).items()}
+    as `batch_metadata` does (sequence i owns blocks i * per_seq ...), plus a scratch block last; `moe`: the
+    gpt-oss-like MoE decoder (MXFP4 experts through the fused MoE kernel, sinks)."""
+    if moe:
+        config = gpt_oss_like_config(vocab_size=300)
+        tensors = random_tensors(config, Q.Q8_0, torch.device("cpu"), seed=3, expert_qtype=Q.MXFP4)
+    else:
+        config = tiny_config(num_layers=2, vocab_size=300)
+        tensors = random_tensors(config, Q.Q4_K, torch.device("cpu"), seed=3)
+    tensors = {k: v.to(device) for k, v in tensors.items()}
     decoder = Decoder(config, tensors, TritonOps(device, torch.float32), max_positions=64)
     per_seq = -(-(max(contexts) + 1) // BLOCK)
     shape = (len(contexts) * per_seq + 1, BLOCK, config.num_kv_heads, config.head_dim)
@@ -35,11 +41,13 @@ def _decoder_with_context(device: torch.device, contexts: list[int]) -> tuple[De
     return decoder, k, v
 
 
-def test_captured_decode_step_matches_the_unpadded_batch(device):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_captured_decode_step_matches_the_unpadded_batch(device, moe):
     """3 sequences run at the ladder's padded size 4 with full-width block tables, as a replayed graph does: the
-    same logits as a plain forward of the 3, and no host sync, host copy or off-device tensor in the region."""
+    same logits as a plain forward of the 3, and no host sync, host copy or off-device tensor in the region (the
+    MoE routing and the pairs' alignment included)."""
     contexts = [5, 17, 9]
-    decoder, k, v = _decoder_with_context(device, contexts)
+    decoder, k, v = _decoder_with_context(device, contexts, moe)
     new_ids = [11, 222, 33]
     meta = batch_metadata([c + 1 for c in contexts], [1, 1, 1], BLOCK, device)
     k_want, v_want = [x.clone() for x in k], [x.clone() for x in v]

@@ -14,7 +14,7 @@ from gpullama.quants import QTensor
 from tests.fixtures.quant_blocks import random_blocks, random_float_tensor
 
 Q = gguf.GGMLQuantizationType
-QUANT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+QUANT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4]
 DENSE_TYPES = [Q.F16, Q.BF16, Q.F32]
 
 

@@ -12,6 +12,7 @@ from gpullama.ops.triton_ops import TritonOps
 from tests.kernels.random_model import (
     batch_metadata,
     gemma_like_config,
+    gpt_oss_like_config,
     phi_granite_like_config,
     random_tensors,
     tiny_config,
@@ -51,6 +52,17 @@ def test_family_decoder_logits_match_torch_ops(make_config, fused, device):
     GeGLU, soft-capping, the Granite multipliers, fused qkv / gate|up) chained through TritonOps equal TorchOps."""
     config = make_config()
     tensors = random_tensors(config, Q.Q8_0, torch.device("cpu"), seed=2, fused=fused)
+    want = _prefill_then_decode(TorchOps(torch.device("cpu")), tensors, config=config)
+    got = _prefill_then_decode(TritonOps(device), {k: v.to(device) for k, v in tensors.items()}, config=config)
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max() / w.abs().max()) < 1e-4
+
+
+def test_moe_decoder_logits_match_torch_ops(device):
+    """gpt-oss's flags (MXFP4 experts through the fused MoE kernel, sinks, biases, YaRN, a window) chained through
+    TritonOps equal TorchOps."""
+    config = gpt_oss_like_config()
+    tensors = random_tensors(config, Q.Q8_0, torch.device("cpu"), seed=3, expert_qtype=Q.MXFP4)
     want = _prefill_then_decode(TorchOps(torch.device("cpu")), tensors, config=config)
     got = _prefill_then_decode(TritonOps(device), {k: v.to(device) for k, v in tensors.items()}, config=config)
     for g, w in zip(got, want):

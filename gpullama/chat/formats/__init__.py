@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpullama.chat.formats import generic, hermes, llama3, mistral
+from gpullama.chat.formats import generic, harmony, hermes, llama3, mistral
 from gpullama.chat.formats.base import ChatToolFormat, call_arguments, template_messages
 from gpullama.chat.formats.generic import GenericToolParser, generic_messages, generic_tool_prompt
 from gpullama.chat.formats.hermes import HermesToolParser
@@ -17,11 +17,12 @@ from gpullama.chat.formats.llama3 import Llama3ToolParser
 from gpullama.chat.formats.mistral import MistralToolParser
 from gpullama.chat.tool_calls import ToolParser
 
-FORMATS: tuple[ChatToolFormat, ...] = (hermes.FORMAT, mistral.FORMAT, llama3.FORMAT, generic.FORMAT)
+FORMATS: tuple[ChatToolFormat, ...] = (harmony.FORMAT, hermes.FORMAT, mistral.FORMAT, llama3.FORMAT, generic.FORMAT)
 """Every format, in the order template detection tries them."""
 
 FORMAT_BY_NAME: dict[str, ChatToolFormat] = {f.name: f for f in FORMATS}
-PARSERS: dict[str, type[ToolParser]] = {f.name: f.parser for f in FORMATS}
+PARSERS: dict[str, type[ToolParser]] = {f.name: f.parser for f in FORMATS if issubclass(f.parser, ToolParser)}
+"""The tool-call parsers (harmony's parser reads the whole output, reasoning included: not one of them)."""
 
 
 def format_for_template(source: str | None) -> ChatToolFormat:
@@ -30,7 +31,7 @@ def format_for_template(source: str | None) -> ChatToolFormat:
 
 
 def parser_name_for_template(source: str | None) -> str:
-    """The name of the tool-call format a chat template's source uses: hermes, llama3, mistral, or generic."""
+    """The name of the tool-call format a chat template's source uses: harmony, hermes, llama3, mistral, or generic."""
     return format_for_template(source).name
 
 

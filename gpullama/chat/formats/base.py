@@ -73,7 +73,7 @@ class ChatToolFormat:
 
     name: str
     parser: type[ToolParser]
-    grammar: ToolCallFormat
+    grammar: ToolCallFormat | None  # None: the format's calls cannot be forced
     detects: Callable[[str], bool]
     template_tools: bool = True  # the chat template renders the tools and the earlier calls
     prompt_messages: PromptMessages = _template_renders

@@ -1,0 +1,95 @@
+"""Mixture-of-experts in plain torch: routing, the experts' activations, and the `Experts` a backend prepares.
+
+A MoE layer routes each token ``t`` to ``k`` of ``E`` experts (`route`: ids ``[T, k]`` and weights ``[T, k]``);
+expert ``e`` is a gated MLP with its own gate|up matrix ``[2I, H]`` (gate rows first, then up), optional biases,
+and down matrix ``[H, I]``; the layer's output row is ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, the
+terms added in slot order j = 0 .. k-1 (the same order alone or batched).
+
+The torch reference (`TorchOps.moe`) runs each active expert over its rows in expert order, as transformers does;
+the CPU fast path (`CpuOps`) and the Triton kernel (`gpullama.kernels.fused_moe`) compute the same sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "swiglu_oai")
+GATINGS = ("softmax", "softmax_topk")
+
+
+@dataclass
+class Experts:
+    """One MoE layer's experts in an ops backend's weight format (what `ops.moe` reads)."""
+
+    gate_up: Any  # the backend's form of the E stacked [2I, H] gate|up matrices
+    down: Any  # the backend's form of the E stacked [H, I] down matrices
+    gate_up_bias: torch.Tensor | None  # [E, 2I] float32 (gpt-oss), or None
+    down_bias: torch.Tensor | None  # [E, H] float32 (gpt-oss), or None
+    num_experts: int
+    intermediate_size: int  # I: rows of one expert's gate (and of its up)
+    hidden_size: int  # H
+    activation: str = "silu"  # "silu" or "swiglu_oai" (see `activate`)
+    alpha: float = 1.702  # swiglu_oai's sigmoid slope
+    limit: float = 7.0  # swiglu_oai's clamp
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the expert weights take in this backend's format."""
+        return sum(_nbytes(t) for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias))
+
+
+def _nbytes(t: Any) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return int(t.nbytes)
+
+
+def route(
+    logits: torch.Tensor, k: int, gating: str = "softmax", norm: bool = False, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts ``[T, k]`` int64 and their weights ``[T, k]`` float32 from router logits ``[T, E]``, each row on its
+    own: "softmax" takes the top k of the softmax over all experts (renormalized to sum 1 with `norm`: qwen3moe,
+    Mixtral), "softmax_topk" the softmax of the top k logits (gpt-oss); then times `scale`."""
+    logits = logits.float()
+    if gating == "softmax_topk":
+        top, ids = logits.topk(k, dim=-1)
+        weights = top.softmax(dim=-1)
+    else:
+        weights, ids = logits.softmax(dim=-1).topk(k, dim=-1)
+        if norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
+    return ids, weights
+
+
+def activate(gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """``[M, 2I]`` gate|up -> ``[M, I]``: "silu" is ``silu(gate) * up``; "swiglu_oai" (gpt-oss) is ``g *
+    sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + 1)
+    return F.silu(gate) * up
+
+
+def expert_rows(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each expert that some token uses, in expert order: (expert, tokens, slots) of its (token, slot) pairs,
+    in token order."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    k = ids.shape[1]
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            pairs = order[start : start + n]
+            out.append((e, pairs // k, pairs % k))
+            start += n
+    return out
