@@ -16,7 +16,6 @@ import uvicorn
 from gpullama.engine.args import EngineArgs, positive_int
 from gpullama.hub import check_model
 
-from .app import create_app
 from .connection import head_timeout_protocol
 from .engine_log import DEFAULT_INTERVAL_S
 from .state import (
@@ -150,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                           keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
                           allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval)
     state = ServerState(config)
+    from .app import create_app  # the routes load once the flags and the model reference are known good
+
     app = create_app(config, state)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                     log_level=args.log_level, access_log=False, lifespan="on",
