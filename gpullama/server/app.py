@@ -21,6 +21,7 @@ from .anthropic.messages import count_tokens, create_message
 from .body import JSONResponse
 from .errors import CHAT_NAMES, APIError, style_for_path
 from .health import health, metrics
+from .llamacpp import completion as llamacpp_completion
 from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .ollama import chat as ollama_chat
 from .ollama import embed as ollama_embed
@@ -59,6 +60,9 @@ def routes() -> list[Route]:
         Route("/api/ps", ollama_models.ps, methods=["GET"]),
         Route("/api/version", ollama_models.version, methods=["GET"]),
         Route("/", ollama_models.root, methods=["GET", "HEAD"]),
+        # llama.cpp's native endpoints
+        Route("/completion", llamacpp_completion.completion, methods=["POST"]),
+        Route("/infill", llamacpp_completion.infill, methods=["POST"]),
         # vLLM's tokenizer endpoints
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

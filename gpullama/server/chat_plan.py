@@ -55,8 +55,27 @@ def _bad(error: StructuredOutputError) -> APIError:
 
 
 def response_format_spec(body: dict) -> StructuredOutput | None:
-    """The grammar of the request's ``response_format`` (None for text or none); 400 naming the field."""
+    """The grammar a request asks for (None for text or none); 400 naming the field. OpenAI's ``response_format``,
+    and llama.cpp's extensions: ``grammar`` (GBNF), a top-level ``json_schema``, and ``response_format`` of type
+    ``json_object`` or ``json_schema`` with its ``schema`` beside the type. At most one of them."""
     value = body.get("response_format")
+    asked = [name for name in ("grammar", "json_schema") if body.get(name) is not None]
+    if isinstance(value, dict) and value.get("type") not in (None, "text"):
+        asked.append("response_format")
+    if len(asked) > 1:
+        raise APIError(400, f"give at most one of 'grammar', 'json_schema' and 'response_format', got "
+                       f"{' and '.join(repr(a) for a in asked)}", param=asked[1])
+    try:
+        if body.get("grammar") is not None:
+            return StructuredOutput(grammar=body["grammar"], param="grammar")
+        if body.get("json_schema") is not None:
+            return StructuredOutput(json_schema=body["json_schema"], param="json_schema")
+        if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema") and "schema" in value:
+            if value.get("schema") is None:  # llama.cpp's shape without a schema: any JSON object
+                return StructuredOutput(json_object=True, param="response_format")
+            return StructuredOutput(json_schema=value["schema"], param="response_format.schema")
+    except StructuredOutputError as e:
+        raise _bad(e) from None
     if isinstance(value, dict) and value.get("type") == "json_schema" and isinstance(value.get("json_schema"), dict):
         inner = value["json_schema"]
         for key, kind in (("strict", bool), ("name", str)):

@@ -18,6 +18,7 @@ from ..chat_plan import response_format_spec
 from ..errors import CHAT_NAMES, FieldNames
 from ..fields import admitted, bad, bool_field, int_field, str_field
 from ..generation import Job
+from ..infill import fim_prompt_ids
 from ..sampling import MAX_N, SamplingOptions, check_choices, sampling_options, sampling_params
 from ..state import ServerState, check_model, require_ready, server_state
 from .choices import Answer, new_id, parse_head, serve_choices
@@ -38,6 +39,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     names: FieldNames = NAMES
+    suffix: str | None = None  # fill in the middle: the text after the completion
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -76,13 +78,16 @@ def parse_completion(body: Any) -> CompletionRequest:
     echo = bool_field(body, "echo")
     if echo and logprobs is not None:
         raise bad("echo", "'echo' together with 'logprobs' is not supported (prompt log-probabilities are not computed)")
-    if str_field(body, "suffix"):
-        raise bad("suffix", "'suffix' is not supported")
+    suffix = str_field(body, "suffix") or None
+    if suffix is not None and echo:
+        raise bad("echo", "'echo' together with 'suffix' is not supported")
+    if suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise bad("suffix", "'suffix' needs text prompts (the prompt is the code before the completion)")
     best_of = int_field(body, "best_of")
     if best_of is not None and best_of not in (1, head.n):
         raise bad("best_of", f"'best_of' other than 1 or n is not supported, got {best_of}")
     names = NAMES.but(max_tokens="max_completion_tokens") if body.get("max_completion_tokens") is not None else NAMES
-    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names)
+    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names, suffix)
 
 
 def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
@@ -94,6 +99,9 @@ def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionReques
     if spec is not None:
         req.options.kwargs["structured_output"] = spec
     tok = state.llm.tokenizer
+    if req.suffix is not None:  # fill in the middle, laid out as llama.cpp's /infill; stops where it does
+        req.options.kwargs["stop_token_ids"] = [*req.options.kwargs["stop_token_ids"], *tok.fim.stop_ids]
+        return req, [fim_prompt_ids(tok, state.llm.max_model_len, p, req.suffix) for p in req.prompts]
     return req, [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in req.prompts]
 
 

@@ -1,0 +1,210 @@
+"""llama.cpp's native endpoints against the real server, in the request and response shapes of llama.cpp's
+``tools/server/README.md`` and its ``tests/unit`` (test_completion.py, test_infill.py): ``/completion`` on SmolLM2
+(checked against /v1/completions and transformers' tokenizer), ``/infill`` and ``/v1/completions``' ``suffix`` on a
+tiny Qwen2.5-Coder-style model whose GGUF names its FIM tokens (the prompt checked token by token against
+llama.cpp's layout, each piece tokenized by transformers)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.fixtures.tiny_models import build_tiny_model
+from tests.server.conftest import start_server, stop_server
+from tests.server.helpers import API_KEY, sse_events
+
+PROMPT = "I believe the meaning of life is"
+
+
+def _greedy(http: httpx.Client, **body) -> dict:
+    response = http.post("/completion", json={"temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_completion_shape_counts_and_text_match_the_openai_endpoint(http, hf_tokenizer, model_name):
+    out = _greedy(http, prompt=PROMPT, n_predict=8, ignore_eos=True)
+    n_prompt = len(hf_tokenizer.encode(PROMPT))
+    assert out["timings"]["prompt_n"] + out["timings"]["cache_n"] == n_prompt == out["tokens_evaluated"]
+    assert out["timings"]["predicted_n"] == 8 == out["tokens_predicted"]
+    assert out["stop"] is True and out["stop_type"] == "limit" and out["stopping_word"] == ""
+    assert out["truncated"] is False and isinstance(out["has_new_line"], bool) and out["tokens"] == []
+    assert out["model"] == model_name and out["prompt"] == PROMPT
+    settings = out["generation_settings"]
+    assert settings["n_predict"] == 8 and settings["temperature"] == 0 and settings["top_k"] == 40
+    assert settings["n_ctx"] > 0 and settings["seed"] == 4294967295
+    oai = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                             "ignore_eos": True}).json()
+    assert out["content"] == oai["choices"][0]["text"]
+    with_tokens = _greedy(http, prompt=PROMPT, n_predict=8, ignore_eos=True, return_tokens=True)
+    assert hf_tokenizer.decode(with_tokens["tokens"]) == out["content"]
+
+
+def test_completion_stream_events_join_to_the_whole_answer(http):
+    whole = _greedy(http, prompt=PROMPT, n_predict=8, ignore_eos=True)
+    with http.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": 8, "temperature": 0,
+                                                  "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert "[DONE]" not in events  # llama.cpp's native stream ends with the stop event
+    assert all(isinstance(e["stop"], bool) for e in events) and [e["stop"] for e in events][-1] is True
+    for e in events[:-1]:
+        assert e["tokens"] and all(isinstance(t, int) for t in e["tokens"])
+    last = events[-1]
+    assert last["stop_type"] == "limit" and last["timings"]["predicted_n"] == 8
+    assert last["generation_settings"]["n_predict"] == 8 and "content" in last
+    assert "".join(e["content"] for e in events) == whole["content"]
+
+
+def test_completion_prompt_shapes_several_prompts_and_n_cmpl(http, hf_tokenizer):
+    ids = hf_tokenizer.encode(PROMPT)
+    text = _greedy(http, prompt=PROMPT, n_predict=4)["content"]
+    assert _greedy(http, prompt=ids, n_predict=4)["content"] == text
+    assert _greedy(http, prompt=[*ids[:2], hf_tokenizer.decode(ids[2:])], n_predict=4)["content"] == text
+    both = _greedy(http, prompt=[PROMPT, ids], n_predict=4)
+    assert isinstance(both, list) and [b["content"] for b in both] == [text, text]
+    assert [b["index"] for b in both] == [0, 1]
+    many = _greedy(http, prompt=PROMPT, n_predict=4, n_cmpl=2)
+    assert [b["content"] for b in many] == [text, text]
+
+
+def test_completion_response_fields_and_stop_words(http):
+    out = _greedy(http, prompt=PROMPT, n_predict=8, response_fields=["content", "generation_settings/n_predict",
+                                                                       "prompt", "no/such"])
+    assert set(out) == {"content", "generation_settings/n_predict", "prompt"}
+    assert out["generation_settings/n_predict"] == 8 and out["prompt"] == PROMPT
+    full = _greedy(http, prompt=PROMPT, n_predict=16, ignore_eos=True)["content"]
+    word = full.split()[2]
+    stopped = _greedy(http, prompt=PROMPT, n_predict=16, ignore_eos=True, stop=[word])
+    assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+    assert stopped["content"] == full[: full.index(word)]
+
+
+def test_n_probs_whole_and_streamed_match_openai_logprobs(http):
+    out = _greedy(http, prompt=PROMPT, n_predict=5, n_probs=10, ignore_eos=True)
+    probs = out["completion_probabilities"]
+    assert len(probs) == 5
+    oai = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 10,
+                                             "ignore_eos": True}).json()["choices"][0]["logprobs"]
+    for tok, oai_token, oai_logprob in zip(probs, oai["tokens"], oai["token_logprobs"]):
+        assert tok["id"] >= 0 and tok["token"] == oai_token and tok["bytes"] == list(oai_token.encode())
+        assert math.isclose(tok["logprob"], oai_logprob, abs_tol=1e-4) and tok["logprob"] <= 0
+        assert len(tok["top_logprobs"]) == 10
+        assert tok["top_logprobs"][0]["id"] == tok["id"]  # greedy: the sampled token is the most likely
+        for p in tok["top_logprobs"]:
+            assert set(p) == {"id", "token", "bytes", "logprob"} and p["logprob"] <= 0
+    with http.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": 5, "temperature": 0,
+                                                  "n_probs": 10, "ignore_eos": True, "stream": True}) as r:
+        events = sse_events(r)
+    streamed = [p for e in events if not e["stop"] for p in e["completion_probabilities"]]
+    assert [p["id"] for p in streamed] == [p["id"] for p in probs]
+
+
+def test_seed_repeats_and_timings_per_token_and_progress(http):
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 1.0, "seed": 42}
+    assert _greedy(http, **body)["content"] == _greedy(http, **body)["content"]
+    with http.stream("POST", "/completion", json={**body, "stream": True, "timings_per_token": True,
+                                                  "return_progress": True}) as r:
+        events = sse_events(r)
+    progress = events[0]["prompt_progress"]
+    assert progress["total"] == progress["processed"] == events[0]["tokens_evaluated"] and progress["time_ms"] > 0
+    assert all("timings" in e for e in events[1:])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": PROMPT, "n_predict": 0}, "n_predict"),
+    ({"prompt": PROMPT, "mirostat": 2}, "mirostat"),
+    ({"prompt": PROMPT, "n_probs": 99}, "n_probs"),
+    ({"prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}}, "prompt"),
+    ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ({"prompt": PROMPT, "grammar": "root ::= undefined_rule"}, "grammar"),
+    ({"prompt": PROMPT, "grammar": 'root ::= "a"', "json_schema": {}}, "json_schema"),
+    ({}, "prompt"),
+])
+def test_completion_bad_fields_get_400_naming_them(http, body, param):
+    response = http.post("/completion", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_infill_without_fim_tokens_is_a_clear_400(http):
+    response = http.post("/infill", json={"input_prefix": "def f():\n", "input_suffix": "\n"})
+    assert response.status_code == 400
+    assert "no FIM prefix, suffix, middle token" in response.json()["error"]["message"]
+    response = http.post("/v1/completions", json={"prompt": "def f():\n", "suffix": "\n", "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
+
+
+# ---- FIM on a tiny model whose GGUF names its FIM tokens (tokenizer.ggml.fim_*_token_id) -------------------------
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory: pytest.TempPathFactory):
+    """(base URL, transformers' tokenizer) of a server on a tiny Qwen2.5-Coder-style model (4096-token context, so
+    that llama.cpp's layout keeps the extra files: it gives them what a 2048-token batch leaves)."""
+    import transformers
+
+    out = tmp_path_factory.mktemp("coder")
+    tiny = build_tiny_model("qwen2", out, vocab="qwen2-coder", context_length=4096)
+    srv = start_server(tiny.path, out / "server.log")
+    ref = transformers.AutoTokenizer.from_pretrained(str(Path(tiny.path).parent), gguf_file=Path(tiny.path).name)
+    yield srv, ref
+    stop_server(srv)
+
+
+def _plain(ref, text: str) -> list[int]:
+    return ref(text, add_special_tokens=False, split_special_tokens=True).input_ids
+
+
+def _layout(ref, prefix: str, suffix: str, extra: list[dict], prompt: str = "") -> list[int]:
+    """llama.cpp's format_prompt_infill order, each piece tokenized by transformers."""
+    t = ref.convert_tokens_to_ids
+    ids = [t("<|repo_name|>"), *_plain(ref, "myproject\n")]
+    for chunk in extra:
+        ids += [t("<|file_sep|>"), *_plain(ref, chunk.get("filename", "tmp") + "\n"), *_plain(ref, chunk["text"])]
+    ids += [t("<|file_sep|>"), *_plain(ref, "filename\n")]
+    return [*ids, t("<|fim_prefix|>"), *_plain(ref, prefix), *ref.encode(prompt, add_special_tokens=False),
+            t("<|fim_suffix|>"), *_plain(ref, suffix), t("<|fim_middle|>")]
+
+
+INFILL = {"input_prefix": "#include <cstdio>\n#include \"llama.h\"\n\nint main() {\n",
+          "prompt": "    int n_threads = llama_", "input_suffix": "}\n"}
+
+
+@pytest.mark.parametrize("extra", [[], [{"filename": "llama.h", "text": "LLAMA_API int32_t llama_n_threads();\n"},
+                                        {"text": "int x;\n"}]])
+def test_infill_prompt_is_llama_cpp_layout(coder, extra):
+    srv, ref = coder
+    want = _layout(ref, INFILL["input_prefix"], INFILL["input_suffix"], extra, INFILL["prompt"])
+    with httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        out = http.post("/infill", json={**INFILL, "input_extra": extra, "n_predict": 4, "temperature": 0})
+    assert out.status_code == 200, out.text
+    body = out.json()
+    assert body["tokens_evaluated"] == len(want) and body["prompt"] == ref.decode(want)
+    assert body["stop_type"] in ("limit", "eos") and isinstance(body["content"], str)
+
+
+@pytest.mark.parametrize("input_extra", [{}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": "abc"},
+                                         {"filename": 123, "text": 456}])
+def test_infill_invalid_input_extra_is_400(coder, input_extra):
+    srv, _ = coder
+    with httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        out = http.post("/infill", json={**INFILL, "input_extra": [input_extra]})
+    assert out.status_code == 400 and "input_extra[0]" in out.json()["error"]["param"]
+
+
+def test_openai_suffix_is_fill_in_the_middle(coder):
+    """The OpenAI SDK's ``suffix``: the prompt is the code before, laid out as /infill lays it out (no extra)."""
+    srv, ref = coder
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0)
+    out = client.completions.create(model=client.models.list().data[0].id, prompt="def add(a, b):\n",
+                                    suffix="\n", max_tokens=3, temperature=0)
+    assert out.usage.prompt_tokens == len(_layout(ref, "def add(a, b):\n", "\n", []))
+    with httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        same = http.post("/infill", json={"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 3,
+                                          "temperature": 0}).json()
+    assert out.choices[0].text == same["content"]
