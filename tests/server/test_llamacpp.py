@@ -139,6 +139,53 @@ def test_infill_without_fim_tokens_is_a_clear_400(http):
     assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
 
 
+# ---- llama.cpp's grammar fields: grammar (GBNF), a top-level json_schema, response_format with its schema ----------
+
+YES_NO = 'root ::= ("yes" | "no") "."'
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"]}
+
+
+def _chat_text(http: httpx.Client, **body) -> str:
+    response = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Describe a person as JSON."}], "max_tokens": 60, "temperature": 1.0,
+        "seed": 7, **body})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_grammar_and_schemas_constrain_every_endpoint(http):
+    import json
+
+    import jsonschema
+
+    assert _greedy(http, prompt=PROMPT, n_predict=8, grammar=YES_NO)["content"] in ("yes.", "no.")
+    jsonschema.validate(json.loads(_greedy(http, prompt=PROMPT, n_predict=60, json_schema=SCHEMA)["content"]), SCHEMA)
+    completion = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "grammar": YES_NO}).json()
+    assert completion["choices"][0]["text"] in ("yes.", "no.")
+    assert _chat_text(http, grammar=YES_NO) in ("yes.", "no.")
+    for fields in ({"json_schema": SCHEMA}, {"response_format": {"type": "json_object", "schema": SCHEMA}},
+                   {"response_format": {"type": "json_schema", "schema": SCHEMA}}):
+        jsonschema.validate(json.loads(_chat_text(http, **fields)), SCHEMA)
+    assert isinstance(json.loads(_chat_text(http, json_schema={})), (dict, list, str, int, float, bool, type(None)))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/completion"])
+@pytest.mark.parametrize("fields, param", [
+    ({"grammar": "root ::= undefined_rule"}, "grammar"),
+    ({"grammar": 'root ::= "a'}, "grammar"),
+    ({"json_schema": {"type": "no-such-type"}}, "json_schema"),
+    ({"response_format": {"type": "json_object", "schema": {"minimum": "zero"}}}, "response_format.schema"),
+    ({"grammar": YES_NO, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_invalid_grammar_or_schema_is_a_400_naming_it(http, path, fields, param):
+    body = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": PROMPT}
+    response = http.post(path, json={**body, "max_tokens": 4, **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 # ---- FIM on a tiny model whose GGUF names its FIM tokens (tokenizer.ggml.fim_*_token_id) -------------------------
 
 
