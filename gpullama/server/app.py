@@ -22,6 +22,7 @@ from .body import JSONResponse
 from .errors import CHAT_NAMES, APIError, style_for_path
 from .health import health, metrics
 from .llamacpp import completion as llamacpp_completion
+from .llamacpp import props as llamacpp_props
 from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .ollama import chat as ollama_chat
 from .ollama import embed as ollama_embed
@@ -63,6 +64,8 @@ def routes() -> list[Route]:
         # llama.cpp's native endpoints
         Route("/completion", llamacpp_completion.completion, methods=["POST"]),
         Route("/infill", llamacpp_completion.infill, methods=["POST"]),
+        Route("/apply-template", llamacpp_props.apply_template, methods=["POST"]),
+        Route("/props", llamacpp_props.props, methods=["GET"]),
         # vLLM's tokenizer endpoints
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

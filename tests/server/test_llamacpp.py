@@ -255,3 +255,36 @@ def test_openai_suffix_is_fill_in_the_middle(coder):
         same = http.post("/infill", json={"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 3,
                                           "temperature": 0}).json()
     assert out.choices[0].text == same["content"]
+
+
+# ---- /apply-template and /props --------------------------------------------------------------------------------
+
+
+def test_apply_template_is_the_chat_templates_render(http, hf_tokenizer):
+    messages = [{"role": "user", "content": "What is today?"}]
+    for flag in (True, False):
+        out = http.post("/apply-template", json={"messages": messages, "add_generation_prompt": flag, "tools": []})
+        assert out.status_code == 200, out.text
+        assert out.json() == {"prompt": hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                         add_generation_prompt=flag)}
+    prefill = [*messages, {"role": "assistant", "content": "Today is"}]
+    out = http.post("/apply-template", json={"messages": prefill, "continue_final_message": True}).json()["prompt"]
+    assert out.endswith("<|im_start|>assistant\nToday is")
+    bad = http.post("/apply-template", json={"messages": [{"role": "robot", "content": "hi"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].role"
+
+
+def test_props_has_the_fields_clients_read(http, default_model_path, model_name):
+    from gpullama.gguf_file import read_header
+
+    props = http.get("/props").json()
+    meta = read_header(str(default_model_path)).metadata
+    assert props["chat_template"] == meta["tokenizer.chat_template"]
+    assert props["model_path"] == str(default_model_path) and props["model_alias"] == model_name
+    assert props["default_generation_settings"]["n_ctx"] == http.post("/tokenize", json={"prompt": ""}).json()[
+        "max_model_len"]
+    params = props["default_generation_settings"]["params"]
+    assert params["temperature"] == 0.8 and params["top_k"] == 40 and params["n_predict"] == -1
+    assert props["build_info"].startswith("gpullama-") and props["total_slots"] >= 1
+    assert props["bos_token"] == "<|im_start|>" and props["eos_token"] == "<|im_end|>"
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
