@@ -177,11 +177,28 @@ def render_plan(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool = Tr
         raise APIError(400, f"the chat template rejected the conversation: {exc}", param="messages") from exc
 
 
-def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+def render_chat(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool, continue_final_message: bool) -> str:
+    """The prompt text of a planned conversation (its tools rendered as the chat endpoint renders them); with
+    `continue_final_message` it ends right after the last message's content (no end-of-turn), so the model
+    continues that message (transformers' rule)."""
+    if not continue_final_message:
+        return render_plan(tokenizer, plan, add_generation_prompt)
+    text = render_plan(tokenizer, plan, add_generation_prompt=False)
+    final = str(plan.messages[-1].get("content") or "").strip()
+    cut = text.rfind(final) if final else -1
+    if cut < 0:
+        raise APIError(400, "continue_final_message: the chat template does not keep the last message's text "
+                       "verbatim, so it cannot be continued", param="continue_final_message")
+    return text[: cut + len(final)]
+
+
+def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any],
+                        add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> tuple[str, list[int]]:
     """Give the request's sampling options the plan's grammar and kept marker tokens, render the chat template on
-    the plan's messages and tools (`render_plan`), and tokenize."""
+    the plan's messages and tools (`render_chat`), and tokenize."""
     if plan.spec is not None:
         sampling_kwargs["structured_output"] = plan.spec
     sampling_kwargs["preserved_token_ids"] = plan.preserved_token_ids
-    text = render_plan(tokenizer, plan)
+    text = render_chat(tokenizer, plan, add_generation_prompt, continue_final_message)
     return text, tokenizer.encode(text, add_special_tokens=False)

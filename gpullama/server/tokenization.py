@@ -13,7 +13,7 @@ from gpullama import __version__
 from gpullama.chat.model_format import chat_format
 
 from .body import JSONResponse, off_loop_if_long, read_json
-from .chat_plan import ChatPlan, plan_chat, render_plan
+from .chat_plan import plan_chat, render_chat
 from .errors import APIError
 from .openai.chat import parse_messages
 from .state import check_model, require_ready, server_state
@@ -35,21 +35,6 @@ def _object(body: Any) -> dict:
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")
     return body
-
-
-def render_chat(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool, continue_final_message: bool) -> str:
-    """The prompt text of a planned conversation (its tools rendered as the chat endpoint renders them); with
-    `continue_final_message` it ends right after the last message's content (no end-of-turn), so the model
-    continues that message (transformers' rule)."""
-    if not continue_final_message:
-        return render_plan(tokenizer, plan, add_generation_prompt)
-    text = render_plan(tokenizer, plan, add_generation_prompt=False)
-    final = str(plan.messages[-1].get("content") or "").strip()
-    cut = text.rfind(final) if final else -1
-    if cut < 0:
-        raise APIError(400, "continue_final_message: the chat template does not keep the last message's text "
-                       "verbatim, so it cannot be continued", param="continue_final_message")
-    return text[: cut + len(final)]
 
 
 def _piece(tokenizer: Any, token_id: int) -> str | list[int]:

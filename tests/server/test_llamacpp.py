@@ -191,13 +191,15 @@ def test_invalid_grammar_or_schema_is_a_400_naming_it(http, path, fields, param)
 
 @pytest.fixture(scope="module")
 def coder(tmp_path_factory: pytest.TempPathFactory):
-    """(base URL, transformers' tokenizer) of a server on a tiny Qwen2.5-Coder-style model (4096-token context, so
-    that llama.cpp's layout keeps the extra files: it gives them what a 2048-token batch leaves)."""
+    """(server, transformers' tokenizer) of a server on a tiny Qwen2.5-Coder-style model (4096-token context, so
+    that llama.cpp's layout keeps the extra files: it gives them what a 2048-token batch leaves), bound to two
+    addresses and allowing CORS from ``localhost`` (the keyword) and one other origin."""
     import transformers
 
     out = tmp_path_factory.mktemp("coder")
     tiny = build_tiny_model("qwen2", out, vocab="qwen2-coder", context_length=4096)
-    srv = start_server(tiny.path, out / "server.log")
+    srv = start_server(tiny.path, out / "server.log",
+                       ["--host", "127.0.0.1,127.0.0.2", "--allowed-origins", "localhost,http://app.example"])
     ref = transformers.AutoTokenizer.from_pretrained(str(Path(tiny.path).parent), gguf_file=Path(tiny.path).name)
     yield srv, ref
     stop_server(srv)
@@ -288,3 +290,78 @@ def test_props_has_the_fields_clients_read(http, default_model_path, model_name)
     assert props["build_info"].startswith("gpullama-") and props["total_slots"] >= 1
     assert props["bos_token"] == "<|im_start|>" and props["eos_token"] == "<|im_end|>"
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+
+
+# ---- the small OpenAI and CORS items ------------------------------------------------------------------------------
+
+
+def test_unprefixed_openai_routes_fingerprint_and_timings(server, model_name):
+    """/chat/completions, /completions and /models as llama.cpp serves them (the OpenAI SDK without /v1), behind
+    the API key; system_fingerprint on objects and chunks; llama.cpp's timings added to the OpenAI shape."""
+    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    assert client.models.list().data[0].id == model_name
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0)
+    assert chat.system_fingerprint.startswith("gpullama-")
+    timings = chat.model_extra["timings"]
+    assert timings["predicted_n"] == chat.usage.completion_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == chat.usage.prompt_tokens
+    text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert text.system_fingerprint.startswith("gpullama-") and text.model_extra["timings"]["predicted_n"] == 4
+    chunks = list(client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.content == "" and chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.system_fingerprint.startswith("gpullama-") for c in chunks)
+    assert chunks[-1].model_extra["timings"]["predicted_n"] == chat.usage.completion_tokens
+    for path in ("/completions", "/chat/completions", "/completion", "/models", "/props"):
+        assert httpx.request("GET" if path in ("/models", "/props") else "POST", server.base_url + path,
+                             json={}).status_code == 401, path
+
+
+def test_chat_takes_n_probs_and_the_rendering_flags(http, hf_tokenizer, model_name):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    body = {"model": model_name, "messages": messages, "max_tokens": 3, "temperature": 0}
+    out = http.post("/v1/chat/completions", json={**body, "continue_final_message": True, "n_probs": 3}).json()
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert out["usage"]["prompt_tokens"] == len(hf_tokenizer.encode(text))
+    assert len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    flat = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": False}).json()
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert flat["usage"]["prompt_tokens"] == len(hf_tokenizer.encode(text))
+    both = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True,
+                                                   "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    completion = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "n_probs": 2}).json()
+    assert len(completion["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+
+
+def test_context_overflow_names_n_prompt_tokens_and_n_ctx(http, hf_tokenizer):
+    n_ctx = http.get("/props").json()["default_generation_settings"]["n_ctx"]
+    out = http.post("/completion", json={"prompt": PROMPT, "n_predict": n_ctx})
+    assert out.status_code == 400
+    error = out.json()["error"]
+    assert error["n_prompt_tokens"] == len(hf_tokenizer.encode(PROMPT)) and error["n_ctx"] == n_ctx
+    assert error["param"] == "n_predict"
+
+
+PREFLIGHT = {"access-control-request-method": "POST", "access-control-request-headers": "authorization"}
+
+
+def test_several_hosts_and_the_localhost_cors_keyword(coder):
+    srv, _ = coder
+    port = srv.base_url.rsplit(":", 1)[1]
+    for address in ("127.0.0.1", "127.0.0.2"):
+        assert httpx.get(f"http://{address}:{port}/health").status_code == 200
+    for origin in ("http://localhost:5173", "https://127.0.0.1", "http://[::1]:8000", "http://app.example"):
+        ok = httpx.options(f"{srv.base_url}/v1/completions", headers={"origin": origin, **PREFLIGHT})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin
+    for origin in ("http://evil.example", "http://localhost.evil.example", "http://app.example:1"):
+        refused = httpx.options(f"{srv.base_url}/v1/completions", headers={"origin": origin, **PREFLIGHT})
+        assert refused.status_code == 400 and refused.text == "Disallowed CORS origin"
+        assert "access-control-allow-origin" not in refused.headers
+
+
+def test_without_allowed_origins_a_preflight_is_refused_as_starlette_does(server):
+    refused = httpx.options(f"{server.base_url}/v1/chat/completions",
+                            headers={"origin": "http://localhost:3000", **PREFLIGHT})
+    assert refused.status_code == 400 and refused.text == "Disallowed CORS origin"

@@ -10,20 +10,15 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpullama import __version__
 from gpullama.chat.model_format import chat_format
 
 from ..body import JSONResponse, off_loop_if_long, read_json
-from ..chat_plan import plan_chat
+from ..chat_plan import plan_chat, render_chat
 from ..errors import APIError
 from ..fields import bool_field, object_body
 from ..openai.chat import parse_messages
-from ..state import check_model, require_ready, server_state
-from ..tokenization import render_chat
+from ..state import BUILD_INFO, check_model, require_ready, server_state
 from .request import sampling
-
-BUILD_INFO = f"gpullama-{__version__}"
-"""What ``build_info`` says: this server and its version (llama.cpp's is ``b<build>-<commit>``)."""
 
 
 async def props(request: Request) -> Response:

@@ -71,6 +71,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     admitted(check_choices, len(prompts), head.n)
     opts = sampling_options(body)
     logprobs = int_field(body, "logprobs")
+    n_probs = int_field(body, "n_probs")  # llama.cpp's name
+    if logprobs is None and n_probs:
+        logprobs = n_probs
     if logprobs is not None:
         if not 0 <= logprobs <= SamplingParams.MAX_LOGPROBS:
             raise bad("logprobs", f"'logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {logprobs}")
