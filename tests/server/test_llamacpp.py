@@ -137,6 +137,8 @@ def test_infill_without_fim_tokens_is_a_clear_400(http):
     assert "no FIM prefix, suffix, middle token" in response.json()["error"]["message"]
     response = http.post("/v1/completions", json={"prompt": "def f():\n", "suffix": "\n", "max_tokens": 2})
     assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
+    response = http.post("/api/generate", json={"prompt": "def f():\n", "suffix": "\n", "stream": False})
+    assert response.status_code == 400 and "no FIM prefix" in response.json()["error"]
 
 
 # ---- llama.cpp's grammar fields: grammar (GBNF), a top-level json_schema, response_format with its schema ----------
@@ -257,6 +259,10 @@ def test_openai_suffix_is_fill_in_the_middle(coder):
         same = http.post("/infill", json={"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 3,
                                           "temperature": 0}).json()
     assert out.choices[0].text == same["content"]
+    with httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        ollama = http.post("/api/generate", json={"prompt": "def add(a, b):\n", "suffix": "\n", "stream": False,
+                                                  "options": {"num_predict": 3, "temperature": 0}}).json()
+    assert ollama["prompt_eval_count"] == out.usage.prompt_tokens and ollama["response"] == same["content"]
 
 
 # ---- /apply-template and /props --------------------------------------------------------------------------------
