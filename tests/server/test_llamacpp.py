@@ -371,3 +371,44 @@ def test_without_allowed_origins_a_preflight_is_refused_as_starlette_does(server
     refused = httpx.options(f"{server.base_url}/v1/chat/completions",
                             headers={"origin": "http://localhost:3000", **PREFLIGHT})
     assert refused.status_code == 400 and refused.text == "Disallowed CORS origin"
+
+
+# ---- a bounded fuzz of the native bodies ---------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**64) + 1, 2**64 - 1), st.text(max_size=8),
+                  st.floats(allow_nan=False, allow_infinity=False))
+_ANY = st.recursive(_LEAF, lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+_TOKEN = st.integers(-2, 50_000)
+_NATIVE = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(max_size=20), st.lists(_TOKEN, max_size=4),
+                         st.lists(st.one_of(_TOKEN, st.text(max_size=6)), max_size=3),
+                         st.lists(st.one_of(st.text(max_size=6), st.lists(_TOKEN, max_size=3)), max_size=3), _ANY),
+     "n_predict": st.one_of(st.integers(-2, 3), st.integers(min_value=10**6, max_value=2**64))},
+    optional={"temperature": st.floats(-1, 2), "top_k": st.integers(-2, 100), "top_p": st.floats(0, 1),
+              "min_p": st.floats(0, 1), "seed": st.integers(-2, 2**64), "stop": _ANY, "n_probs": st.integers(-1, 30),
+              "n_cmpl": st.integers(0, 20), "logit_bias": st.one_of(_ANY, st.lists(st.tuples(
+                  st.one_of(_TOKEN, st.text(max_size=4)), st.one_of(st.booleans(), st.floats(-200, 200))).map(list),
+                  max_size=3)),
+              "repeat_penalty": st.floats(0, 2), "mirostat": st.integers(0, 2), "typical_p": st.floats(0, 1),
+              "response_fields": _ANY, "return_tokens": _ANY, "stream": st.booleans(), "grammar": _ANY,
+              "json_schema": _ANY, "post_sampling_probs": _ANY, "return_progress": st.booleans(),
+              "timings_per_token": st.booleans(), "cache_prompt": _ANY, "id_slot": _ANY})
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(body=_NATIVE, infill=st.booleans())
+def test_no_native_body_gets_a_5xx(http, body, infill):
+    if infill:
+        body = {**body, "input_prefix": body.pop("prompt"), "input_suffix": "x"}
+    with http.stream("POST", "/infill" if infill else "/completion", json=body) as answer:
+        content = answer.read()
+    assert answer.status_code < 500, (body, content[:500])
+    if answer.status_code >= 400:
+        assert answer.json()["error"]["message"]
+    elif answer.headers["content-type"].startswith("text/event-stream"):
+        assert b'"stop":true' in content and b'"error"' not in content, content[-300:]
