@@ -239,6 +239,22 @@ def test_infill_prompt_is_llama_cpp_layout(coder, extra):
     assert body["stop_type"] in ("limit", "eos") and isinstance(body["content"], str)
 
 
+def test_infill_takes_an_editor_plugins_body(coder):
+    """A body shaped as llama.vscode sends it: its hints and slot options are taken, response_fields honoured."""
+    srv, ref = coder
+    body = {**INFILL, "input_extra": [{"filename": "a.h", "text": "int a;\n"}], "n_predict": 4, "n_indent": 4,
+            "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+            "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
+            "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"]}
+    with httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        out = http.post("/infill", json=body)
+    assert out.status_code == 200, out.text
+    got = out.json()
+    assert set(got) == {"content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"}
+    want = _layout(ref, INFILL["input_prefix"], INFILL["input_suffix"], body["input_extra"], INFILL["prompt"])
+    assert got["timings/prompt_n"] + got["tokens_cached"] == len(want) and got["truncated"] is False
+
+
 @pytest.mark.parametrize("input_extra", [{}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": "abc"},
                                          {"filename": 123, "text": 456}])
 def test_infill_invalid_input_extra_is_400(coder, input_extra):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,7 +169,7 @@ def pick(result: dict, fields: list[str]) -> dict:
 async def _serve(request: Request, state: ServerState, req: NativeRequest, prompt_ids: list[list[int]],
                  arrival: float, extra_stop_ids: list[int] = ()) -> Response:
     jobs: list[Job] = []
-    rid = f"cmpl-{time.time_ns():x}"
+    rid = f"cmpl-{uuid.uuid4().hex}"
     for p, ids in enumerate(prompt_ids):
         for i in range(req.n_cmpl):
             params = sampling_params(req.options, seed_offset=i)

@@ -28,7 +28,7 @@ RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed
 
 # llama.cpp's samplers gpullama has not: accepted at their "off" value, refused otherwise
 _OFF = {"typical_p": 1.0, "dynatemp_range": 0.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-        "top_n_sigma": -1.0, "n_indent": 0}
+        "top_n_sigma": -1.0}
 _PAIRS = (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
           ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
           ("repeat_penalty", "repetition_penalty"))
