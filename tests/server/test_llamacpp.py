@@ -357,6 +357,22 @@ def test_chat_takes_n_probs_and_the_rendering_flags(http, hf_tokenizer, model_na
     assert len(completion["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
 
 
+def test_verbose_adds_the_native_result(http, hf_tokenizer, model_name):
+    """llama.cpp's "verbose": true: the answer adds its native result (the prompt as text) as "__verbose"."""
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+    for verbose in (True, False):
+        out = http.post("/chat/completions", json={"messages": messages, "max_tokens": 2, "verbose": verbose}).json()
+        assert ("__verbose" in out) is verbose
+    assert out["choices"]  # the OpenAI fields stay as they are
+    out = http.post("/chat/completions", json={"messages": messages, "max_tokens": 2, "verbose": True}).json()
+    native = out["__verbose"]
+    assert native["prompt"] == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert native["content"] == out["choices"][0]["message"]["content"] and native["stop_type"] == "limit"
+    assert native["tokens_evaluated"] == out["usage"]["prompt_tokens"]
+    text = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "verbose": True}).json()
+    assert text["__verbose"]["prompt"] == PROMPT and text["__verbose"]["content"] == text["choices"][0]["text"]
+
+
 def test_context_overflow_names_n_prompt_tokens_and_n_ctx(http, hf_tokenizer):
     n_ctx = http.get("/props").json()["default_generation_settings"]["n_ctx"]
     out = http.post("/completion", json={"prompt": PROMPT, "n_predict": n_ctx})

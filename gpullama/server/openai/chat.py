@@ -44,6 +44,7 @@ class ChatRequest:
     names: FieldNames = NAMES  # with this request's own choices (max_completion_tokens, top_logprobs)
     add_generation_prompt: bool = True  # vLLM's and llama.cpp's rendering flags (as /tokenize takes them)
     continue_final_message: bool = False
+    verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
 
 
 def message_content(value: Any, where: str) -> str:
@@ -116,7 +117,7 @@ def parse_chat(body: Any) -> ChatRequest:
                       "be true")
         add_generation = False
     return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, names, add_generation,
-                       cont)
+                       cont, bool_field(body, "verbose"))
 
 
 def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan, str, list[int]]:
@@ -145,5 +146,5 @@ async def chat_completions(request: Request) -> Response:
     shaper = ChatOutputShaper(plan, text)
     answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
                     include_usage=req.include_usage, arrival=arrival, names=req.names,
-                    shaper=shaper if shaper.active else None)
+                    shaper=shaper if shaper.active else None, verbose=req.verbose)
     return await serve_choices(request, state, answer, req.stream)

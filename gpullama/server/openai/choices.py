@@ -218,6 +218,8 @@ class Answer:
     arrival: float
     names: FieldNames  # the request's field names, for errors in its stream
     shaper: ChatOutputShaper | None = None  # chat: reasoning and tool calls read out of the text
+    verbose: bool = False  # llama.cpp's "verbose": add its native result as "__verbose"
+    prompt_text: str = ""  # the first choice's prompt as text (special tokens written), for "__verbose"
 
 
 async def serve_choices(request: Request, state: ServerState, answer: Answer, stream: bool) -> Response:
@@ -231,9 +233,23 @@ async def serve_choices(request: Request, state: ServerState, answer: Answer, st
     for job in answer.jobs:
         if answer.prompt_texts[job.prompt_index] is None:
             answer.prompt_texts[job.prompt_index] = state.llm.tokenizer.decode(job.prompt_ids)
+    if answer.verbose:
+        answer.prompt_text = state.llm.tokenizer.decode(answer.jobs[0].prompt_ids)
     if stream:
         return _stream_response(answer, gen, state.model_name)
     return await _full_response(request, answer, gen, state.model_name)
+
+
+def verbose_result(answer: Answer, gen: Generation, model: str, text: str, finish: str | None,
+                   stop_reason: str | int | None) -> dict:
+    """llama.cpp's ``__verbose``: the first choice as its native ``/completion`` result would give it."""
+    stop_type = "none" if finish is None else "limit" if finish == "length" else (
+        "word" if isinstance(stop_reason, str) else "eos")
+    return {"index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True, "model": model,
+            "tokens_predicted": gen.num_generated_tokens, "tokens_evaluated": gen.num_prompt_tokens,
+            "prompt": answer.prompt_text, "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
+            "stopping_word": stop_reason if isinstance(stop_reason, str) else "",
+            "tokens_cached": gen.num_cached_tokens, "timings": generation_timings(gen)}
 
 
 async def _full_response(request: Request, answer: Answer, gen: Generation, model: str) -> Response:
@@ -244,6 +260,7 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
         texts = {job.index: answer.prompt_texts[job.prompt_index] if answer.echo else "" for job in jobs}
         logprobs = {job.index: ([] if job.params.logprobs is not None else None) for job in jobs}
         finish: dict[int, str | None] = {}
+        stop_reasons: dict[int, str | int | None] = {}
         try:
             async for index, delta in gen.deltas():
                 texts[index] += delta.text
@@ -251,6 +268,7 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
                     logprobs[index].extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     finish[index] = delta.finish_reason
+                    stop_reasons[index] = delta.stop_reason
         finally:
             await gen.close()
         choices = [{"index": job.index, "text": texts[job.index], "logprobs": logprobs[job.index],
@@ -260,7 +278,12 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
                 c["message"] = answer.shaper.message(c["index"], c["text"])
                 c["finish_reason"] = answer.shaper.finish_reason(c["index"], c["finish_reason"])
         build = chat_completion if answer.chat else text_completion
-        return {**build(answer.id, now(), model, choices, generation_usage(gen)), "timings": generation_timings(gen)}
+        out = {**build(answer.id, now(), model, choices, generation_usage(gen)), "timings": generation_timings(gen)}
+        if answer.verbose:
+            first = jobs[0].index
+            out["__verbose"] = verbose_result(answer, gen, model, texts[first], finish.get(first),
+                                              stop_reasons.get(first))
+        return out
 
     try:
         return JSONResponse(await unless_disconnected(request.receive, collect))

@@ -40,6 +40,7 @@ class CompletionRequest:
     echo: bool
     names: FieldNames = NAMES
     suffix: str | None = None  # fill in the middle: the text after the completion
+    verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -90,7 +91,8 @@ def parse_completion(body: Any) -> CompletionRequest:
     if best_of is not None and best_of not in (1, head.n):
         raise bad("best_of", f"'best_of' other than 1 or n is not supported, got {best_of}")
     names = NAMES.but(max_tokens="max_completion_tokens") if body.get("max_completion_tokens") is not None else NAMES
-    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names, suffix)
+    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names, suffix,
+                             bool_field(body, "verbose"))
 
 
 def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
@@ -127,5 +129,5 @@ async def completions(request: Request) -> Response:
         for i in range(req.n):
             jobs.append(Job(p * req.n + i, ids, sampling_params(req.options, seed_offset=i), prompt_index=p))
     answer = Answer(chat=False, id=new_id("cmpl"), jobs=jobs, prompt_texts=texts, echo=req.echo,
-                    include_usage=req.include_usage, arrival=arrival, names=req.names)
+                    include_usage=req.include_usage, arrival=arrival, names=req.names, verbose=req.verbose)
     return await serve_choices(request, state, answer, req.stream)
