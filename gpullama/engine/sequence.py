@@ -55,6 +55,7 @@ class Sequence:
         self.pooling = pooling  # an embedding request: prefill only, never samples, its KV blocks not kept
         self.pooled: torch.Tensor | None = None  # the pooled hidden states of the chunks computed so far (summed)
         self.embedding: list[float] | None = None  # the finished embedding
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (n-gram speculation)
 
     @property
     def text(self) -> str:
