@@ -58,6 +58,8 @@ class EngineStatus:
     prompt_tokens: int
     cached_tokens: int
     generation_tokens: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def read(cls, engine) -> EngineStatus:
@@ -66,7 +68,8 @@ class EngineStatus:
         blocks = engine.block_manager
         return cls(time.monotonic(), len(engine.scheduler.running), len(engine.scheduler.waiting),
                    blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks, blocks.block_size,
-                   stats.prompt_tokens, stats.cached_tokens, stats.generation_tokens)
+                   stats.prompt_tokens, stats.cached_tokens, stats.generation_tokens, stats.draft_tokens,
+                   stats.accepted_tokens)
 
     @property
     def busy(self) -> bool:
@@ -84,4 +87,12 @@ class EngineStatus:
         return (f"engine: {self.running} running, {self.waiting} waiting; KV cache {used:.1%} used "
                 f"({self.kv_used_blocks * self.block_size} of {self.kv_blocks * self.block_size} tokens); "
                 f"prompt {prompt / seconds:.1f} tokens/s, generation {generated / seconds:.1f} tokens/s; "
-                f"prefix cache hits {hits}")
+                f"prefix cache hits {hits}{self._drafts(before)}")
+
+    def _drafts(self, before: EngineStatus) -> str:
+        """The draft acceptance of the interval (n-gram speculation), or nothing when no draft was checked."""
+        drafts = self.draft_tokens - before.draft_tokens
+        if not drafts:
+            return ""
+        accepted = self.accepted_tokens - before.accepted_tokens
+        return f"; draft acceptance {accepted / drafts:.1%} ({accepted} of {drafts})"
