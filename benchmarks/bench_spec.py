@@ -98,8 +98,10 @@ planned to start in September and to end within eighteen months. The station's o
 has not worked for decades," said Price."""
 
 TASKS = {
-    "code edit": f"Rename the class `Order` to `PurchaseOrder` everywhere in this module and add type hints to "
-                 f"every function. Return the whole module.\n\n```python\n{CODE}```",
+    "code edit": f"Rename the function `total_by_customer` to `sum_by_customer` (its call too) in this module. "
+                 f"Return the whole module, otherwise unchanged.\n\n```python\n{CODE}```",
+    "code edit + hints": f"Rename the class `Order` to `PurchaseOrder` everywhere in this module and add type hints "
+                         f"to every function. Return the whole module.\n\n```python\n{CODE}```",
     "JSON extraction": f"Extract from this email a JSON object with the keys invoice_number, date, sender_name, "
                        f"sender_email, customer, address, purchase_order, items (a list of objects with "
                        f"quantity, description and unit_price), total and phone. Copy the values exactly.\n\n"
@@ -131,7 +133,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--speculative-config", default='{"method": "ngram"}')
-    ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = SpeculativeConfig.parse(args.speculative_config)
