@@ -12,7 +12,7 @@ from gpullama.engine.args import EngineConfig
 from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.detokenizer import Detokenizer
 from gpullama.engine.model_runner import ModelRunner
-from gpullama.engine.ngram_proposer import NgramProposer
+from gpullama.engine.ngram_proposer import NgramProposer, TokenBuffer
 from gpullama.engine.sampler import needs_penalties, sample_batch, verify_drafts
 from gpullama.engine.scheduler import ScheduledBatch, Scheduler
 from gpullama.engine.sequence import Sequence
@@ -309,7 +309,9 @@ class LLMEngine:
         if seq.grammar is not None or seq.pooling is not None or needs_penalties(seq):
             return
         room = min(seq.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - 1
-        seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+        if seq.ngram_tokens is None:
+            seq.ngram_tokens = TokenBuffer()
+        seq.spec_token_ids = self.proposer.propose(seq.ngram_tokens.view(seq.token_ids), room)
 
     def _logprob_entry(self, token: int, logprobs: torch.Tensor, top_n: int) -> TokenLogprob:
         tok = self.tokenizer

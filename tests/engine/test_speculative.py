@@ -11,7 +11,7 @@ import torch
 
 from gpullama import LLM
 from gpullama.engine.args import EngineArgs, SpeculativeConfig
-from gpullama.engine.ngram_proposer import NgramProposer
+from gpullama.engine.ngram_proposer import NgramProposer, TokenBuffer
 from gpullama.engine.sampler import verify_drafts, warped_probs
 from gpullama.engine.sequence import Sequence
 from gpullama.ops import TorchOps
@@ -98,6 +98,10 @@ def test_proposer_matches_brute_force_lookup() -> None:
         ids = torch.randint(0, 4 if trial % 2 else 12, (int(torch.randint(1, 40, (), generator=gen)),),
                             generator=gen).tolist()
         assert proposer.propose(ids, 10) == reference_lookup(ids, 2, 4, 3), ids
+    buffer, grown = TokenBuffer(), []
+    for token in torch.randint(0, 5, (700,), generator=gen).tolist():  # past the buffer's first 256 entries
+        grown.append(token)
+        assert proposer.propose(buffer.view(grown), 10) == reference_lookup(grown, 2, 4, 3)
     assert proposer.propose([1, 2, 3, 9, 1, 2, 3], 10) == [9, 1, 2]
     assert proposer.propose([1, 2, 3, 9, 1, 2, 3], 1) == [9]  # the room left (max_tokens, context) caps it
     assert proposer.propose([5, 6, 7, 8], 10) == []
@@ -236,7 +240,7 @@ def test_sampled_drafts_keep_the_distribution(temperature: float, top_k: int, to
     ops = TorchOps(torch.device("cpu"))
     vocab = logits.shape[1]
     counts = torch.zeros(2 * vocab, dtype=torch.float64)
-    trials = 6000
+    trials = 4000
     for _ in range(trials):
         tokens, _ = verify_drafts(logits, [draft], seq, ops)
         if tokens[0] == draft:
