@@ -170,10 +170,7 @@ class LLMEngine:
                 plain_rows.append(row)
             row += 1 + len(drafts)
         assert row == logits.shape[0]
-        if checked:
-            logits_plain = logits[plain_rows]
-        else:
-            logits_plain = logits
+        logits_plain = logits[plain_rows] if checked else logits
         sampled, failed = {}, {}
         if plain:
             failed = self.structured_output.mask(logits_plain, plain)  # constrained rows only, in place
