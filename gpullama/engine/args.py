@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,67 @@ def byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding without a draft model (vLLM's ``speculative_config``, method ``"ngram"``): each step,
+    a sequence whose last `prompt_lookup_max`..`prompt_lookup_min` tokens occurred earlier in its prompt or output
+    proposes the (up to) `num_speculative_tokens` tokens that followed them there; one forward checks them all."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        for name, top in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", 64),
+                          ("prompt_lookup_min", 64)):
+            value = getattr(self, name)
+            if not _is_int(value) or not 1 <= value <= top:
+                raise ValueError(f"speculative_config.{name} must be an integer in [1, {top}], got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A config from a dict of its fields (vLLM's keys), a JSON object text, itself, or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object such as "
+                             f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r}')
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(sorted(fields))}")
+        if "method" not in value:
+            raise ValueError('speculative_config needs "method" (one of: ' + ", ".join(SPECULATIVE_METHODS) + ")")
+        if "prompt_lookup_max" in value and "prompt_lookup_min" not in value and _is_int(value["prompt_lookup_max"]):
+            value = {**value, "prompt_lookup_min": min(cls.prompt_lookup_min, value["prompt_lookup_max"])}
+        return cls(**value)
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig:
+    """An argparse type: a JSON speculative config."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _arg(default: Any, help: str, *, flag: str | None = None, short: str | None = None, **argparse_kwargs: Any):
@@ -78,9 +140,16 @@ class EngineArgs:
         1, "ranks the model is split across (tensor parallelism over torch.distributed: one process per rank and "
         "device, rank r on cuda:r with NCCL; on the CPU the ranks share the cores, over gloo) (default: %(default)s)",
         short="-tp", type=positive_int)
+    speculative_config: Any = _arg(
+        None, "speculative decoding without a draft model, as a JSON object (vLLM's): "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "drafts the tokens that followed the last n-gram's earlier occurrence in the prompt or output, and checks "
+        "them in one forward; greedy output is unchanged, sampled output keeps its distribution (default: off)",
+        type=speculative_config_arg)
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             if not hasattr(self.device, "type"):  # a torch.device is fine as it is
                 raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
@@ -134,13 +203,15 @@ class EngineConfig:
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
     use_cuda_graphs: bool = not EngineArgs.enforce_eager  # capture decode steps (when the ops support it)
     static_decode: bool = False  # run decode on the padded static buffers even without graphs (tests)
+    speculative: SpeculativeConfig | None = None  # n-gram drafting (off when None)
 
     @classmethod
     def from_args(cls, args: EngineArgs, max_model_len: int) -> EngineConfig:
         """The config of an engine built from `args` for a context of `max_model_len` tokens."""
         return cls(max_model_len=max_model_len, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=args.enable_prefix_caching, use_cuda_graphs=not args.enforce_eager)
+                   enable_prefix_caching=args.enable_prefix_caching, use_cuda_graphs=not args.enforce_eager,
+                   speculative=args.speculative_config)
 
 
 def _is_int(value: Any) -> bool:

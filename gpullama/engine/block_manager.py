@@ -118,6 +118,17 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free().block_id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks at the end of a running sequence's table beyond what `num_tokens` tokens need (the
+        room of rejected draft tokens; they were taken fresh this step, so no other sequence or cache entry holds
+        them)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None
+            block.ref_count = 0
+            self.free[block.block_id] = None
+
     def commit_full_blocks(self, seq: Sequence, old_num_computed: int) -> None:
         """Register the blocks that this step filled, so later requests with the same prefix find them."""
         if not self.enable_prefix_caching:

@@ -12,7 +12,8 @@ from gpullama.engine.args import EngineConfig
 from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.detokenizer import Detokenizer
 from gpullama.engine.model_runner import ModelRunner
-from gpullama.engine.sampler import sample_batch
+from gpullama.engine.ngram_proposer import NgramProposer, TokenBuffer
+from gpullama.engine.sampler import needs_penalties, sample_batch, verify_drafts
 from gpullama.engine.scheduler import ScheduledBatch, Scheduler
 from gpullama.engine.sequence import Sequence
 from gpullama.engine.stats import EngineStats
@@ -44,6 +45,7 @@ class LLMEngine:
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.stats = EngineStats()  # token counters for the status line
         self.structured_output = StructuredOutputManager(tokenizer, model.config.vocab_size, model.ops.device)
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -111,10 +113,10 @@ class LLMEngine:
             return deltas
         self.stats.observe(batch)
         sampled, failed, pooled = self._run_isolated(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             if seq not in failed:
                 old = seq.num_computed_tokens
-                seq.num_computed_tokens += n
+                seq.num_computed_tokens += n - len(drafts)  # accepted drafts count once they are appended
                 if seq.pooling is None:  # an embedding's blocks are not kept for the prefix cache
                     self.block_manager.commit_full_blocks(seq, old)
         for seq in batch.pooling:
@@ -124,12 +126,20 @@ class LLMEngine:
                 seq.pooled = pooled[seq] if seq.pooled is None else seq.pooled + pooled[seq]
             if seq.num_computed_tokens == seq.num_tokens:
                 deltas.append(self._finish_embedding(seq))
+        drafts_of = {seq: drafts for seq, drafts in zip(batch.seqs, batch.drafts) if drafts}
         for seq in batch.sampling:
             if seq in failed:
                 continue
-            token, logprobs = sampled[seq]
+            tokens, logprobs = sampled[seq]
+            drafts = drafts_of.get(seq)
             try:
-                deltas.append(self._advance(seq, token, logprobs))
+                delta = self._advance(seq, tokens, logprobs)
+                deltas.append(delta)
+                if drafts is not None:
+                    self.stats.observe_drafts(len(drafts), len(tokens) - 1, len(delta.token_ids))
+                    self._settle_drafts(seq, len(tokens) - 1)
+                if self.proposer is not None and not seq.is_finished:
+                    self._propose(seq)
             except Exception as exc:  # noqa: BLE001 - this request alone fails (detokenizer, logprobs)
                 log.exception("request %s failed after its token was sampled", seq.request_id)
                 failed[seq] = exc
@@ -138,20 +148,38 @@ class LLMEngine:
         return deltas
 
     def _forward_and_sample(self, batch: ScheduledBatch):
-        """One forward over `batch`, then the next token (and log-probabilities when asked) of each sampling row,
-        its grammar's mask applied first; changes nothing but the rows' k/v and their generators. Returns (sampled
-        rows, the rows whose grammar failed to compile (not sampled: that request alone fails), the pooled hidden
-        states of the embedding sequences that have rows in this step)."""
+        """One forward over `batch`, then the next tokens (and log-probabilities when asked) of each sampling
+        sequence: one token, its grammar's mask applied first; or, for a sequence with drafts, the drafts it
+        accepts and one more (`verify_drafts`). Changes nothing but the rows' k/v and their generators. Returns
+        (sampled sequences: (tokens, their logprob rows or None), the sequences whose grammar failed to compile
+        (not sampled: that request alone fails), the pooled hidden states of the embedding sequences that have rows
+        in this step)."""
         out = self.runner.execute(batch)
         pooled = {batch.seqs[i]: out.pooled[k] for k, (i, _) in enumerate(batch.pool_rows)}
         if not batch.sampling:
             return {}, {}, pooled
         logits = out.logits
-        failed = self.structured_output.mask(logits, batch.sampling)  # constrained rows only, in place
-        tokens, logprobs = sample_batch(logits, batch.sampling, self.model.ops)
-        sampled = {seq: (token, logprobs[row] if logprobs is not None else None)
-                   for row, (seq, token) in enumerate(zip(batch.sampling, tokens)) if row not in failed}
-        return sampled, {batch.sampling[row]: exc for row, exc in failed.items()}, pooled
+        drafts_of = {seq: drafts for seq, drafts in zip(batch.seqs, batch.drafts) if drafts}
+        plain, plain_rows, checked, row = [], [], [], 0
+        for seq in batch.sampling:  # logits rows: each sequence's last token, then its drafts
+            drafts = drafts_of.get(seq, [])
+            if drafts:
+                checked.append((seq, row, drafts))
+            else:
+                plain.append(seq)
+                plain_rows.append(row)
+            row += 1 + len(drafts)
+        assert row == logits.shape[0]
+        logits_plain = logits[plain_rows] if checked else logits
+        sampled, failed = {}, {}
+        if plain:
+            failed = self.structured_output.mask(logits_plain, plain)  # constrained rows only, in place
+            tokens, logprobs = sample_batch(logits_plain, plain, self.model.ops)
+            sampled = {seq: ([token], logprobs[i : i + 1] if logprobs is not None else None)
+                       for i, (seq, token) in enumerate(zip(plain, tokens)) if i not in failed}
+        for seq, first, drafts in checked:
+            sampled[seq] = verify_drafts(logits[first : first + 1 + len(drafts)], drafts, seq, self.model.ops)
+        return sampled, {plain[i]: exc for i, exc in failed.items()}, pooled
 
     def _run_isolated(self, batch: ScheduledBatch):
         """`_forward_and_sample` over the batch; when it raises, over halves of it, down to the rows at fault.
@@ -166,7 +194,7 @@ class LLMEngine:
                 return {}, {batch.seqs[0]: exc}, {}
             log.warning("a step of %d requests failed (%s: %s); running its rows again to find the request at fault",
                         len(batch), type(exc).__name__, exc)
-        sampled: dict[Sequence, tuple[int, torch.Tensor | None]] = {}
+        sampled: dict[Sequence, tuple[list[int], torch.Tensor | None]] = {}
         failed: dict[Sequence, Exception] = {}
         pooled: dict[Sequence, torch.Tensor] = {}
         pending = [list(range(len(batch)))]
@@ -174,7 +202,8 @@ class LLMEngine:
             rows = pending.pop()
             part = ScheduledBatch()
             for i in rows:
-                part.add(batch.seqs[i], batch.num_new_tokens[i])
+                drafts = batch.drafts[i]
+                part.add(batch.seqs[i], batch.num_new_tokens[i] - len(drafts), drafts)
             for seq in part.sampling:
                 if seq in rng:
                     seq.generator.set_state(rng[seq])  # the same draws as in the full step
@@ -222,34 +251,64 @@ class LLMEngine:
         delta.embedding = seq.embedding
         return delta
 
-    def _advance(self, seq: Sequence, token: int, logprobs: torch.Tensor | None) -> StreamDelta:
-        """Append a sampled token, check the finish conditions and produce the request's delta."""
-        seq.append_token(token)
-        entries = None
-        if logprobs is not None and seq.params.logprobs is not None:
-            entries = [self._logprob_entry(token, logprobs, seq.params.logprobs)]
-            seq.logprobs.extend(entries)
+    def _advance(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None) -> StreamDelta:
+        """Append the step's tokens one by one (one, or accepted drafts and one more), checking the finish
+        conditions after each as plain decoding would (tokens after the one that finishes are dropped), and
+        produce the request's delta. `logprobs` holds one log-softmax row per token, or is None."""
         p = seq.params
+        texts: list[str] = []
+        entries = [] if logprobs is not None and p.logprobs is not None else None
         reason = None
-        stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if token in p.stop_token_ids:
-            seq.stop_reason = token
-        if seq.grammar is not None:
-            terminated = self.structured_output.accept(seq, token)
-            if terminated is None:
-                return self._fail(seq, RuntimeError(f"token {token} was sampled against the grammar"))
-            stop_token = stop_token or terminated  # a grammar terminates on an end-of-sequence token
-        if stop_token:
-            reason = "stop"
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            reason = "length"
-        text, stopped = self.detokenizer.update(seq, finishing=reason is not None, drop_last=stop_token)
-        if stopped:
-            reason = "stop"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.requests.pop(seq.request_id, None)
-        return self._delta(seq, text, [token], reason, entries)
+        emitted: list[int] = []
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            emitted.append(token)
+            if entries is not None:
+                entry = self._logprob_entry(token, logprobs[i], p.logprobs)
+                entries.append(entry)
+                seq.logprobs.append(entry)
+            stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+            if seq.grammar is not None:
+                terminated = self.structured_output.accept(seq, token)
+                if terminated is None:
+                    return self._fail(seq, RuntimeError(f"token {token} was sampled against the grammar"))
+                stop_token = stop_token or terminated  # a grammar terminates on an end-of-sequence token
+            if stop_token:
+                reason = "stop"
+            elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                reason = "length"
+            text, stopped = self.detokenizer.update(seq, finishing=reason is not None, drop_last=stop_token)
+            texts.append(text)
+            if stopped:
+                reason = "stop"
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+                break
+        return self._delta(seq, "".join(texts), emitted, reason, entries)
+
+    def _settle_drafts(self, seq: Sequence, accepted: int) -> None:
+        """After a step that checked a sequence's drafts: count the `accepted` ones, whose k/v are now valid, as
+        computed, and give back the blocks that only the rejected ones needed (their k/v are overwritten later)."""
+        if seq.is_finished:
+            return
+        old = seq.num_computed_tokens
+        seq.num_computed_tokens += accepted
+        assert seq.num_computed_tokens == seq.num_tokens - 1
+        self.block_manager.commit_full_blocks(seq, old)
+        self.block_manager.trim(seq, seq.num_tokens)
+
+    def _propose(self, seq: Sequence) -> None:
+        """Draft tokens for a running sequence's next step (n-gram lookup), within its max_tokens and the context.
+        Sequences with a grammar, penalties or logit bias decode one token a step."""
+        if seq.grammar is not None or seq.pooling is not None or needs_penalties(seq):
+            return
+        room = min(seq.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - 1
+        if seq.ngram_tokens is None:
+            seq.ngram_tokens = TokenBuffer()
+        seq.spec_token_ids = self.proposer.propose(seq.ngram_tokens.view(seq.token_ids), room)
 
     def _logprob_entry(self, token: int, logprobs: torch.Tensor, top_n: int) -> TokenLogprob:
         tok = self.tokenizer

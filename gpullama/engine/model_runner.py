@@ -228,8 +228,8 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
             starts.append(starts[-1] + n)
             seq_lens.append(first + n)
-            if samples and not step.every_row:
-                logits_rows.append(starts[-1] - 1)
+            if samples and not step.every_row:  # the last token, then any draft tokens after it
+                logits_rows.extend(range(starts[-1] - samples, starts[-1]))
         if step.every_row:
             logits_rows = list(range(starts[-1]))
         pool_indices: list[int] = []

@@ -14,7 +14,10 @@ class ScheduledBatch:
     """One step's work: the whole contract between the scheduler and the model runner.
 
     Each sequence computes ``num_new_tokens[i]`` tokens from its ``num_computed_tokens`` on (its KV blocks are
-    already allocated); the ones in `sampling` reach their last token in this step and sample the next one. The
+    already allocated); the ones in `sampling` reach their last token in this step and sample the next one. A
+    sampling sequence may carry draft tokens (``drafts[i]``, n-gram speculation): they follow its last token as
+    extra query tokens of the step (counted in ``num_new_tokens[i]``), and logits come for its last token and each
+    draft, so the engine can check the drafts and keep the accepted ones. The
     embedding requests in `pooling` never sample: the hidden states of the rows `pool_rows` names (per entry: the
     sequence's place in `seqs` and which of its new rows: "all" for mean pooling, "last", or "first") come back
     pooled, one row per entry.
@@ -22,14 +25,18 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
     pooling: list[Sequence] = field(default_factory=list)
     pool_rows: list[tuple[int, str]] = field(default_factory=list)
 
-    def add(self, seq: Sequence, n: int) -> None:
-        """Schedule `n` new tokens of `seq`."""
+    def add(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
+        """Schedule `n` new tokens of `seq`, then its `drafts` (only when those `n` reach its last token)."""
+        drafts = list(drafts or [])
+        assert not drafts or seq.num_computed_tokens + n == seq.num_tokens
         self.seqs.append(seq)
-        self.num_new_tokens.append(n)
+        self.num_new_tokens.append(n + len(drafts))
+        self.drafts.append(drafts)
         first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         if seq.pooling is not None:
             self.pooling.append(seq)
@@ -81,6 +88,7 @@ class Scheduler:
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
         seq.pooled = None  # an embedding request is recomputed from its first token
+        seq.spec_token_ids = []
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -96,16 +104,20 @@ class Scheduler:
             n = self._num_new_tokens(seq, budget)
             if n == 0:
                 continue  # its grammar is compiling and only its sampling token is left
-            while not self.block_manager.can_append(seq, n):
+            drafts = seq.spec_token_ids[: budget - n] if seq.num_computed_tokens + n == seq.num_tokens else []
+            if drafts and not self.block_manager.can_append(seq, n + len(drafts)):
+                drafts = []  # drafts never preempt anyone
+            seq.spec_token_ids = []
+            while not self.block_manager.can_append(seq, n + len(drafts)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.block_manager.append(seq, n)
-            batch.add(seq, n)
-            budget -= n
+            self.block_manager.append(seq, n + len(drafts))
+            batch.add(seq, n, drafts)
+            budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.allocate(seq, budget, use_prefix_cache=seq.pooling is None):

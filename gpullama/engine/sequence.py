@@ -12,6 +12,7 @@ from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from gpullama.engine.ngram_proposer import TokenBuffer
     from gpullama.engine.structured_output import SequenceGrammar
 
 
@@ -55,6 +56,8 @@ class Sequence:
         self.pooling = pooling  # an embedding request: prefill only, never samples, its KV blocks not kept
         self.pooled: torch.Tensor | None = None  # the pooled hidden states of the chunks computed so far (summed)
         self.embedding: list[float] | None = None  # the finished embedding
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (n-gram speculation)
+        self.ngram_tokens: TokenBuffer | None = None  # its token ids as an array for the n-gram lookup
 
     @property
     def text(self) -> str:

@@ -19,6 +19,20 @@ class EngineStats:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     generation_tokens: int = 0  # tokens sampled
     steps: int = 0
+    draft_tokens: int = 0  # n-gram draft tokens checked (speculative decoding)
+    accepted_tokens: int = 0  # of which the model accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Share of the checked draft tokens that were accepted; None before any was checked."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def observe_drafts(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+        """Count one sequence's checked drafts: `num_accepted` of `num_drafts` accepted, `num_emitted` tokens
+        generated in the step (one more than the accepted drafts, unless the sequence finished before)."""
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        self.generation_tokens += num_emitted - 1  # `observe` counted one
 
     def observe(self, batch: ScheduledBatch) -> None:
         """Count one scheduled step (call before its sequences' computed counts advance)."""
@@ -44,6 +58,8 @@ class EngineStatus:
     prompt_tokens: int
     cached_tokens: int
     generation_tokens: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def read(cls, engine) -> EngineStatus:
@@ -52,7 +68,8 @@ class EngineStatus:
         blocks = engine.block_manager
         return cls(time.monotonic(), len(engine.scheduler.running), len(engine.scheduler.waiting),
                    blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks, blocks.block_size,
-                   stats.prompt_tokens, stats.cached_tokens, stats.generation_tokens)
+                   stats.prompt_tokens, stats.cached_tokens, stats.generation_tokens, stats.draft_tokens,
+                   stats.accepted_tokens)
 
     @property
     def busy(self) -> bool:
@@ -70,4 +87,12 @@ class EngineStatus:
         return (f"engine: {self.running} running, {self.waiting} waiting; KV cache {used:.1%} used "
                 f"({self.kv_used_blocks * self.block_size} of {self.kv_blocks * self.block_size} tokens); "
                 f"prompt {prompt / seconds:.1f} tokens/s, generation {generated / seconds:.1f} tokens/s; "
-                f"prefix cache hits {hits}")
+                f"prefix cache hits {hits}{self._drafts(before)}")
+
+    def _drafts(self, before: EngineStatus) -> str:
+        """The draft acceptance of the interval (n-gram speculation), or nothing when no draft was checked."""
+        drafts = self.draft_tokens - before.draft_tokens
+        if not drafts:
+            return ""
+        accepted = self.accepted_tokens - before.accepted_tokens
+        return f"; draft acceptance {accepted / drafts:.1%} ({accepted} of {drafts})"

@@ -22,8 +22,9 @@ _HEADER = 6  # kind, sequences, tokens, every_row, decode, table entries
 @dataclass
 class StepInputs:
     """The tokens one forward computes: sequence i adds ``num_new[i]`` tokens after its ``num_computed[i]`` cached
-    ones, its k/v go to the blocks of ``block_tables[i]``; logits come for each sequence whose ``samples[i]`` (its
-    last new token), or for every token with `every_row` (scoring). `pool_rows` (rank 0 only, never broadcast:
+    ones, its k/v go to the blocks of ``block_tables[i]``; logits come for the last ``samples[i]`` new tokens of each
+    sequence (0: none; 1: its last token; more: its last token and its draft tokens), or for every token with
+    `every_row` (scoring). `pool_rows` (rank 0 only, never broadcast:
     pooling reads the hidden states rank 0 has after the last all-reduce) names the rows whose final hidden states
     come back pooled: (sequence i, "all" | "last" | "first" of its new rows)."""
 
@@ -31,7 +32,7 @@ class StepInputs:
     num_computed: list[int]
     num_new: list[int]
     block_tables: list[list[int]]
-    samples: list[bool]
+    samples: list[int]
     every_row: bool = False
     decode: bool = False  # every sequence adds one token and samples: the shape of the static decode buffers
     pool_rows: list[tuple[int, str]] = field(default_factory=list)
@@ -40,15 +41,19 @@ class StepInputs:
     def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
         """The inputs of a scheduled batch."""
         ids: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+        samples: list[int] = []
+        for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
+            own = n - len(drafts)
+            ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + own])
+            ids.extend(drafts)
+            reaches_end = seq.pooling is None and seq.num_computed_tokens + own == seq.num_tokens
+            samples.append(1 + len(drafts) if reaches_end else 0)
         return cls(
             token_ids=ids,
             num_computed=[seq.num_computed_tokens for seq in batch.seqs],
             num_new=list(batch.num_new_tokens),
             block_tables=[seq.block_table for seq in batch.seqs],
-            samples=[seq.pooling is None and seq.num_computed_tokens + n == seq.num_tokens
-                     for seq, n in zip(batch.seqs, batch.num_new_tokens)],
+            samples=samples,
             decode=batch.is_decode,
             pool_rows=list(batch.pool_rows),
         )
@@ -56,7 +61,7 @@ class StepInputs:
     @classmethod
     def for_scoring(cls, seq: Sequence) -> StepInputs:
         """Every token of `seq` (its blocks allocated, none computed), with logits after each."""
-        return cls(list(seq.token_ids), [0], [seq.num_tokens], [seq.block_table], [True], every_row=True)
+        return cls(list(seq.token_ids), [0], [seq.num_tokens], [seq.block_table], [1], every_row=True)
 
 
 def step_buffer_size(max_num_seqs: int, max_tokens: int, max_blocks_per_seq: int) -> int:
@@ -96,7 +101,7 @@ class StepBroadcast:
             return None
         values = self.buffer[_HEADER : _HEADER + 4 * b + t + n_tables].tolist()
         num_computed, num_new, table_lens = values[:b], values[b : 2 * b], values[2 * b : 3 * b]
-        samples = [bool(s) for s in values[3 * b : 4 * b]]
+        samples = values[3 * b : 4 * b]
         token_ids = values[4 * b : 4 * b + t]
         flat = values[4 * b + t :]
         tables, start = [], 0

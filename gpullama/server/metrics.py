@@ -35,6 +35,11 @@ class ServerMetrics:
         self.kv_blocks_total = Gauge("gpullama_kv_blocks_total", "KV-cache blocks in the pool.", registry=r)
         self.kv_usage = Gauge("gpullama_kv_cache_usage_ratio", "Share of the KV-cache blocks held by requests (0 to 1).",
                               registry=r)
+        self.draft_tokens = Counter("gpullama_spec_decode_num_draft_tokens",
+                                    "Speculative (n-gram) draft tokens checked.", registry=r)
+        self.accepted_tokens = Counter("gpullama_spec_decode_num_accepted_tokens",
+                                       "Speculative (n-gram) draft tokens accepted.", registry=r)
+        self._drafts_seen = (0, 0)
 
     def observe_request(self, path: str, status: int) -> None:
         """Count one finished HTTP request (unknown paths share one label)."""
@@ -49,4 +54,10 @@ class ServerMetrics:
         self.kv_blocks_used.set(used)
         self.kv_blocks_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
+        if engine is not None:  # the engine's running totals, as counters
+            stats = engine.engine.stats
+            drafts, accepted = stats.draft_tokens, stats.accepted_tokens
+            self.draft_tokens.inc(max(0, drafts - self._drafts_seen[0]))
+            self.accepted_tokens.inc(max(0, accepted - self._drafts_seen[1]))
+            self._drafts_seen = (drafts, accepted)
         return generate_latest(self.registry)

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from gpullama import LLM
-from gpullama.engine.args import EngineConfig
+from gpullama.engine.args import EngineConfig, SpeculativeConfig
 from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.llm_engine import LLMEngine
 from gpullama.engine.sequence import Sequence
@@ -48,9 +48,11 @@ def make_engine(
     enable_prefix_caching: bool = True,
     max_model_len: int | None = None,
     static_decode: bool = False,
+    speculative: SpeculativeConfig | None = None,
 ) -> LLMEngine:
     """A fresh engine (its own KV pool and scheduler) over `llm`'s already loaded model and tokenizer;
-    `static_decode` runs decode steps on the model runner's padded static buffers (as CUDA graphs do)."""
+    `static_decode` runs decode steps on the model runner's padded static buffers (as CUDA graphs do);
+    `speculative` turns on n-gram speculation."""
     max_model_len = max_model_len or llm.max_model_len
     if num_blocks is None:
         num_blocks = max_num_seqs * -(-max_model_len // block_size)
@@ -62,6 +64,7 @@ def make_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
         static_decode=static_decode,
+        speculative=speculative,
     )
     return LLMEngine(llm.model, llm.tokenizer, config)
 
