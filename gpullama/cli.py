@@ -246,7 +246,8 @@ def cmd_bench(args) -> int:
         raise ValueError("nothing to time: -p and -n are both 0")
     from gpullama.bench import PpTg, run, table
 
-    kwargs = {name: getattr(engine_args, name) for name in ("kv_cache_memory", "block_size", "enforce_eager")}
+    kwargs = {name: getattr(engine_args, name)
+              for name in ("kv_cache_memory", "kv_cache_dtype", "block_size", "enforce_eager")}
     with LoadingLine(engine_args.model) as line:
         bench = PpTg(engine_args.model, engine_args.dtype, engine_args.device, max(args.n_prompt),
                      max(args.n_gen), engine_args.threads, on_progress=line.progress, **kwargs)
