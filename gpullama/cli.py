@@ -296,6 +296,15 @@ def cmd_list(args) -> int:
     return 0
 
 
+def kv_per_token(c) -> str:
+    """KV cache bytes of one token of model config `c` in each cache format (k and v of every layer)."""
+    values = 2 * c.num_layers * c.num_kv_heads * c.head_dim
+    sizes = [f"{values * 2 / 1024:.1f} KiB float16 (the CPU fast path's default)", f"{values * 4 / 1024:.1f} KiB float32"]
+    if c.head_dim % 32 == 0:
+        sizes.insert(1, f"{values * 34 / 32 / 1024:.1f} KiB q8_0")
+    return ", ".join(sizes)
+
+
 def cmd_info(args) -> int:
     """Print what a GGUF model is (from its header only): architecture, size, tensor types, context, template."""
     from gpullama.gguf_file import model_size, read_header
@@ -325,6 +334,7 @@ def cmd_info(args) -> int:
         ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}"),
         ("vocabulary", vocab),
         ("context length", c.context_length),
+        ("KV cache a token", kv_per_token(c)),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
         ("chat template", "yes" if meta.get("tokenizer.chat_template") else "no (ChatML fallback)"),
     ]

@@ -60,6 +60,9 @@ def test_info_describes_the_real_model_found_by_its_alias(tmp_path: Path, defaul
     assert rows["chat template"] == "yes"
     assert rows["parameters"] == "134.5M"  # SmolLM2-135M: 134,515,008 weights (embedding tied)
     assert rows["layers"] == "30"
+    # 30 layers x 3 kv heads x 64 dims, k and v: 11,520 values a token; q8_0: 34 bytes a 32
+    assert rows["KV cache a token"] == ("22.5 KiB float16 (the CPU fast path's default), 12.0 KiB q8_0, "
+                                        "45.0 KiB float32")
 
 
 def test_generate_prints_paris(default_model_path: Path) -> None:
