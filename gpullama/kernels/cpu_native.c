@@ -790,29 +790,46 @@ static inline __attribute__((always_inline)) vf v_load(int kvt, const uint8_t *v
     return vf_mul(vf_i8((const int8_t *)v + 16 * c), vf_set1(half_to_float(((const uint16_t *)(v + D))[c / 2])));
 }
 
-/* The scores of RN query rows (qr) against 16 keys (kt: a block's kv head, transposed; keys from o), unscaled:
-   FMAs in d order (Q8_0: per 32 dims, then times the keys' scales, group after group) */
+#if defined(__AVX512F__)
+#define KV_VECS 4 /* vectors of 16 keys scored at once: independent FMA chains (registers allow 4 x 4 on AVX-512) */
+#else
+#define KV_VECS 2
+#endif
+
+/* The scores of RN query rows (qr) against KV_VECS vectors of 16 keys (vector v: kt[v], a block's kv head,
+   transposed; keys from o[v]), unscaled: per key, FMAs in d order (Q8_0: per 32 dims, then times the key's scale,
+   group after group) */
 static inline __attribute__((always_inline)) void score_rows(int kvt, int RN, const float *const *qr,
-                                                              const uint8_t *kt, int64_t bs, int64_t D, int64_t o,
-                                                              vf *acc) {
-    for (int r = 0; r < RN; r++) acc[r] = vf_zero();
+                                                              const uint8_t *const *kt, const int64_t *o, int64_t bs,
+                                                              int64_t D, vf acc[][KV_VECS]) {
+    for (int r = 0; r < RN; r++)
+        for (int v = 0; v < KV_VECS; v++) acc[r][v] = vf_zero();
     if (kvt == KV_Q8) {
-        const int8_t *k8 = (const int8_t *)kt + o;
-        const uint16_t *ks = (const uint16_t *)(kt + D * bs) + o;
         for (int64_t g = 0; g < D / 32; g++) {
-            vf ag[4];
-            for (int r = 0; r < RN; r++) ag[r] = vf_zero();
+            vf ag[4][KV_VECS];
+            for (int r = 0; r < RN; r++)
+                for (int v = 0; v < KV_VECS; v++) ag[r][v] = vf_zero();
             for (int64_t d = 32 * g; d < 32 * g + 32; d++) {
-                vf kv = vf_i8(k8 + d * bs);
-                for (int r = 0; r < RN; r++) ag[r] = vf_fma(vf_set1(qr[r][d]), kv, ag[r]);
+                vf qb[4];
+                for (int r = 0; r < RN; r++) qb[r] = vf_set1(qr[r][d]);
+                for (int v = 0; v < KV_VECS; v++) {
+                    vf kv = vf_i8((const int8_t *)kt[v] + d * bs + o[v]);
+                    for (int r = 0; r < RN; r++) ag[r][v] = vf_fma(qb[r], kv, ag[r][v]);
+                }
             }
-            vf s = vf_f16(ks + g * bs);
-            for (int r = 0; r < RN; r++) acc[r] = vf_fma(ag[r], s, acc[r]);
+            for (int v = 0; v < KV_VECS; v++) {
+                vf s = vf_f16((const uint16_t *)(kt[v] + D * bs) + g * bs + o[v]);
+                for (int r = 0; r < RN; r++) acc[r][v] = vf_fma(ag[r][v], s, acc[r][v]);
+            }
         }
     } else {
         for (int64_t d = 0; d < D; d++) {
-            vf kv = k_load(kvt, kt, bs, d, o);
-            for (int r = 0; r < RN; r++) acc[r] = vf_fma(vf_set1(qr[r][d]), kv, acc[r]);
+            vf qb[4];
+            for (int r = 0; r < RN; r++) qb[r] = vf_set1(qr[r][d]);
+            for (int v = 0; v < KV_VECS; v++) {
+                vf kv = k_load(kvt, kt[v], bs, d, o[v]);
+                for (int r = 0; r < RN; r++) acc[r][v] = vf_fma(qb[r], kv, acc[r][v]);
+            }
         }
     }
 }
@@ -828,18 +845,30 @@ static inline __attribute__((always_inline)) void value_rows(int kvt, int RN, co
     for (int r = 0; r < RN; r++)
         for (int64_t c = 0; c < D / 16; c++) acc[r][c] = vf_zero();
     int64_t jlo = lo[0] > k0 ? lo[0] : k0, jhi = n[RN - 1] < k1 ? n[RN - 1] : k1;
-    for (int64_t j = jlo; j < jhi; j++) {
-        const uint8_t *vr = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * Hk + hk) * rb;
-        int use[4];
-        vf p[4];
-        for (int r = 0; r < RN; r++) {
-            use[r] = j < n[r] && j >= lo[r];
-            p[r] = vf_set1(use[r] ? scores[r * KV_CHUNK + (j - k0)] : 0.0f);
-        }
-        for (int64_t c = 0; c < D / 16; c++) {
-            vf vv = v_load(kvt, vr, D, c);
-            for (int r = 0; r < RN; r++)
-                if (use[r]) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+    for (int64_t j = jlo; j < jhi;) { /* a run of keys inside one block: rows bs apart in the pool */
+        int64_t off = j % bs, end = j - off + bs < jhi ? j - off + bs : jhi, stride = Hk * rb;
+        const uint8_t *vr = v_cache + ((int64_t)table[j / bs] * bs * Hk + hk) * rb + off * stride;
+        int every = 1; /* every row sees every key of the run */
+        for (int r = 0; r < RN; r++) every &= j >= lo[r] && end <= n[r];
+        for (; j < end; j++, vr += stride) {
+            int use[4];
+            vf p[4];
+            for (int r = 0; r < RN; r++) {
+                use[r] = every || (j < n[r] && j >= lo[r]);
+                p[r] = vf_set1(use[r] ? scores[r * KV_CHUNK + (j - k0)] : 0.0f);
+            }
+            if (every) {
+                for (int64_t c = 0; c < D / 16; c++) {
+                    vf vv = v_load(kvt, vr, D, c);
+                    for (int r = 0; r < RN; r++) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+                }
+            } else {
+                for (int64_t c = 0; c < D / 16; c++) {
+                    vf vv = v_load(kvt, vr, D, c);
+                    for (int r = 0; r < RN; r++)
+                        if (use[r]) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+                }
+            }
         }
     }
     for (int r = 0; r < RN; r++)
@@ -862,22 +891,31 @@ static inline __attribute__((always_inline)) void attend_chunk(
     int64_t k1 = k0 + KV_CHUNK, rb = kv_row_bytes(kvt, D);
     int64_t kstart = lo[0] > k0 ? lo[0] : k0, kend = n[R - 1] < k1 ? n[R - 1] : k1; /* the tile's keys here */
     vf cap = vf_set1(softcap), inv_cap = vf_set1(softcap > 0.0f ? 1.0f / softcap : 0.0f);
-    for (int64_t kb = kstart / 16 * 16; kb < kend; kb += 16) {
-        const uint8_t *kt = k_cache + ((int64_t)table[kb / bs] * Hk + hk) * bs * rb; /* [D][bs] */
+    for (int64_t kb = kstart / 16 * 16; kb < kend; kb += 16 * KV_VECS) {
+        /* KV_VECS vectors of 16 keys (past the tile's keys: the last one again, its scores not kept) */
+        int nv = (int)((kend - kb + 15) / 16) < KV_VECS ? (int)((kend - kb + 15) / 16) : KV_VECS;
+        const uint8_t *kt[KV_VECS];
+        int64_t o[KV_VECS];
+        for (int v = 0; v < KV_VECS; v++) {
+            int64_t j = kb + 16 * (v < nv ? v : nv - 1);
+            kt[v] = k_cache + ((int64_t)table[j / bs] * Hk + hk) * bs * rb; /* [D][bs] */
+            o[v] = j % bs;
+        }
         for (int r0 = 0; r0 < R; r0 += 4) {
             int rn = R - r0 < 4 ? R - r0 : 4;
-            vf acc[4];
+            vf acc[4][KV_VECS];
             switch (rn) {
-            case 1: score_rows(kvt, 1, qr + r0, kt, bs, D, kb % bs, acc); break;
-            case 2: score_rows(kvt, 2, qr + r0, kt, bs, D, kb % bs, acc); break;
-            case 3: score_rows(kvt, 3, qr + r0, kt, bs, D, kb % bs, acc); break;
-            default: score_rows(kvt, 4, qr + r0, kt, bs, D, kb % bs, acc);
+            case 1: score_rows(kvt, 1, qr + r0, kt, o, bs, D, acc); break;
+            case 2: score_rows(kvt, 2, qr + r0, kt, o, bs, D, acc); break;
+            case 3: score_rows(kvt, 3, qr + r0, kt, o, bs, D, acc); break;
+            default: score_rows(kvt, 4, qr + r0, kt, o, bs, D, acc);
             }
-            for (int r = 0; r < rn; r++) {
-                vf sc = vf_mul(acc[r], vf_set1(scale));
-                if (softcap > 0.0f) sc = vf_mul(vf_tanh(vf_mul(sc, inv_cap)), cap);
-                vf_store(scores + (r0 + r) * KV_CHUNK + (kb - k0), sc);
-            }
+            for (int r = 0; r < rn; r++)
+                for (int v = 0; v < nv; v++) {
+                    vf sc = vf_mul(acc[r][v], vf_set1(scale));
+                    if (softcap > 0.0f) sc = vf_mul(vf_tanh(vf_mul(sc, inv_cap)), cap);
+                    vf_store(scores + (r0 + r) * KV_CHUNK + (kb + 16 * v - k0), sc);
+                }
         }
     }
     for (int r = 0; r < R; r++) {
