@@ -2,10 +2,15 @@
 
     python benchmarks/bench_decode.py --model smollm2-135m --dtypes bfloat16,float32 --threads 2 \\
         --llama-cpp /work/venv-llamacpp/bin/python [--transformers]
+    python benchmarks/bench_decode.py --dtypes auto --n-prompt 0 --n-depth 0,2048,8192 \\
+        --llama-bench /work/bench/llama.cpp/build/bin/llama-bench
 
 Every engine is loaded once, in this process (llama.cpp in a worker process, `llama_cpp_worker.py`, run by the
 Python given to --llama-cpp, a virtualenv with llama-cpp-python built from source; never a dependency of
-gpullama), then the rounds alternate the engines (engine A pp and tg, engine B pp and tg, ..., then again), so
+gpullama), except llama.cpp's own `llama-bench` binary (--llama-bench: one run of it per test and round, one
+repetition after its warm-up, its own t/s; never a dependency either). With --n-depth each test also runs after that
+many tokens of context (llama-bench's -d; the python llama.cpp and transformers take depth 0 only). The rounds
+alternate the engines (engine A pp and tg, engine B pp and tg, ..., then again), so
 all see the same machine load; the table gives the median over the rounds, its min-max, and the ratio to
 llama.cpp. Prefix caching is off, greedy, EOS ignored; same prompt length and same thread count for all. The
 gpullama rows also give the resident memory their load added (RSS after minus before) and the KV pool size.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -57,6 +63,33 @@ class LlamaCpp:
         return self._ask("tg", n)
 
 
+class LlamaBench:
+    """llama.cpp's own `llama-bench` binary: one run per test (-r 1 after its warm-up), its tokens/s."""
+
+    def __init__(self, binary: str, path: str, threads: int, kv_cache_type: str = "f16"):
+        self.binary, self.path, self.threads, self.kv = binary, path, threads, kv_cache_type
+        version = subprocess.run([binary, "--version"], capture_output=True, text=True)
+        build = (version.stdout + version.stderr).strip().splitlines()
+        self.label = f"llama.cpp llama-bench ({build[0] if build else '?'}; KV {kv_cache_type})"
+
+    def _run(self, pp: int, tg: int, depth: int) -> float:
+        cmd = [self.binary, "-m", self.path, "-t", str(self.threads), "-p", str(pp), "-n", str(tg), "-d", str(depth),
+               "-r", "1", "-ctk", self.kv, "-ctv", self.kv, "-o", "json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-1000:]}")
+        row = json.loads(proc.stdout)[0]
+        return (pp or tg) / row["avg_ts"]
+
+    def pp(self, n: int, depth: int = 0) -> float:
+        """Seconds of its pp test (its own timing)."""
+        return self._run(n, 0, depth)
+
+    def tg(self, n: int, depth: int = 0) -> float:
+        """Seconds of its tg test (its own timing)."""
+        return self._run(0, n, depth)
+
+
 class Transformers:
     """HF transformers (float32) loading the same GGUF."""
 
@@ -96,38 +129,54 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-cpp", metavar="PYTHON", help="a Python with llama-cpp-python: add llama.cpp's rows")
     parser.add_argument("--transformers", action="store_true", help="also run the HF transformers reference")
+    parser.add_argument("--llama-bench", metavar="BINARY", help="llama.cpp's llama-bench: add its rows")
+    parser.add_argument("--n-depth", default="0", help="depths, comma-separated (llama-bench's -d; default 0)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="gpullama's KV cache format (default auto)")
+    parser.add_argument("--llama-kv", default="f16", help="llama-bench's -ctk/-ctv (default f16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    engines: list = [Gpullama(path, d, args.device, args.n_prompt, args.n_gen, args.threads)
+    depths = [int(d) for d in args.n_depth.split(",") if d]
+    engines: list = [Gpullama(path, d, args.device, args.n_prompt, args.n_gen, args.threads, n_depth=max(depths),
+                              kv_cache_dtype=args.kv_cache_dtype)
                      for d in args.dtypes.split(",") if d]
+    if args.llama_bench:
+        engines.append(LlamaBench(args.llama_bench, path, args.threads, args.llama_kv))
+    if (args.llama_cpp or args.transformers) and depths != [0]:
+        raise SystemExit("--n-depth: gpullama and --llama-bench only")
     if args.llama_cpp:
         engines.append(LlamaCpp(args.llama_cpp, path, args.threads, args.n_prompt + args.n_gen + 16))
     if args.transformers:
         engines.append(Transformers(path, args.n_prompt))
-    tests = [("pp", args.n_prompt), ("tg", args.n_gen)]
-    times: dict[tuple[int, str], list[float]] = {(i, t): [] for i in range(len(engines)) for t, _ in tests}
-    for engine in engines:  # warm-up
-        engine.pp(args.n_prompt)
-        engine.tg(8)
+    tests = [(f"{kind}{n}" + (f" @ d{d}" if d else ""), kind, n, d)
+             for d in depths for kind, n in (("pp", args.n_prompt), ("tg", args.n_gen)) if n > 0]
+    times: dict[tuple[int, str], list[float]] = {(i, t[0]): [] for i in range(len(engines)) for t in tests}
+
+    def timed(engine, kind: str, n: int, depth: int) -> float:
+        return getattr(engine, kind)(n, depth) if depth else getattr(engine, kind)(n)
+
+    for engine in engines:  # warm-up (gpullama: also the depths' contexts into its prefix cache)
+        if not isinstance(engine, LlamaBench):
+            for _, kind, n, d in tests:
+                timed(engine, kind, min(n, 8) if kind == "tg" else n, d)
     for _ in range(args.repeats):
         for i, engine in enumerate(engines):
-            for test, n in tests:
-                times[i, test].append(getattr(engine, test)(n))
-    tokens = dict(tests)
+            for name, kind, n, d in tests:
+                times[i, name].append(timed(engine, kind, n, d))
+    tokens = {name: n for name, _, n, _ in tests}
     speeds = {key: sorted(tokens[key[1]] / s for s in seconds) for key, seconds in times.items()}
-    reference = next((i for i, e in enumerate(engines) if isinstance(e, LlamaCpp)), None)
+    reference = next((i for i, e in enumerate(engines) if isinstance(e, LlamaCpp | LlamaBench)), None)
     print(f"\nmodel: {os.path.basename(path)}; device: {args.device} ({cpu_name()}, {os.cpu_count()} logical cores), "
           f"{args.threads} threads, torch {torch.__version__}; {datetime.datetime.now():%Y-%m-%d %H:%M}; "
           f"{args.repeats} alternating rounds\n")
     ratio = " | vs llama.cpp" if reference is not None else ""
     print(f"| engine | test | tokens/s (median) | min-max{ratio} |")
     print("| --- | --- | ---: | ---:" + (" | ---:" if ratio else "") + " |")
-    for i, engine in enumerate(engines):
-        for test, n in tests:
-            s = speeds[i, test]
-            cell = f" | {statistics.median(s) / statistics.median(speeds[reference, test]):.2f}x" if ratio else ""
-            print(f"| {engine.label} | {test}{n} | {statistics.median(s):.1f} | {s[0]:.1f}-{s[-1]:.1f}{cell} |")
+    for name, *_ in tests:
+        for i, engine in enumerate(engines):
+            s = speeds[i, name]
+            cell = f" | {statistics.median(s) / statistics.median(speeds[reference, name]):.2f}x" if ratio else ""
+            print(f"| {engine.label} | {name} | {statistics.median(s):.1f} | {s[0]:.1f}-{s[-1]:.1f}{cell} |")
     for engine in engines:
         if isinstance(engine, Gpullama):
             runner = engine.llm.engine.runner

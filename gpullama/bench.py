@@ -1,8 +1,13 @@
 """`gpullama bench`: prefill and decode speed as llama.cpp's llama-bench prints it (pp and tg rows, tokens/s).
 
 Each test runs `repeats` times after one warm-up; the table gives the mean and standard deviation of the tokens/s,
-one row per test, with the model, its file size, parameter count, backend and threads as llama-bench's columns.
-`benchmarks/bench_decode.py` puts the same rows beside llama.cpp's and transformers'.
+one row per test, with the model (labelled by its GGUF file type, ``Q4_K - Medium``), its file size, parameter
+count, backend and threads as llama-bench's columns. A depth d (``-d``, llama-bench's) puts d tokens of context
+before each test: they are prefilled once (the warm-up) and served from the prefix cache, so a row times its own
+tokens only (``tg128 @ d2048``: 128 tokens generated after 2048). The tg rows also give the share of the machine's
+memory bandwidth they use: the bytes one token reads (the file's matrices, the whole output head, the KV cache of
+its context) times tokens/s, over a copy bandwidth measured in the same run. `benchmarks/bench_decode.py` puts the
+same rows beside llama.cpp's and transformers'.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ import math
 import os
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,40 +28,92 @@ from gpullama.sampling_params import SamplingParams
 
 class PpTg:
     """A model loaded to time pp (prefill `n` prompt tokens, sample one) and tg (generate `n` tokens after a
-    one-token prompt): batch of one, prefix caching off, greedy, end-of-sequence ignored."""
+    one-token prompt), each after `depth` tokens of context: batch of one, greedy, end-of-sequence ignored. The
+    prefix cache serves the depth's context (pp prompts are fresh tokens every call: never a cache hit)."""
 
     def __init__(self, model: str, dtype: str, device: str, n_prompt: int, n_gen: int, threads: int | None,
-                 on_progress: Callable[[str], None] | None = None, **engine_args) -> None:
+                 on_progress: Callable[[str], None] | None = None, n_depth: int = 0, **engine_args) -> None:
         before = resident_bytes()
         args = EngineArgs(model=model, device=device, dtype=dtype, threads=threads,
-                          max_model_len=n_prompt + n_gen + 16, max_num_seqs=1,
-                          max_num_batched_tokens=max(512, n_prompt), enable_prefix_caching=False, **engine_args)
+                          max_model_len=n_depth + max(n_prompt, 1) + n_gen + 16, max_num_seqs=1,
+                          max_num_batched_tokens=max(512, n_prompt), enable_prefix_caching=True, **engine_args)
         self.llm = LLM.from_engine_args(args, on_progress)
         self.loaded_bytes = resident_bytes() - before  # resident memory the load added
         self.label = f"gpullama {dtype} ({self.llm.model.ops.mode})"
         vocab = self.llm.config.vocab_size
-        low = min(100, vocab - 1)  # past the special tokens at the start of most vocabularies
-        self.prompt = torch.randint(low, vocab, (max(n_prompt, 1),), generator=torch.Generator().manual_seed(0)).tolist()
+        self._low = min(100, vocab - 1)  # past the special tokens at the start of most vocabularies
+        self._tokens = torch.Generator().manual_seed(0)
+        self.prompt = self._fresh(max(n_prompt, 1))
+        self.context = self._fresh(n_depth)  # the depth's tokens
 
-    def pp(self, n: int) -> float:
-        """Seconds to prefill `n` prompt tokens (and sample one)."""
+    def _fresh(self, n: int) -> list[int]:
+        """`n` random token ids, new each call."""
+        return torch.randint(self._low, self.llm.config.vocab_size, (n,), generator=self._tokens).tolist()
+
+    def pp(self, n: int, depth: int = 0) -> float:
+        """Seconds to prefill `n` prompt tokens (and sample one) after `depth` tokens of context."""
+        prompt = self.context[:depth] + self._fresh(n)
         start = time.perf_counter()
-        self.llm.generate([self.prompt[:n]], SamplingParams(max_tokens=1, temperature=0))
+        self.llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
         return time.perf_counter() - start
 
-    def tg(self, n: int) -> float:
-        """Seconds to generate `n` tokens after a one-token prompt."""
+    def tg(self, n: int, depth: int = 0) -> float:
+        """Seconds to generate `n` tokens after a one-token prompt that follows `depth` tokens of context."""
+        prompt = self.context[:depth] + self.prompt[:1]
         start = time.perf_counter()
-        self.llm.generate([self.prompt[:1]], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        self.llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - start
+
+    def bytes_per_token(self, n: int, depth: int) -> float:
+        """Bytes one of `n` generated tokens after `depth` reads: the file's matrices (the whole output head, one
+        embedding row, the active experts' share) and the KV cache of its context (on average depth + n / 2)."""
+        return decode_weight_bytes(self.llm.path) + self.kv_bytes_per_position() * (depth + n / 2)
+
+    def kv_bytes_per_position(self) -> float:
+        """KV cache bytes of one context position (k and v of every layer), in the pool's format."""
+        runner = self.llm.engine.runner
+        return runner.kv_cache_bytes / ((runner.num_blocks + 1) * self.llm.args.block_size)
+
+
+def decode_weight_bytes(path: str) -> int:
+    """Weight bytes one decode token reads from the file: every matrix (experts: the active share), one row of the
+    embedding table, and the table in full when it is also the output head (no ``output.weight``)."""
+    from gpullama.gguf_file import model_size, read_header
+
+    header = read_header(path)
+    size = model_size(header).active_bytes
+    if not any(t.name == "output.weight" for t in header.tensors):
+        import gguf
+
+        table = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+        if table is not None:
+            block, type_size = gguf.GGML_QUANT_SIZES[table.qtype]
+            size += math.prod(table.shape) // block * type_size
+    return size
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """The machine's memory bandwidth in bytes/s: a torch copy of `nbytes` to another buffer (read and write, all
+    threads), the best of `repeats`."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
 
 
 @dataclass
 class Row:
-    """One test's result: its name (``pp512``, ``tg128``) and tokens/s of every repetition."""
+    """One test's result: its name (``pp512``, ``tg128 @ d2048``), tokens/s of every repetition, and for tg rows
+    the bytes one token reads."""
 
     test: str
     tokens_per_s: list[float]
+    bytes_per_token: float | None = None
 
     def cell(self) -> str:
         """``mean ± sd`` as llama-bench writes it."""
@@ -66,14 +122,18 @@ class Row:
         return f"{mean:.2f} ± {sd:.2f}"
 
 
-def run(bench: PpTg, n_prompts: list[int], n_gens: list[int], repeats: int) -> list[Row]:
-    """Time every pp and tg test `repeats` times after one warm-up of each."""
+def run(bench: PpTg, n_prompts: list[int], n_gens: list[int], repeats: int, depths: list[int] = (0,)) -> list[Row]:
+    """Time every pp and tg test at every depth `repeats` times after one warm-up of each (which also prefills the
+    depth's context into the prefix cache)."""
     tests = [("pp", n) for n in n_prompts if n > 0] + [("tg", n) for n in n_gens if n > 0]
     rows = []
-    for kind, n in tests:
-        timed = getattr(bench, kind)
-        timed(n)  # warm-up: first-call allocations and kernel selection
-        rows.append(Row(f"{kind}{n}", [n / timed(n) for _ in range(repeats)]))
+    for depth in depths:
+        for kind, n in tests:
+            timed = getattr(bench, kind)
+            timed(n, depth)  # warm-up: first-call allocations, kernel selection, the depth's context
+            name = f"{kind}{n}" + (f" @ d{depth}" if depth else "")
+            per_token = bench.bytes_per_token(n, depth) if kind == "tg" else None
+            rows.append(Row(name, [n / timed(n, depth) for _ in range(repeats)], per_token))
     return rows
 
 
@@ -85,27 +145,31 @@ def _params(count: int) -> str:
     return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
 
 
-def table(bench: PpTg, rows: list[Row]) -> str:
-    """The markdown table: model, size, params, backend, threads, test, t/s."""
+def table(bench: PpTg, rows: list[Row], bandwidth: float | None = None) -> str:
+    """The markdown table: model, size, params, backend, threads, test, t/s, and with `bandwidth` (bytes/s) the
+    share of it each tg row's reads take."""
     llm = bench.llm
-    count, size_label, weight_type = _header(llm.path)
-    model = f"{llm.config.architecture} {size_label} {weight_type}"
-    backend = f"{llm.device.type} ({llm.model.ops.name}, {llm.model.ops.mode})"
-    cols = ["model", "size", "params", "backend", "threads", "test", "t/s"]
-    lines = ["| " + " | ".join(cols) + " |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    count, size_label, file_type = _header(llm.path)
+    model = f"{llm.config.architecture} {size_label} {file_type}"
+    backend = f"{llm.device.type} ({llm.model.ops.name}, {llm.model.ops.mode}; KV {llm.engine.runner.kv_cache_format})"
+    cols = ["model", "size", "params", "backend", "threads", "test", "t/s"] + (["% mem BW"] if bandwidth else [])
+    lines = ["| " + " | ".join(cols) + " |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"
+             + (" ---: |" if bandwidth else "")]
     for row in rows:
         cells = [model, _size(os.path.getsize(llm.path)), _params(count), backend, str(torch.get_num_threads()),
                  row.test, row.cell()]
+        if bandwidth:
+            used = statistics.fmean(row.tokens_per_s) * row.bytes_per_token if row.bytes_per_token else None
+            cells.append(f"{100 * used / bandwidth:.0f}%" if used else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _header(path: str) -> tuple[int, str, str]:
-    """Parameter count, a size label such as ``135M``, and the most common matrix type of a GGUF file."""
-    from gpullama.gguf_file import read_header
+    """Parameter count, a size label such as ``135M``, and the file type as llama.cpp names it."""
+    from gpullama.gguf_file import file_type_name, read_header
 
     header = read_header(path)
     count = sum(math.prod(t.shape) for t in header.tensors)
-    matrices = Counter(t.qtype.name for t in header.tensors if len(t.shape) == 2)
     label = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M"
-    return count, label, matrices.most_common(1)[0][0] if matrices else "?"
+    return count, label, file_type_name(header)

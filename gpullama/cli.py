@@ -244,14 +244,29 @@ def cmd_bench(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     if not any(args.n_prompt) and not any(args.n_gen):
         raise ValueError("nothing to time: -p and -n are both 0")
-    from gpullama.bench import PpTg, run, table
+    from gpullama.bench import PpTg, copy_bandwidth, run, table
 
-    kwargs = {name: getattr(engine_args, name) for name in ("kv_cache_memory", "block_size", "enforce_eager")}
+    kwargs = {name: getattr(engine_args, name)
+              for name in ("kv_cache_memory", "kv_cache_dtype", "block_size", "enforce_eager")}
     with LoadingLine(engine_args.model) as line:
         bench = PpTg(engine_args.model, engine_args.dtype, engine_args.device, max(args.n_prompt),
-                     max(args.n_gen), engine_args.threads, on_progress=line.progress, **kwargs)
-    print(table(bench, run(bench, args.n_prompt, args.n_gen, args.repetitions)))
+                     max(args.n_gen), engine_args.threads, on_progress=line.progress, n_depth=max(args.n_depth),
+                     **kwargs)
+    rows = run(bench, args.n_prompt, args.n_gen, args.repetitions, args.n_depth)
+    bandwidth = copy_bandwidth() if bench.llm.device.type == "cpu" else None
+    print(table(bench, rows, bandwidth))
+    if bandwidth:
+        print(f"\nmemory bandwidth: {bandwidth / 1e9:.1f} GB/s (a copy of 256 MiB, best of 5); % mem BW: the bytes a "
+              f"tg token reads (matrices {decode_mb(bench):.1f} MB, KV {bench.kv_bytes_per_position() / 1024:.1f} "
+              f"KiB a context position) x t/s over it")
     return 0
+
+
+def decode_mb(bench) -> float:
+    """MB of weights one decode token of `bench`'s model reads."""
+    from gpullama.bench import decode_weight_bytes
+
+    return decode_weight_bytes(bench.llm.path) / 1e6
 
 
 def cmd_pull(args) -> int:
@@ -279,6 +294,15 @@ def cmd_list(args) -> int:
     for row in [("NAME", "SIZE", "TYPE", "PATH"), *rows]:
         print("  ".join(f"{v:<{w}}" for v, w in zip(row[:3], widths)) + "  " + row[3])
     return 0
+
+
+def kv_per_token(c) -> str:
+    """KV cache bytes of one token of model config `c` in each cache format (k and v of every layer)."""
+    values = 2 * c.num_layers * c.num_kv_heads * c.head_dim
+    sizes = [f"{values * 2 / 1024:.1f} KiB float16 (the CPU fast path's default)", f"{values * 4 / 1024:.1f} KiB float32"]
+    if c.head_dim % 32 == 0:
+        sizes.insert(1, f"{values * 34 / 32 / 1024:.1f} KiB q8_0")
+    return ", ".join(sizes)
 
 
 def cmd_info(args) -> int:
@@ -310,6 +334,7 @@ def cmd_info(args) -> int:
         ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}"),
         ("vocabulary", vocab),
         ("context length", c.context_length),
+        ("KV cache a token", kv_per_token(c)),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
         ("chat template", "yes" if meta.get("tokenizer.chat_template") else "no (ChatML fallback)"),
     ]
@@ -341,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lengths to prefill, each a pp row (default 512; 0 for none)")
     p.add_argument("-n", "--n-gen", type=int_list, default=[128], metavar="N[,N...]",
                    help="tokens to generate, each a tg row (default 128; 0 for none)")
+    p.add_argument("-d", "--n-depth", type=int_list, default=[0], metavar="N[,N...]",
+                   help="tokens of context before each test, each depth a set of rows (default 0; llama-bench's -d)")
     p.add_argument("-r", "--repetitions", type=positive_int, default=5, help="timed runs of each test (default 5)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("pull", help="download an aliased model into the cache")

@@ -105,8 +105,8 @@ class LLM:
     """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``.
 
     Keyword arguments are the fields of `gpullama.engine.args.EngineArgs` (device, dtype, threads, max_model_len,
-    kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, enforce_eager,
-    tensor_parallel_size), with its defaults. With ``tensor_parallel_size`` > 1 it starts worker processes (see
+    kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching,
+    enforce_eager, tensor_parallel_size), with its defaults. With ``tensor_parallel_size`` > 1 it starts worker processes (see
     `gpullama.engine.tp_workers`): call `shutdown()` (or use ``with LLM(...) as llm:``) to end them before the
     process does, and guard the script's entry point with ``if __name__ == "__main__":`` (they are spawned).
     """
@@ -195,7 +195,7 @@ class LLM:
         log.info(
             "KV cache: %d tokens reserved (%d blocks of %d, %.0f MiB %s, sized by %s)%s",
             self.engine.kv_capacity_tokens, runner.num_blocks, args.block_size, runner.kv_cache_bytes / 2**20,
-            str(runner.kv_dtype).removeprefix("torch."), runner.kv_pool_limit,
+            runner.kv_cache_format, runner.kv_pool_limit,
             "; resident only as requests fill it" if self.device.type == "cpu" else "",
         )
 

@@ -60,6 +60,9 @@ def test_info_describes_the_real_model_found_by_its_alias(tmp_path: Path, defaul
     assert rows["chat template"] == "yes"
     assert rows["parameters"] == "134.5M"  # SmolLM2-135M: 134,515,008 weights (embedding tied)
     assert rows["layers"] == "30"
+    # 30 layers x 3 kv heads x 64 dims, k and v: 11,520 values a token; q8_0: 34 bytes a 32
+    assert rows["KV cache a token"] == ("22.5 KiB float16 (the CPU fast path's default), 12.0 KiB q8_0, "
+                                        "45.0 KiB float32")
 
 
 def test_generate_prints_paris(default_model_path: Path) -> None:
@@ -103,19 +106,24 @@ def test_bench_prints_the_llama_bench_table(tiny_model) -> None:
     import gguf
 
     path = tiny_model("llama", "F32").path
-    result = gpullama("bench", "-m", str(path), "-p", "16", "-n", "4,8", "-r", "2", "--threads", "1")
+    result = gpullama("bench", "-m", str(path), "-p", "16", "-n", "4,8", "-d", "0,40", "-r", "2", "--threads", "1")
     assert result.returncode == 0, result.stderr
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in result.stdout.splitlines()
             if line.startswith("|")]
-    assert rows[0] == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    assert rows[0] == ["model", "size", "params", "backend", "threads", "test", "t/s", "% mem BW"]
     body = rows[2:]
-    assert [r[5] for r in body] == ["pp16", "tg4", "tg8"]
+    assert [r[5] for r in body] == ["pp16", "tg4", "tg8", "pp16 @ d40", "tg4 @ d40", "tg8 @ d40"]  # llama-bench's
     params = sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)  # gguf's own reading of the file
+    file_type = gguf.GGUFReader(path).get_field("general.file_type").contents()
+    assert file_type == gguf.LlamaFileType.ALL_F32
     for row in body:
+        assert row[0].endswith(" all F32")  # the file type as llama.cpp names it
         assert row[1] == f"{os.path.getsize(path) / 2**20:.2f} MiB" and row[2] == f"{params / 1e6:.2f} M"
         assert row[4] == "1"  # --threads reached torch
         mean, sd = (float(v) for v in row[6].split(" ± "))
         assert mean > 0 and sd >= 0
+        assert (row[7] == "") if row[5].startswith("pp") else (0 < float(row[7].rstrip("%")) < 1000)
+    assert "memory bandwidth: " in result.stdout
     assert_one_line_error(gpullama("bench", "-m", str(path), "-p", "0", "-n", "0"), "nothing to time")
 
 

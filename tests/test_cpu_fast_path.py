@@ -23,13 +23,14 @@ CASES = [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("mistral", "Q4_0"), ("qwen3", "Q
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
 
 
-def assert_close_and_same_top1(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Logits within FAST_TOLERANCE of the reference, and the same top token at every position where the
+def assert_close_and_same_top1(got: torch.Tensor, want: torch.Tensor, what: str,
+                               tolerance: float = FAST_TOLERANCE) -> None:
+    """Logits within `tolerance` of the reference, and the same top token at every position where the
     reference's top two are further apart than twice that position's largest error (closer ties may go either
     way; those are at most a quarter of the positions)."""
     err = (got - want).abs().amax(dim=-1)
     rel = err.max().item() / want.abs().max().item()
-    assert rel < FAST_TOLERANCE, f"{what}: max rel error {rel:.3g}"
+    assert rel < tolerance, f"{what}: max rel error {rel:.3g}"
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * err
     assert clear.sum() >= 3 * len(want) // 4, f"{what}: only {int(clear.sum())} of {len(want)} positions are clear"

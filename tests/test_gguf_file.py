@@ -24,3 +24,18 @@ def test_metadata_and_tensor_bytes_equal_gguf_readers(which: str, default_model_
         mine = ours.tensors[t.name]
         assert mine.qtype == t.tensor_type and mine.shape == tuple(int(s) for s in reversed(t.shape.tolist()))
         assert mine.data.numpy().tobytes() == np.asarray(t.data).tobytes(), t.name
+
+
+def test_file_type_name_is_llama_cpps(tiny_model) -> None:
+    """general.file_type as llama-bench labels a model (llama.cpp's llama_model_ftype_name); without the key, the
+    most common matrix type, guessed."""
+    from gpullama.gguf_file import file_type_name, read_header
+
+    header = read_header(str(tiny_model("llama", "Q8_0").path))
+    assert file_type_name(header) == "Q8_0"
+    for value, name in ((gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q4_K - Medium"), (gguf.LlamaFileType.ALL_F32, "all F32"),
+                        (gguf.LlamaFileType.MOSTLY_Q5_K_S, "Q5_K - Small"), (gguf.LlamaFileType.MOSTLY_BF16, "BF16")):
+        header.metadata["general.file_type"] = int(value)
+        assert file_type_name(header) == name
+    del header.metadata["general.file_type"]
+    assert file_type_name(header) == "Q8_0 (guessed)"

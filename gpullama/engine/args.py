@@ -17,6 +17,7 @@ from typing import Any
 from gpullama.hub import DEFAULT_MODEL
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -129,6 +130,10 @@ class EngineArgs:
     kv_cache_memory: int | None = _arg(
         None, "bytes for the paged KV cache, e.g. 512M or 4G (default: 1 GiB on the CPU, 85%% of free GPU memory, "
         "capped at what max_num_seqs full-length sequences can use)", type=byte_size)
+    kv_cache_dtype: str = _arg(
+        "auto", "KV cache format (vLLM's flag; default: auto: float16 on the CPU fast path, float32 on the exact "
+        "CPU path, the compute dtype on CUDA); q8_0: llama.cpp's 8-bit blocks of 32 with a float16 scale, half "
+        "of float16's bytes, CPU fast path only", choices=list(KV_CACHE_DTYPES))
     max_num_seqs: int = _arg(64, "sequences per batch (default: %(default)s)", type=positive_int)
     max_num_batched_tokens: int = _arg(
         512, "tokens per engine step; longer prompts are prefilled in chunks (default: %(default)s)",
@@ -155,6 +160,8 @@ class EngineArgs:
                 raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
@@ -197,6 +204,7 @@ class EngineConfig:
     max_model_len: int
     num_blocks: int | None = None  # KV pool size in blocks; None: sized from kv_cache_memory and the device
     kv_cache_memory: int | None = EngineArgs.kv_cache_memory
+    kv_cache_dtype: str = EngineArgs.kv_cache_dtype
     block_size: int = EngineArgs.block_size
     max_num_seqs: int = EngineArgs.max_num_seqs
     max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
@@ -208,7 +216,8 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: EngineArgs, max_model_len: int) -> EngineConfig:
         """The config of an engine built from `args` for a context of `max_model_len` tokens."""
-        return cls(max_model_len=max_model_len, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        return cls(max_model_len=max_model_len, kv_cache_memory=args.kv_cache_memory,
+                   kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    enable_prefix_caching=args.enable_prefix_caching, use_cuda_graphs=not args.enforce_eager,
                    speculative=args.speculative_config)

@@ -33,9 +33,21 @@ CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on the CPU
 GPU_MEMORY_FRACTION = 0.85  # share of free GPU memory the KV pool may take after the weights
 
 
+def kv_row_size(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Elements of one KV cache row (one token, one kv head): `head_dim`, or for a uint8 (Q8_0) pool its int8
+    values and then a float16 scale (2 bytes) per 32 of them."""
+    return head_dim + head_dim // 16 if kv_dtype == torch.uint8 else head_dim
+
+
+def kv_format_name(kv_dtype: torch.dtype) -> str:
+    """The KV cache format of a pool dtype in words: float32, float16, bfloat16 or q8_0."""
+    return "q8_0" if kv_dtype == torch.uint8 else str(kv_dtype).removeprefix("torch.")
+
+
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of one KV block: k and v of `block_size` tokens in every layer."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * kv_dtype.itemsize
+    row = kv_row_size(config.head_dim, kv_dtype) * kv_dtype.itemsize
+    return 2 * config.num_layers * block_size * config.num_kv_heads * row
 
 
 def kv_pool_blocks(
@@ -110,8 +122,9 @@ class ModelRunner:
         self.tp = model.tp
         ops = model.ops
         self.device = ops.device
-        # the CPU keeps k/v in float32 (its attention computes in float32); devices keep them in the compute dtype
-        self.kv_dtype = torch.float32 if self.device.type == "cpu" else ops.dtype
+        # the ops say what the pool holds: float16 on the CPU fast path by default, float32 on the exact CPU path,
+        # the compute dtype on a GPU (uint8: Q8_0 rows)
+        self.kv_dtype = ops.kv_cache_dtype(config.kv_cache_dtype, model.config.head_dim, config.block_size)
         mc = model.config
         local = dataclasses.replace(mc, num_kv_heads=model.num_kv_heads)  # this rank's share of each block
         if config.num_blocks:
@@ -129,7 +142,7 @@ class ModelRunner:
             max_tokens = max(config.max_num_batched_tokens, config.max_model_len)  # scoring runs a whole context
             self.steps = StepBroadcast(self.tp, step_buffer_size(config.max_num_seqs, max_tokens, max_blocks_per_seq))
         # one block past the managed ones: the scratch block that padded decode rows write into
-        shape = (self.num_blocks + 1, config.block_size, model.num_kv_heads, mc.head_dim)
+        shape = (self.num_blocks + 1, config.block_size, model.num_kv_heads, kv_row_size(mc.head_dim, self.kv_dtype))
         self.k_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
         self.v_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs
@@ -145,6 +158,11 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV pool (k and v of every layer, the scratch block included)."""
         return sum(c.nbytes for c in self.k_caches) + sum(c.nbytes for c in self.v_caches)
+
+    @property
+    def kv_cache_format(self) -> str:
+        """What the pool holds: float32, float16, bfloat16 or q8_0."""
+        return kv_format_name(self.kv_dtype)
 
     @property
     def uses_cuda_graphs(self) -> bool:

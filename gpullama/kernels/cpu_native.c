@@ -626,12 +626,66 @@ static inline void rotate(float *x, const float *cs, int64_t half) {
     }
 }
 
+/* KV cache formats (the pool tensor's dtype says which): float32, float16, and Q8_0 (llama.cpp's -ctk q8_0: each
+   32 values of a head's row are int8 q with one float16 scale d, value q * d; d = max |x| / 127 rounded to
+   float16, q = round(x / d) half away from zero, as gguf's quantize and ggml's quantize_row_q8_0_ref).
+
+   A cache row (one token, one kv head) takes kv_row_bytes: 4 D, 2 D, or D + D / 16 (D int8, D / 32 float16 scales).
+   The pool tensor is [blocks, block_size, Hk, D] (float32 or float16) or [blocks, block_size, Hk, D + D / 16]
+   (uint8, Q8_0); its memory per block and kv head, block_size rows:
+   - v: row-major, block after block: row (slot, hk) at (slot * Hk + hk) * kv_row_bytes; a Q8_0 row is its D int8,
+     then its D / 32 scales.
+   - k: each block transposed, [blocks, Hk, D, block_size] (key j of a block in lane j % 16 of a load); Q8_0: the
+     int8 [D][block_size], then the scales [D / 32][block_size], of each (block, kv head). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2 };
+
+static inline int64_t kv_row_bytes(int kvt, int64_t D) { return kvt == KV_F32 ? 4 * D : kvt == KV_F16 ? 2 * D : D + D / 16; }
+
+/* float -> IEEE half bits, rounded to nearest even (as torch's .half()) */
+static inline uint16_t float_to_half_bits(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u)); /* inf, nan */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504 */
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half (exact scaling, then round to an integer) */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
+    }
+    uint32_t h = ((((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13)), rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+#endif
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return half_bits_to_float(h);
+#endif
+}
+
+/* one group of 32 values as Q8_0: q[i] at q[i * stride], its scale's half bits returned */
+static inline uint16_t quantize_q8_group(const float *x, int8_t *q, int64_t stride) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; i++) q[i * stride] = (int8_t)roundf(x[i] * id);
+    return float_to_half_bits(d);
+}
+
 /* rotate the first R dims of each head of q [T, Hq, D] and k [T, Hk, D] in place (row strides ldq, ldk;
-   `cos_sin` [max_pos, R] is cos | sin of each half; R < D: partial rotary, the last D - R dims stay), then write k and v (row stride ldv) to the pool rows `slots`: v_cache is [pool rows, Hk, D]; k_cache
-   keeps each block transposed, [blocks, Hk, D, block_size] (see gl_attention) */
+   `cos_sin` [max_pos, R] is cos | sin of each half; R < D: partial rotary, the last D - R dims stay), then write k and
+   v (row stride ldv) to the pool rows `slots` in cache format kvt (see the KV cache formats above) */
 void gl_rope_and_cache(float *q, int64_t ldq, float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T,
                        int64_t Hq, int64_t Hk, int64_t D, int64_t R, const float *cos_sin, const int64_t *positions,
-                       const int64_t *slots, int64_t block_size, float *k_cache, float *v_cache, int threads) {
+                       const int64_t *slots, int64_t block_size, int kvt, void *k_cache, void *v_cache, int threads) {
+    int64_t rb = kv_row_bytes(kvt, D);
 #pragma omp parallel for num_threads(threads) if (T >= 64)
     for (int64_t t = 0; t < T; t++) {
         const float *cs = cos_sin + positions[t] * R;
@@ -639,10 +693,24 @@ void gl_rope_and_cache(float *q, int64_t ldq, float *k, int64_t ldk, const float
         for (int64_t h = 0; h < Hk; h++) rotate(k + t * ldk + h * D, cs, R / 2);
         int64_t block = slots[t] / block_size, slot = slots[t] % block_size;
         for (int64_t h = 0; h < Hk; h++) {
-            float *kt = k_cache + (block * Hk + h) * D * block_size + slot;
-            for (int64_t d = 0; d < D; d++) kt[d * block_size] = k[t * ldk + h * D + d];
+            const float *kr = k + t * ldk + h * D, *vr = v + t * ldv + h * D;
+            uint8_t *kb = (uint8_t *)k_cache + (block * Hk + h) * block_size * rb; /* this block's kv head h */
+            uint8_t *vb = (uint8_t *)v_cache + (slots[t] * Hk + h) * rb;
+            if (kvt == KV_F32) {
+                for (int64_t d = 0; d < D; d++) ((float *)kb)[d * block_size + slot] = kr[d];
+                memcpy(vb, vr, sizeof(float) * D);
+            } else if (kvt == KV_F16) {
+                for (int64_t d = 0; d < D; d++) ((uint16_t *)kb)[d * block_size + slot] = float_to_half_bits(kr[d]);
+                for (int64_t d = 0; d < D; d++) ((uint16_t *)vb)[d] = float_to_half_bits(vr[d]);
+            } else {
+                uint16_t *ks = (uint16_t *)(kb + D * block_size), *vs = (uint16_t *)(vb + D);
+                for (int64_t g = 0; g < D / 32; g++) {
+                    ks[g * block_size + slot] = quantize_q8_group(kr + 32 * g, (int8_t *)kb + 32 * g * block_size + slot,
+                                                                  block_size);
+                    vs[g] = quantize_q8_group(vr + 32 * g, (int8_t *)vb + 32 * g, 1);
+                }
+            }
         }
-        memcpy(v_cache + slots[t] * Hk * D, v + t * ldv, sizeof(float) * Hk * D);
     }
 }
 
@@ -695,144 +763,373 @@ void gl_soft_cap(float *x, int64_t T, int64_t n, int64_t ldx, float scale, float
    ------------------------------------------------------------------------------------------------------------ */
 
 #define TILE_ROWS 16 /* query rows (positions x heads of one kv head) that share each key and value load */
+#define KV_CHUNK 256 /* keys of one chunk: a row's keys are cut at the multiples of this, whatever the batch */
 
-/* One tile: query rows r = (position p0 + i, head h0 + j) of sequence b, all on kv head hk, each over the keys it
-   sees (keys lo[r] .. n[r] - 1: lo = 0, or the first inside a sliding window). A row's arithmetic does not depend on
-   the tile: score j = sum over d of q[d] k_j[d] (FMAs in d order, key j in lane j % 16), times scale (then
-   softcap * tanh(score / softcap) with a soft cap); an exact max; exponentials and their sum over 16 lanes in key
-   order from the vector holding key lo (lanes outside the row's keys add 0), then the tree; the weighted sum of
-   values in key order. */
-static void attend_tile(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t bs,
-                        int64_t Hq, int64_t Hk, int64_t D, const int32_t *table, int64_t seq_len, int64_t q_len,
-                        int64_t t0, int64_t p0, int np, int64_t hk, int64_t h0, int nh, float scale, int64_t window,
-                        float softcap, const float *sinks, float *scores, float *out) {
-    int R = np * nh;
-    int64_t n_max = seq_len - q_len + p0 + np, width = (n_max + 15) / 16 * 16;
-    const float *qr[TILE_ROWS];
-    int64_t n[TILE_ROWS], lo[TILE_ROWS];
-    for (int i = 0; i < np; i++)
-        for (int j = 0; j < nh; j++) {
-            qr[i * nh + j] = q + (t0 + p0 + i) * ldq + (h0 + j) * D;
-            n[i * nh + j] = seq_len - q_len + p0 + i + 1;
-            lo[i * nh + j] = window > 0 && n[i * nh + j] > window ? n[i * nh + j] - window : 0;
+/* a buffer of at least `bytes` for the attention, kept between calls (NULL when out of memory): slot 0 per thread
+   inside the parallel region, slots 1-3 of the calling thread */
+static void *attn_scratch(int which, size_t bytes) {
+    static _Thread_local void *buf[4];
+    static _Thread_local size_t size[4];
+    if (size[which] < bytes) {
+        free(buf[which]);
+        buf[which] = malloc(bytes);
+        size[which] = buf[which] ? bytes : 0;
+    }
+    return buf[which];
+}
+
+/* 16 keys' dim d (k: a block's kv head, transposed, keys from o) as floats */
+static inline __attribute__((always_inline)) vf k_load(int kvt, const uint8_t *k, int64_t bs, int64_t d, int64_t o) {
+    return kvt == KV_F16 ? vf_f16((const uint16_t *)k + d * bs + o) : vf_load((const float *)k + d * bs + o);
+}
+
+/* values 16c .. 16c + 15 of a cache row v as floats (Q8_0: q * d) */
+static inline __attribute__((always_inline)) vf v_load(int kvt, const uint8_t *v, int64_t D, int64_t c) {
+    if (kvt == KV_F32) return vf_load((const float *)v + 16 * c);
+    if (kvt == KV_F16) return vf_f16((const uint16_t *)v + 16 * c);
+    return vf_mul(vf_i8((const int8_t *)v + 16 * c), vf_set1(half_to_float(((const uint16_t *)(v + D))[c / 2])));
+}
+
+#if defined(__AVX512F__)
+#define KV_VECS 4 /* vectors of 16 keys scored at once: independent FMA chains (registers allow 4 x 4 on AVX-512) */
+#else
+#define KV_VECS 2
+#endif
+
+/* The scores of RN query rows (qr) against KV_VECS vectors of 16 keys (vector v: kt[v], a block's kv head,
+   transposed; keys from o[v]), unscaled: per key, FMAs in d order (Q8_0: per 32 dims, then times the key's scale,
+   group after group) */
+static inline __attribute__((always_inline)) void score_rows(int kvt, int RN, const float *const *qr,
+                                                              const uint8_t *const *kt, const int64_t *o, int64_t bs,
+                                                              int64_t D, vf acc[][KV_VECS]) {
+    for (int r = 0; r < RN; r++)
+        for (int v = 0; v < KV_VECS; v++) acc[r][v] = vf_zero();
+    if (kvt == KV_Q8) {
+        for (int64_t g = 0; g < D / 32; g++) {
+            vf ag[4][KV_VECS];
+            for (int r = 0; r < RN; r++)
+                for (int v = 0; v < KV_VECS; v++) ag[r][v] = vf_zero();
+            for (int64_t d = 32 * g; d < 32 * g + 32; d++) {
+                vf qb[4];
+                for (int r = 0; r < RN; r++) qb[r] = vf_set1(qr[r][d]);
+                for (int v = 0; v < KV_VECS; v++) {
+                    vf kv = vf_i8((const int8_t *)kt[v] + d * bs + o[v]);
+                    for (int r = 0; r < RN; r++) ag[r][v] = vf_fma(qb[r], kv, ag[r][v]);
+                }
+            }
+            for (int v = 0; v < KV_VECS; v++) {
+                vf s = vf_f16((const uint16_t *)(kt[v] + D * bs) + g * bs + o[v]);
+                for (int r = 0; r < RN; r++) acc[r][v] = vf_fma(ag[r][v], s, acc[r][v]);
+            }
         }
-    static const float lanes[48] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                    1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-    vf cap = vf_set1(softcap), inv_cap = vf_set1(softcap > 0.0f ? 1.0f / softcap : 0.0f);
-    for (int64_t kb = lo[0] / 16 * 16; kb < width; kb += 16) { /* lo[0] is the tile's smallest */
-        const float *kt = k_cache + ((int64_t)table[kb / bs] * Hk + hk) * D * bs + kb % bs; /* [D][bs] */
-        vf acc[TILE_ROWS];
-        for (int r = 0; r < R; r++) acc[r] = vf_zero();
+    } else {
         for (int64_t d = 0; d < D; d++) {
-            vf kv = vf_load(kt + d * bs);
-            for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_set1(qr[r][d]), kv, acc[r]);
-        }
-        for (int r = 0; r < R; r++) {
-            vf sc = vf_mul(acc[r], vf_set1(scale));
-            if (softcap > 0.0f) sc = vf_mul(vf_tanh(vf_mul(sc, inv_cap)), cap);
-            vf_store(scores + r * width + kb, sc);
+            vf qb[4];
+            for (int r = 0; r < RN; r++) qb[r] = vf_set1(qr[r][d]);
+            for (int v = 0; v < KV_VECS; v++) {
+                vf kv = k_load(kvt, kt[v], bs, d, o[v]);
+                for (int r = 0; r < RN; r++) acc[r][v] = vf_fma(qb[r], kv, acc[r][v]);
+            }
         }
     }
-    float inv[TILE_ROWS];
+}
+
+/* The weighted sums of values of RN rows (their probabilities in scores, row stride KV_CHUNK, key j at j - k0) over
+   the keys each sees in k0 .. k1 - 1, in key order, into part (row stride D + 2) */
+static inline __attribute__((always_inline)) void value_rows(int kvt, int RN, const int64_t *n, const int64_t *lo,
+                                                              const float *scores, const uint8_t *v_cache, int64_t bs,
+                                                              int64_t Hk, int64_t D, const int32_t *table, int64_t hk,
+                                                              int64_t k0, int64_t k1, float *part) {
+    int64_t rb = kv_row_bytes(kvt, D);
+    vf acc[4][GL_MAX_HEAD_DIM / 16];
+    for (int r = 0; r < RN; r++)
+        for (int64_t c = 0; c < D / 16; c++) acc[r][c] = vf_zero();
+    int64_t jlo = lo[0] > k0 ? lo[0] : k0, jhi = n[RN - 1] < k1 ? n[RN - 1] : k1;
+    for (int64_t j = jlo; j < jhi;) { /* a run of keys inside one block: rows bs apart in the pool */
+        int64_t off = j % bs, end = j - off + bs < jhi ? j - off + bs : jhi, stride = Hk * rb;
+        const uint8_t *vr = v_cache + ((int64_t)table[j / bs] * bs * Hk + hk) * rb + off * stride;
+        int every = 1; /* every row sees every key of the run */
+        for (int r = 0; r < RN; r++) every &= j >= lo[r] && end <= n[r];
+        for (; j < end; j++, vr += stride) {
+            int use[4];
+            vf p[4];
+            for (int r = 0; r < RN; r++) {
+                use[r] = every || (j < n[r] && j >= lo[r]);
+                p[r] = vf_set1(use[r] ? scores[r * KV_CHUNK + (j - k0)] : 0.0f);
+            }
+            if (every) {
+                for (int64_t c = 0; c < D / 16; c++) {
+                    vf vv = v_load(kvt, vr, D, c);
+                    for (int r = 0; r < RN; r++) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+                }
+            } else {
+                for (int64_t c = 0; c < D / 16; c++) {
+                    vf vv = v_load(kvt, vr, D, c);
+                    for (int r = 0; r < RN; r++)
+                        if (use[r]) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < RN; r++)
+        for (int64_t c = 0; c < D / 16; c++) vf_store(part + r * (D + 2) + 16 * c, acc[r][c]);
+}
+
+/* One chunk of one tile: query rows r = (position p0 + i, head h0 + j) of a sequence, all on kv head hk, each over
+   its keys (lo[r] .. n[r] - 1) inside the chunk k0 .. k0 + KV_CHUNK - 1, in groups of up to 4 rows (registers). A
+   row's arithmetic does not depend on the tile or its group: score j = sum over d of q[d] k_j[d] (score_rows; key j
+   in lane j % 16), times scale (then softcap * tanh(score / softcap)); the chunk's exact max m; exponentials and
+   their sum l over 16 lanes in key order from the vector holding the row's first key of the chunk (lanes outside its
+   keys add 0), then the tree; the weighted sum o of values in key order (value_rows). Writes each row's partial
+   (o [D], m, l) at part + r * (D + 2) (m = -inf, l = 0 when the row has no key in the chunk). */
+static inline __attribute__((always_inline)) void attend_chunk(
+    int kvt, const float *const *qr, const int64_t *n, const int64_t *lo, int R, const uint8_t *k_cache,
+    const uint8_t *v_cache, int64_t bs, int64_t Hk, int64_t D, const int32_t *table, int64_t hk, int64_t k0,
+    float scale, float softcap, float *scores, float *part) {
+    static const float lanes[48] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                    1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t k1 = k0 + KV_CHUNK, rb = kv_row_bytes(kvt, D);
+    int64_t kstart = lo[0] > k0 ? lo[0] : k0, kend = n[R - 1] < k1 ? n[R - 1] : k1; /* the tile's keys here */
+    vf cap = vf_set1(softcap), inv_cap = vf_set1(softcap > 0.0f ? 1.0f / softcap : 0.0f);
+    for (int64_t kb = kstart / 16 * 16; kb < kend; kb += 16 * KV_VECS) {
+        /* KV_VECS vectors of 16 keys (past the tile's keys: the last one again, its scores not kept) */
+        int nv = (int)((kend - kb + 15) / 16) < KV_VECS ? (int)((kend - kb + 15) / 16) : KV_VECS;
+        const uint8_t *kt[KV_VECS];
+        int64_t o[KV_VECS];
+        for (int v = 0; v < KV_VECS; v++) {
+            int64_t j = kb + 16 * (v < nv ? v : nv - 1);
+            kt[v] = k_cache + ((int64_t)table[j / bs] * Hk + hk) * bs * rb; /* [D][bs] */
+            o[v] = j % bs;
+        }
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            int rn = R - r0 < 4 ? R - r0 : 4;
+            vf acc[4][KV_VECS];
+            switch (rn) {
+            case 1: score_rows(kvt, 1, qr + r0, kt, o, bs, D, acc); break;
+            case 2: score_rows(kvt, 2, qr + r0, kt, o, bs, D, acc); break;
+            case 3: score_rows(kvt, 3, qr + r0, kt, o, bs, D, acc); break;
+            default: score_rows(kvt, 4, qr + r0, kt, o, bs, D, acc);
+            }
+            for (int r = 0; r < rn; r++)
+                for (int v = 0; v < nv; v++) {
+                    vf sc = vf_mul(acc[r][v], vf_set1(scale));
+                    if (softcap > 0.0f) sc = vf_mul(vf_tanh(vf_mul(sc, inv_cap)), cap);
+                    vf_store(scores + (r0 + r) * KV_CHUNK + (kb + 16 * v - k0), sc);
+                }
+        }
+    }
     for (int r = 0; r < R; r++) {
-        float *sr = scores + r * width;
+        float *sr = scores + r * KV_CHUNK, *pr = part + r * (D + 2);
+        int64_t first = lo[r] > k0 ? lo[r] : k0, end = n[r] < k1 ? n[r] : k1, j = first;
+        if (first >= end) {
+            pr[D] = -INFINITY, pr[D + 1] = 0.0f;
+            continue;
+        }
         vf mx = vf_set1(-INFINITY);
-        int64_t j = lo[r];
-        for (; j + 16 <= n[r]; j += 16) mx = vf_max(mx, vf_load(sr + j));
+        for (; j + 16 <= end; j += 16) mx = vf_max(mx, vf_load(sr + (j - k0)));
         float m = vf_hmax(mx);
-        for (; j < n[r]; j++) m = sr[j] > m ? sr[j] : m;
-        float sink = sinks ? sinks[h0 + r % nh] : -INFINITY; /* a sink joins the softmax, with no value */
-        m = sink > m ? sink : m;
+        for (; j < end; j++) m = sr[j - k0] > m ? sr[j - k0] : m;
         vf sum = vf_zero(), mv = vf_set1(m);
-        for (j = lo[r] / 16 * 16; j < n[r]; j += 16) {
-            int c = n[r] - j < 16 ? (int)(n[r] - j) : 16, skip = j < lo[r] ? (int)(lo[r] - j) : 0;
-            vf p = vf_exp(vf_sub(vf_load_n(sr + j, c), mv));
+        for (j = first / 16 * 16; j < end; j += 16) {
+            int c = end - j < 16 ? (int)(end - j) : 16, skip = j < first ? (int)(first - j) : 0;
+            vf p = vf_exp(vf_sub(vf_load_n(sr + (j - k0), c), mv));
             if (c < 16 || skip) p = vf_mul(p, vf_mul(vf_load(lanes + 16 - skip), vf_load(lanes + 32 - c)));
-            vf_store(sr + j, p);
+            vf_store(sr + (j - k0), p);
             sum = vf_add(sum, p);
         }
-        inv[r] = 1.0f / (sinks ? vf_hsum(sum) + expf(sink - m) : vf_hsum(sum));
+        pr[D] = m, pr[D + 1] = vf_hsum(sum);
     }
     for (int r0 = 0; r0 < R; r0 += 4) { /* values: 4 rows at a time, D / 16 accumulators each */
         int rn = R - r0 < 4 ? R - r0 : 4;
-        vf o[4][GL_MAX_HEAD_DIM / 16];
-        for (int r = 0; r < rn; r++)
-            for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_zero();
-        for (int64_t j = lo[r0]; j < n[r0 + rn - 1]; j++) {
-            const float *vr = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * Hk + hk) * D;
-            for (int r = 0; r < rn; r++) {
-                if (j >= n[r0 + r] || j < lo[r0 + r]) continue;
-                vf p = vf_set1(scores[(r0 + r) * width + j]);
-                for (int64_t c = 0; c < D / 16; c++) o[r][c] = vf_fma(p, vf_load(vr + 16 * c), o[r][c]);
-            }
-        }
-        for (int r = 0; r < rn; r++) {
-            int64_t i = (r0 + r) / nh, j = (r0 + r) % nh;
-            float *dst = out + ((t0 + p0 + i) * Hq + h0 + j) * D;
-            for (int64_t c = 0; c < D / 16; c++) vf_store(dst + 16 * c, vf_mul(o[r][c], vf_set1(inv[r0 + r])));
+        const float *sc = scores + r0 * KV_CHUNK;
+        float *pr = part + r0 * (D + 2);
+        switch (rn) {
+        case 1: value_rows(kvt, 1, n + r0, lo + r0, sc, v_cache, bs, Hk, D, table, hk, k0, k1, pr); break;
+        case 2: value_rows(kvt, 2, n + r0, lo + r0, sc, v_cache, bs, Hk, D, table, hk, k0, k1, pr); break;
+        case 3: value_rows(kvt, 3, n + r0, lo + r0, sc, v_cache, bs, Hk, D, table, hk, k0, k1, pr); break;
+        default: value_rows(kvt, 4, n + r0, lo + r0, sc, v_cache, bs, Hk, D, table, hk, k0, k1, pr);
         }
     }
+}
+
+/* A tile: query rows of sequence b (positions p0 .. p0 + np - 1 of its q_len new ones, heads h0 .. h0 + nh - 1 on
+   kv head hk), and its chunks c0 .. c1 - 1 (those holding a key one of its rows sees). */
+typedef struct {
+    int64_t b, hk, h0, p0, c0, c1;
+    int np, nh;
+} tile_t;
+
+static tile_t tile_of(int64_t u, const int64_t *first, int64_t B, const int32_t *query_start, const int32_t *seq_lens,
+                      int64_t Hk, int64_t G, int64_t nh, int64_t np, int64_t head_tiles, int64_t window) {
+    int64_t lo = 0, hi = B - 1;
+    while (lo < hi) { /* the sequence whose tiles hold u */
+        int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= u) lo = mid; else hi = mid - 1;
+    }
+    tile_t t;
+    int64_t v = u - first[lo], q_len = query_start[lo + 1] - query_start[lo];
+    int64_t ht = (v / Hk) % head_tiles, pt = v / (Hk * head_tiles);
+    t.b = lo, t.hk = v % Hk, t.h0 = t.hk * G + ht * nh, t.p0 = pt * np;
+    t.np = (int)(q_len - t.p0 < np ? q_len - t.p0 : np), t.nh = (int)(G - ht * nh < nh ? G - ht * nh : nh);
+    int64_t n0 = seq_lens[lo] - q_len + t.p0 + 1, n1 = n0 + t.np - 1; /* keys of its first and last rows */
+    t.c0 = (window > 0 && n0 > window ? n0 - window : 0) / KV_CHUNK, t.c1 = (n1 - 1) / KV_CHUNK + 1;
+    return t;
+}
+
+/* the rows of tile t: their query vectors, key ends n and key starts lo */
+static int tile_rows(const tile_t *t, const float *q, int64_t ldq, int64_t t0, int64_t seq_len, int64_t q_len,
+                     int64_t D, int64_t window, const float **qr, int64_t *n, int64_t *lo) {
+    for (int i = 0; i < t->np; i++)
+        for (int j = 0; j < t->nh; j++) {
+            int r = i * t->nh + j;
+            qr[r] = q + (t0 + t->p0 + i) * ldq + (t->h0 + j) * D;
+            n[r] = seq_len - q_len + t->p0 + i + 1;
+            lo[r] = window > 0 && n[r] > window ? n[r] - window : 0;
+        }
+    return t->np * t->nh;
+}
+
+/* Merge each row's chunk partials (part: chunk c's rows at (c - c0) * TILE_ROWS * (D + 2)), in chunk order: M = the largest
+   chunk max (and the sink), L = sum of exp(m_c - M) l_c (then + exp(sink - M)), O = sum of exp(m_c - M) o_c (FMAs);
+   out = O * (1 / L). One chunk: exactly o * (1 / l). */
+static void merge_tile(const tile_t *t, const float *part, int R, const int64_t *n, const int64_t *lo, int64_t D,
+                       int64_t Hq, int64_t t0, const float *sinks, float *out) {
+    for (int r = 0; r < R; r++) {
+        int64_t a = lo[r] / KV_CHUNK, z = (n[r] - 1) / KV_CHUNK, stride = TILE_ROWS * (D + 2);
+        const float *pr = part + (a - t->c0) * stride + r * (D + 2);
+        float sink = sinks ? sinks[t->h0 + r % t->nh] : -INFINITY, m = sink;
+        for (int64_t c = 0; c <= z - a; c++) m = pr[c * stride + D] > m ? pr[c * stride + D] : m;
+        vf o[GL_MAX_HEAD_DIM / 16];
+        for (int64_t i = 0; i < D / 16; i++) o[i] = vf_zero();
+        float l = 0.0f;
+        for (int64_t c = 0; c <= z - a; c++) {
+            const float *pc = pr + c * stride;
+            float w = expf(pc[D] - m);
+            l += w * pc[D + 1];
+            for (int64_t i = 0; i < D / 16; i++) o[i] = vf_fma(vf_set1(w), vf_load(pc + 16 * i), o[i]);
+        }
+        if (sinks) l += expf(sink - m); /* a sink joins the softmax, with no value */
+        float *dst = out + ((t0 + t->p0 + r / t->nh) * Hq + t->h0 + r % t->nh) * D;
+        for (int64_t i = 0; i < D / 16; i++) vf_store(dst + 16 * i, vf_mul(o[i], vf_set1(1.0f / l)));
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_chunks(
+    int kvt, const tile_t *t, int64_t c_from, int64_t c_to, const float *const *qr, const int64_t *n,
+    const int64_t *lo, int R, const void *k_cache, const void *v_cache, int64_t bs, int64_t Hk, int64_t D,
+    const int32_t *table, float scale, float softcap, float *scores, float *part) {
+    for (int64_t c = c_from; c < c_to; c++)
+        attend_chunk(kvt, qr, n, lo, R, k_cache, v_cache, bs, Hk, D, table, t->hk, c * KV_CHUNK, scale, softcap,
+                     scores, part + (c - c_from) * TILE_ROWS * (D + 2));
 }
 
 /* Causal attention of every query row over its sequence's context in the paged pool; window > 0: a query at
    position p sees the keys after p - window only (a sliding-window layer); softcap > 0: Gemma 2's soft-capped
    scores; sinks (NULL: none) [Hq]: head h's softmax also counts exp(sinks[h]), a key without value (gpt-oss).
-   q [T, Hq, D] (row stride ldq; D a multiple of 16, at most GL_MAX_HEAD_DIM), out [T, Hq, D]; v_cache
-   [blocks * block_size, Hk, D]; k_cache [blocks, Hk, D, block_size] (each block transposed, block_size a multiple
-   of 16); sequence b owns query rows query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens in
-   the blocks block_tables[b, :] (row stride ldb); its last query row sits at position seq_lens[b] - 1.
-   Returns 0, or -1 when out of memory. */
-int gl_attention_sinks(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
-                       int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
+   q [T, Hq, D] (row stride ldq; D a multiple of 32 for Q8_0, else of 16, at most GL_MAX_HEAD_DIM), out [T, Hq, D];
+   the caches in format kvt as gl_rope_and_cache writes them (block_size a multiple of 16); sequence b owns query
+   rows query_start[b] .. query_start[b + 1] - 1, its context is seq_lens[b] tokens in the blocks
+   block_tables[b, :] (row stride ldb); its last query row sits at position seq_lens[b] - 1.
+
+   Each row's keys are cut into chunks of KV_CHUNK (flash-decoding): a row's result is the fixed-order merge of its
+   chunks' partials (merge_tile), whatever the batch, the tiling or the threads. Work items are tiles of up to
+   TILE_ROWS rows that share each key and value load; when there are too few tiles to keep the threads busy (a decode
+   step of a few sequences) each (tile, chunk) is an item of its own and the merge follows. Returns 0, or -1 when
+   out of memory. */
+int gl_attention_sinks(int kvt, const float *q, int64_t ldq, const void *k_cache, const void *v_cache,
+                       int64_t block_size, int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
                        const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale,
                        int64_t window, float softcap, const float *sinks, float *out, int threads) {
     int64_t G = Hq / Hk, nh = G < TILE_ROWS ? G : TILE_ROWS, np = TILE_ROWS / nh, head_tiles = (G + nh - 1) / nh;
-    int64_t *first = scratch(1, sizeof(int64_t) * (B + 1)); /* first tile of each sequence */
+    int64_t *first = attn_scratch(1, sizeof(int64_t) * (B + 1)); /* first tile of each sequence */
     if (!first) return -1;
-    int64_t max_len = 16, work = 0;
+    int64_t max_chunks = 1, work = 0;
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
-        int64_t q_len = query_start[b + 1] - query_start[b];
+        int64_t q_len = query_start[b + 1] - query_start[b], chunks = (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK;
         first[b + 1] = first[b] + Hk * head_tiles * ((q_len + np - 1) / np);
-        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+        max_chunks = chunks > max_chunks ? chunks : max_chunks;
         work += q_len * seq_lens[b];
     }
     int64_t tiles = first[B];
     if (work * Hq * D < (1 << 17)) threads = 1;
+    int split = threads > 1 && tiles < 8 * threads;
+    int64_t *cfirst = NULL, units = tiles; /* split: the first (tile, chunk) item of each tile */
+    float *parts = NULL;
+    size_t row_floats = (size_t)TILE_ROWS * (D + 2);
+    if (split) {
+        cfirst = attn_scratch(2, sizeof(int64_t) * (tiles + 1));
+        if (!cfirst) return -1;
+        cfirst[0] = 0;
+        for (int64_t u = 0; u < tiles; u++) {
+            tile_t t = tile_of(u, first, B, query_start, seq_lens, Hk, G, nh, np, head_tiles, window);
+            cfirst[u + 1] = cfirst[u] + t.c1 - t.c0;
+        }
+        units = cfirst[tiles];
+        parts = attn_scratch(3, sizeof(float) * units * row_floats);
+        if (!parts) return -1;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = scratch(0, sizeof(float) * TILE_ROWS * (max_len + 16));
+        float *scores = attn_scratch(0, sizeof(float) * (TILE_ROWS * KV_CHUNK + (split ? 0 : max_chunks * row_floats)));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
+        float *own = scores + TILE_ROWS * KV_CHUNK; /* this thread's partials of one tile */
+        const float *qr[TILE_ROWS];
+        int64_t n[TILE_ROWS], lo[TILE_ROWS];
 #pragma omp for schedule(dynamic)
-        for (int64_t u = 0; u < tiles; u++) {
+        for (int64_t u = 0; u < units; u++) {
             if (!scores) continue;
-            int64_t lo = 0, hi = B - 1;
-            while (lo < hi) { /* the sequence whose tiles hold u */
-                int64_t mid = (lo + hi + 1) / 2;
-                if (first[mid] <= u) lo = mid; else hi = mid - 1;
+            int64_t tu = u, c_from, c_to;
+            if (split) { /* the tile whose items hold u, and its chunk */
+                int64_t a = 0, z = tiles - 1;
+                while (a < z) {
+                    int64_t mid = (a + z + 1) / 2;
+                    if (cfirst[mid] <= u) a = mid; else z = mid - 1;
+                }
+                tu = a;
             }
-            int64_t b = lo, v = u - first[b], q_len = query_start[b + 1] - query_start[b];
-            int64_t hk = v % Hk, ht = (v / Hk) % head_tiles, pt = v / (Hk * head_tiles);
-            int64_t h0 = hk * G + ht * nh, p0 = pt * np;
-            attend_tile(q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, block_tables + b * ldb, seq_lens[b], q_len,
-                        query_start[b], p0, (int)(q_len - p0 < np ? q_len - p0 : np), hk, h0,
-                        (int)(G - ht * nh < nh ? G - ht * nh : nh), scale, window, softcap, sinks, scores, out);
+            tile_t t = tile_of(tu, first, B, query_start, seq_lens, Hk, G, nh, np, head_tiles, window);
+            int64_t q_len = query_start[t.b + 1] - query_start[t.b];
+            int R = tile_rows(&t, q, ldq, query_start[t.b], seq_lens[t.b], q_len, D, window, qr, n, lo);
+            c_from = split ? t.c0 + (u - cfirst[tu]) : t.c0, c_to = split ? c_from + 1 : t.c1;
+            float *part = split ? parts + u * row_floats : own;
+            const int32_t *table = block_tables + t.b * ldb;
+            if (kvt == KV_F16)
+                attend_chunks(KV_F16, &t, c_from, c_to, qr, n, lo, R, k_cache, v_cache, block_size, Hk, D, table,
+                              scale, softcap, scores, part);
+            else if (kvt == KV_Q8)
+                attend_chunks(KV_Q8, &t, c_from, c_to, qr, n, lo, R, k_cache, v_cache, block_size, Hk, D, table,
+                              scale, softcap, scores, part);
+            else
+                attend_chunks(KV_F32, &t, c_from, c_to, qr, n, lo, R, k_cache, v_cache, block_size, Hk, D, table,
+                              scale, softcap, scores, part);
+            if (!split) merge_tile(&t, own, R, n, lo, D, Hq, query_start[t.b], sinks, out);
+        }
+        if (split) {
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < tiles; u++) {
+                if (failed) continue;
+                tile_t t = tile_of(u, first, B, query_start, seq_lens, Hk, G, nh, np, head_tiles, window);
+                int64_t q_len = query_start[t.b + 1] - query_start[t.b];
+                int R = tile_rows(&t, q, ldq, query_start[t.b], seq_lens[t.b], q_len, D, window, qr, n, lo);
+                merge_tile(&t, parts + cfirst[u] * row_floats, R, n, lo, D, Hq, query_start[t.b], sinks, out);
+            }
         }
     }
     return failed ? -1 : 0;
 }
 
 /* gl_attention_sinks without sinks */
-int gl_attention(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, int64_t block_size,
+int gl_attention(int kvt, const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int64_t block_size,
                  int64_t Hq, int64_t Hk, int64_t D, int64_t B, const int32_t *query_start,
                  const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, float scale, int64_t window,
                  float softcap, float *out, int threads) {
-    return gl_attention_sinks(q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, B, query_start, seq_lens, block_tables,
-                              ldb, scale, window, softcap, NULL, out, threads);
+    return gl_attention_sinks(kvt, q, ldq, k_cache, v_cache, block_size, Hq, Hk, D, B, query_start, seq_lens,
+                              block_tables, ldb, scale, window, softcap, NULL, out, threads);
 }
 
 /* ------------------------------------------------------------------------------------------------------------

@@ -31,19 +31,26 @@ SOURCE = Path(__file__).with_suffix(".c")
 FMT_Q4, FMT_Q8, FMT_F16, FMT_F32 = 0, 1, 2, 3
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
 MAX_HEAD_DIM = 256
-"""`attention` needs a head dim that is a multiple of 16 and at most this, and a block size a multiple of 16."""
+"""`attention` needs a head dim that is a multiple of 16 (of 32 for a Q8_0 cache) and at most this, and a block size
+a multiple of 16."""
+KV_F32, KV_F16, KV_Q8 = 0, 1, 2
+"""KV cache formats of `rope_and_cache` and `attention`, told by the pool tensor's dtype (see `kv_format`)."""
+KV_DTYPES = {torch.float32: KV_F32, torch.float16: KV_F16, torch.uint8: KV_Q8}
+"""The pool dtype of each cache format: a uint8 pool holds Q8_0 rows (D int8 values, then D / 32 float16 scales)."""
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "gl_matmul": [_I32, _I32, _I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
     "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
-    "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32],
+    "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32, _P, _P,
+                          _I32],
     "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
     "gl_gelu_tanh_mul": [_P, _I64, _I64, _P, _I32],
     "gl_soft_cap": [_P, _I64, _I64, _I64, _F32, _F32, _I32],
-    "gl_attention": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P, _I32],
-    "gl_attention_sinks": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P, _P,
-                           _I32],
+    "gl_attention": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P,
+                     _I32],
+    "gl_attention_sinks": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32,
+                           _P, _P, _I32],
     "gl_embedding": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
     "gl_moe": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _I64, _I64, _P,
@@ -168,13 +175,16 @@ def rope_and_cache(
     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 ) -> None:
     """Rotate the first R dims of each head of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place (NeoX halves;
-    `cos_sin` ``[max_pos, R]``, R <= D: partial rotary; int64 `positions`), then write k and v to pool rows `slots` (int64): v_cache ``[blocks, block_size, Hk, D]`` as it
-    is, k_cache's memory as ``[blocks, Hk, D, block_size]`` (each block transposed, for `attention`). q, k and v may
-    be row-strided views (each head contiguous)."""
+    `cos_sin` ``[max_pos, R]``, R <= D: partial rotary; int64 `positions`), then write k and v to pool rows `slots`
+    (int64) in the pool's format (`KV_DTYPES`: float32, float16 rounded to nearest, or Q8_0 blocks of 32):
+    v_cache ``[blocks, block_size, Hk, row]`` as it is, k_cache's memory as ``[blocks, Hk, D, block_size]`` (each
+    block transposed, for `attention`; Q8_0: the int8 values, then the scales ``[D / 32, block_size]``). q, k and v
+    may be row-strided views (each head contiguous)."""
     t, hq, d = q.shape
     _lib.gl_rope_and_cache(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hq,
                            k.shape[1], d, cos_sin.shape[1], cos_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                           k_cache.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads())
+                           k_cache.shape[1], KV_DTYPES[k_cache.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
+                           torch.get_num_threads())
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -202,12 +212,14 @@ def attention(
     """Causal attention of q ``[T, Hq, D]`` (row-strided view allowed) over the paged pool as `rope_and_cache`
     writes it: sequence b's rows are ``query_start[b]:query_start[b + 1]``, its context ``seq_lens[b]`` tokens in
     the blocks of ``block_tables[b]`` (int32 all three); `out` ``[T, Hq, D]``. `window` > 0: a query at position p
-    sees positions above ``p - window`` only; `softcap` > 0: scores become ``softcap * tanh(scores / softcap)``."""
+    sees positions above ``p - window`` only; `softcap` > 0: scores become ``softcap * tanh(scores / softcap)``.
+    Each row's keys are cut into chunks of 256 and the chunks merged in order (flash-decoding: a decode step of one
+    sequence keeps every thread busy), the same whatever the batch."""
     _, hq, d = q.shape
-    if _lib.gl_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], hq,
-                         k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(), seq_lens.data_ptr(),
-                         block_tables.data_ptr(), block_tables.stride(0), scale, window, softcap, out.data_ptr(),
-                         torch.get_num_threads()):
+    if _lib.gl_attention(KV_DTYPES[k_cache.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                         k_cache.shape[1], hq, k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(),
+                         seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), scale, window, softcap,
+                         out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("no memory for the attention scores")
     return out
 
@@ -219,10 +231,11 @@ def attention_sinks(
     """`attention` where head h's softmax also counts ``exp(sinks[h])`` (float32 ``[Hq]``), a key with no value
     (gpt-oss's attention sinks)."""
     _, hq, d = q.shape
-    if _lib.gl_attention_sinks(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-                               hq, k_cache.shape[2], d, seq_lens.shape[0], query_start.data_ptr(),
-                               seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), scale, window,
-                               softcap, sinks.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+    if _lib.gl_attention_sinks(KV_DTYPES[k_cache.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                               v_cache.data_ptr(), k_cache.shape[1], hq, k_cache.shape[2], d, seq_lens.shape[0],
+                               query_start.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+                               block_tables.stride(0), scale, window, softcap, sinks.data_ptr(), out.data_ptr(),
+                               torch.get_num_threads()):
         raise MemoryError("no memory for the attention scores")
     return out
 

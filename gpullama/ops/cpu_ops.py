@@ -37,6 +37,21 @@ class CpuOps(TorchOps):
         """What the matmuls run on, for logs and benchmark labels."""
         return f"quantized weights, native kernels ({cpu_native.isa()}), float32 activations"
 
+    def kv_cache_dtype(self, name: str, head_dim: int, block_size: int) -> torch.dtype:
+        """The KV pool's dtype for `kv_cache_dtype` `name`: ``"auto"`` is float16 (half the bytes each decode step
+        reads at depth; the kernels widen it to float32 exactly), ``"q8_0"`` uint8 pools of Q8_0 rows; float32 where
+        the C attention does not take the head dim or block size (`TorchOps`' attention runs instead)."""
+        kernel = head_dim % 16 == 0 and head_dim <= cpu_native.MAX_HEAD_DIM and block_size % 16 == 0
+        if name == "q8_0":
+            if not (kernel and head_dim % 32 == 0):
+                raise ValueError(f"kv_cache_dtype q8_0 needs a head dim that is a multiple of 32 (at most "
+                                 f"{cpu_native.MAX_HEAD_DIM}) and a block size that is a multiple of 16; this model "
+                                 f"has head dim {head_dim}, block size {block_size}")
+            return torch.uint8
+        if name == "auto":
+            return torch.float16 if kernel else torch.float32
+        return super().kv_cache_dtype(name, head_dim, block_size)
+
     def prepare_weight(self, weight: QTensor) -> torch.Tensor | CpuWeight:
         """The matrix in its CPU weight format (dense float32 for a shape the kernels do not take); a tied output
         head is the packed embedding table."""
@@ -171,10 +186,11 @@ class CpuOps(TorchOps):
 
     @staticmethod
     def _kernel_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether the C attention takes these shapes (else both it and the KV write are torch's, the pool keeping
-        the standard layout)."""
+        """Whether the C attention takes these shapes and this pool (else both it and the KV write are torch's, the
+        pool keeping the standard layout; a Q8_0 pool is only ever made for shapes the kernels take)."""
         d = q.shape[-1]
-        return d % 16 == 0 and d <= cpu_native.MAX_HEAD_DIM and k_cache.shape[1] % 16 == 0
+        return (d % 16 == 0 and d <= cpu_native.MAX_HEAD_DIM and k_cache.shape[1] % 16 == 0
+                and k_cache.dtype in cpu_native.KV_DTYPES)
 
     def sample(
         self,

@@ -38,6 +38,21 @@ class TorchOps:
         """What the matmuls run on, for logs and benchmark labels."""
         return f"dense {str(self.dtype).removeprefix('torch.')}"
 
+    def kv_cache_dtype(self, name: str, head_dim: int, block_size: int) -> torch.dtype:
+        """The KV pool's dtype for the engine argument `kv_cache_dtype` (`name`): ``"auto"`` is float32 on the CPU
+        (this path's attention computes in float32) and the compute dtype on a GPU; the CPU also takes float16 and
+        bfloat16 (read back as float32); ``"q8_0"`` needs the CPU fast path. Raises ValueError otherwise."""
+        dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if name == "auto":
+            return torch.float32 if self.device.type == "cpu" else self.dtype
+        if self.device.type != "cpu" and dtypes.get(name) != self.dtype:
+            raise ValueError(f"kv_cache_dtype {name!r} is not available on {self.device.type}: use auto (the "
+                             f"compute dtype, {str(self.dtype).removeprefix('torch.')})")
+        if name not in dtypes:
+            raise ValueError(f"kv_cache_dtype {name!r} needs the CPU fast path (dtype auto on a quantized file, "
+                             f"with a C compiler); this model runs {self.mode}")
+        return dtypes[name]
+
     # -- weights -------------------------------------------------------------------------------
     def prepare_weight(self, weight: QTensor) -> torch.Tensor:
         """Turn a GGUF tensor into what `linear` consumes: a dense matrix in the compute dtype (prepacked by oneDNN
