@@ -203,8 +203,9 @@ def _avx2() -> bool:
 
 @pytest.mark.skipif(not _avx2(), reason="no AVX2 on this CPU")
 def test_avx2_matmul_equals_plain_c_bit_for_bit(tmp_path: Path) -> None:
-    """The AVX2 dot products (vpmaddubsw for 4-bit values, vpmaddwd for 8-bit) give the plain C path's exact
-    integer sums: the same outputs, bit for bit, for every weight format."""
+    """The AVX2 dot products (vpmaddubsw for 4-bit values, vpmaddwd for 5-, 6- and 8-bit ones, their bit planes
+    spread by vpshufb) give the plain C path's exact integer sums: the same outputs, bit for bit, for every weight
+    format."""
     import ctypes
 
     import gguf
@@ -225,7 +226,7 @@ def test_avx2_matmul_equals_plain_c_bit_for_bit(tmp_path: Path) -> None:
         libs.append(lib)
     assert [lib.gl_isa() for lib in libs] == [b"avx2", b"generic"]
     x = torch.randn(11, 512, generator=gen(5)) * 3
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.MXFP4):
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.MXFP4):
         w = CpuWeight.from_qtensor(QTensor(torch.from_numpy(random_blocks(qtype, 40, 512, 1)), qtype, (40, 512)))
         outs = []
         for lib in libs:
