@@ -366,10 +366,26 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
             w->c[j] = _mm512_and_si512(v, m);
             w->c[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
         }
-    } else {
-        uint8_t u[8][64];
-        unpack_values(fmt, b, u);
-        for (int c = 0; c < 8; c++) w->c[c] = _mm512_loadu_si512((const void *)u[c]);
+    } else if (fmt_bits(fmt) == 8) {
+        __m512i flip = _mm512_set1_epi8(fmt == FMT_Q8_0 ? (char)0x80 : 0);
+        for (int c = 0; c < 8; c++) w->c[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(b + 64 * c)), flip);
+    } else { /* nibbles plus bit planes: bit p of a byte's word (rows 0-7, then rows 8-15) masks in 16 << p */
+        int planes = fmt_planes(fmt);
+        __m512i m = _mm512_set1_epi8(15);
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(b + 64 * j));
+            __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < planes; p++) {
+                    uint32_t w0, w1;
+                    memcpy(&w0, b + 256 + 4 * (((2 * j) * 2 + h) * planes + p), 4);
+                    memcpy(&w1, b + 256 + 4 * (((2 * j + 1) * 2 + h) * planes + p), 4);
+                    __m512i bits = _mm512_maskz_mov_epi8((__mmask64)w0 | (__mmask64)w1 << 32, _mm512_set1_epi8((char)(16 << p)));
+                    if (h) hi = _mm512_or_si512(hi, bits);
+                    else lo = _mm512_or_si512(lo, bits);
+                }
+            w->c[j] = lo, w->c[4 + j] = hi;
+        }
     }
 }
 static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias) {
