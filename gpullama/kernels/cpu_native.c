@@ -11,17 +11,25 @@ arithmetic and the reduction tree are the same on all three.
 
 Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
 rounded to integers Q = round(x / d), d = max |x| / 32258, held as 254 hi + lo (two int8); per group and weight
-row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI, AVX2 or plain C), and y
-accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of one
-accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
+row the integer dot product of Q with the values u + offset (u unsigned, the offset the type's: -8 for Q4_0, -16
+for Q5_0, -32 for Q6_K, -128 for Q8_0's bytes read as q + 128) is exact in int32 (AVX512-VNNI, AVX2 or plain C),
+and y accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of
+one accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
 weights; threads split the weight rows; a row's arithmetic is the same in any tile.
 
-Weight formats (K a multiple of 32): rows in groups of 16 (N padded with rows of zeros); a group is one
-contiguous stream of blocks, one per 32 values along K, so the weights are read front to back. A block holds the
-16 rows' values in chunks of 4 bytes (chunk c of every row, then chunk c + 1; Q4: 16 bytes a row, value k in the
-low nibble of byte k, value k + 16 in its high nibble; Q8: 32 unsigned bytes a row; F16: 32 float16, F32: 32
-float, value k of the 16 rows then value k + 1), then (Q4, Q8) the 16 rows' scales, 32 / group sets of 16
-(float16 with half_scales, else float), then their zeros in the same shape. A value is q * scale + zero.
+Weight formats: rows in groups of 16 (N padded with rows of zeros); a group is one contiguous stream of units
+along K, so the weights are read front to back. A unit covers 32 values (256 for the K-quants, K a multiple of
+it). The 16 rows' values of each 32 come in chunks of 4 (chunk c of every row, then chunk c + 1):
+- 4, 5, 6 bits (Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K): 256 bytes of nibbles (byte k of a row: value k in the
+  low nibble, value k + 16 in the high one), then 1 or 2 bit planes of 64 bytes (see unpack_values);
+- 8 bits: 32 bytes a row (Q8_0: its signed quants; FMT_Q8: unsigned values);
+- F16: 32 float16, F32: 32 float, value k of the 16 rows then value k + 1.
+Then each type's own fields, 16 rows a field: Q4_0, Q5_0, Q8_0: d (float16); Q4_1, Q5_1: d, m; after the 8
+value sections of a K-quant unit, Q4_K and Q5_K: sc [8][16] and mn [8][16] (the 6-bit sub-scales as bytes), d,
+dmin (float16); Q6_K: sc [16][16] (int8), d. FMT_Q8 (MXFP4): 32 / group scales, then as many zeros (float16 with
+half_scales, else float). A value is (u + offset) * scale + zero: the K-quants' scale d * sc and zero -dmin * mn,
+exact in float32 as in gguf's dequantizers; each format reads as many bytes as the GGUF blocks hold (Q4_K, Q5_K:
+2-3% more, their 6-bit sub-scales held as bytes; MXFP4: 8-bit values).
 */
 
 #include <math.h>
@@ -299,8 +307,8 @@ int64_t gl_unit_bytes(int fmt, int group, int half_scales) {
 
 /* The 16 rows x 32 values of one value section as unsigned bytes, out[c][4 r + i] = value 4c + i of row r: the
    nibbles (byte 4r + i of chunk j, j < 4, holds value 4j + i in its low nibble and 16 + 4j + i in its high one),
-   plus bit p of the little-endian word ((2j + r / 8) * 2 + h) * planes + p of the planes (h = 1: the high
-   nibbles' values) at bit 4 (r % 8) + i, as bit 4 + p. */
+   plus bit p of the little-endian word ((2j + h) * planes + p) * 2 + r / 8 of the planes (h = 1: the high
+   nibbles' values) at bit 4 (r % 8) + i, as bit 4 + p: two words, one 64-bit mask of the 16 rows. */
 static inline void unpack_values(int fmt, const uint8_t *v, uint8_t out[8][64]) {
     int planes = fmt_planes(fmt);
     if (fmt_bits(fmt) == 8) {
@@ -315,17 +323,11 @@ static inline void unpack_values(int fmt, const uint8_t *v, uint8_t out[8][64]) 
                 int j = c & 3, h = c >> 2, byte = v[64 * j + 4 * row + i], u = h ? byte >> 4 : byte & 15;
                 int bit = 4 * (row & 7) + i;
                 for (int p = 0; p < planes; p++) {
-                    const uint8_t *word = v + 256 + 4 * (((2 * j + row / 8) * 2 + h) * planes + p);
+                    const uint8_t *word = v + 256 + 4 * (((2 * j + h) * planes + p) * 2 + row / 8);
                     u |= ((word[bit >> 3] >> (bit & 7)) & 1) << (4 + p);
                 }
                 out[c][4 * row + i] = (uint8_t)u;
             }
-}
-
-static inline vf vf_u8(const uint8_t *p) {
-    float f[16];
-    for (int i = 0; i < 16; i++) f[i] = (float)p[i];
-    return vf_load(f);
 }
 
 /* The 16 rows' scale and zero (zero: 0 for the types without one) of set t of sub-block j of the unit at b;
@@ -346,8 +348,9 @@ static inline void unit_scales(int fmt, int sets, int half, const uint8_t *b, in
         *scale = vf_mul(vf_f16((const uint16_t *)(meta + 256)), vf_i8((const int8_t *)(meta + 16 * (2 * j + t))));
     } else { /* sc [8][16], mn [8][16], d [16], dmin [16] */
         const uint8_t *meta = b + 8 * vbytes;
-        *scale = vf_mul(vf_f16((const uint16_t *)(meta + 256)), vf_u8(meta + 16 * j));
-        *zero = vf_sub(vf_zero(), vf_mul(vf_f16((const uint16_t *)(meta + 288)), vf_u8(meta + 128 + 16 * j)));
+        const int8_t *sc = (const int8_t *)meta + 16 * j, *mn = sc + 128; /* 6-bit: 0 .. 63 as int8 */
+        *scale = vf_mul(vf_f16((const uint16_t *)(meta + 256)), vf_i8(sc));
+        *zero = vf_sub(vf_zero(), vf_mul(vf_f16((const uint16_t *)(meta + 288)), vf_i8(mn)));
     }
 }
 
@@ -377,10 +380,9 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
             __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
             for (int h = 0; h < 2; h++)
                 for (int p = 0; p < planes; p++) {
-                    uint32_t w0, w1;
-                    memcpy(&w0, b + 256 + 4 * (((2 * j) * 2 + h) * planes + p), 4);
-                    memcpy(&w1, b + 256 + 4 * (((2 * j + 1) * 2 + h) * planes + p), 4);
-                    __m512i bits = _mm512_maskz_mov_epi8((__mmask64)w0 | (__mmask64)w1 << 32, _mm512_set1_epi8((char)(16 << p)));
+                    uint64_t rows;
+                    memcpy(&rows, b + 256 + 8 * ((2 * j + h) * planes + p), 8);
+                    __m512i bits = _mm512_maskz_mov_epi8((__mmask64)rows, _mm512_set1_epi8((char)(16 << p)));
                     if (h) hi = _mm512_or_si512(hi, bits);
                     else lo = _mm512_or_si512(lo, bits);
                 }
@@ -397,7 +399,7 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
         a = _mm512_dpbusd_epi32(a, w->c[c], _mm512_set1_epi32(h4));
         b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
     }
-    __m512i r = _mm512_add_epi32(_mm512_mullo_epi32(a, _mm512_set1_epi32(254)), b);
+    __m512i r = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(a, 8), _mm512_slli_epi32(a, 1)), b); /* 254a+b */
     return _mm512_cvtepi32_ps(_mm512_add_epi32(r, _mm512_set1_epi32(bias)));
 }
 #elif defined(__AVX2__)
@@ -440,10 +442,10 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
             for (int r = 0; r < 2; r++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * j + 32 * r));
                 __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-                const uint8_t *words = b + 256 + 4 * ((2 * j + r) * 2 * planes);
+                const uint8_t *words = b + 256 + 4 * r; /* word ((2j + h) * planes + p) * 2 + r */
                 for (int p = 0; p < planes; p++) {
-                    lo = _mm256_or_si256(lo, plane_bytes(words + 4 * p, (char)(16 << p)));
-                    hi = _mm256_or_si256(hi, plane_bytes(words + 4 * (planes + p), (char)(16 << p)));
+                    lo = _mm256_or_si256(lo, plane_bytes(words + 8 * (2 * j * planes + p), (char)(16 << p)));
+                    hi = _mm256_or_si256(hi, plane_bytes(words + 8 * ((2 * j + 1) * planes + p), (char)(16 << p)));
                 }
                 w->c[j][2 * r] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
                 w->c[j][2 * r + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
@@ -470,9 +472,11 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
             sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(w->c[c][0], lb));
             sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(w->c[c][1], lb));
         }
-        __m256i ones = _mm256_set1_epi16(1), k254 = _mm256_set1_epi32(254);
-        r0 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh0, ones), k254), _mm256_madd_epi16(sl0, ones));
-        r1 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh1, ones), k254), _mm256_madd_epi16(sl1, ones));
+        __m256i ones = _mm256_set1_epi16(1), h0 = _mm256_madd_epi16(sh0, ones), h1 = _mm256_madd_epi16(sh1, ones);
+        r0 = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h0, 8), _mm256_slli_epi32(h0, 1)), /* 254 h */
+                              _mm256_madd_epi16(sl0, ones));
+        r1 = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h1, 8), _mm256_slli_epi32(h1, 1)),
+                              _mm256_madd_epi16(sl1, ones));
     } else {
         __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                           _mm256_setzero_si256()};

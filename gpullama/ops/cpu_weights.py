@@ -115,10 +115,10 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
 
 def _bit_planes(values: torch.Tensor, planes: int) -> torch.Tensor:
     """Bits 4 .. 3 + planes of `values` ``[n, groups, 32]`` as the kernels' words ``[n / 16, groups, 64 planes]``:
-    word ((2j + r) * 2 + h) * planes + p holds, at bit 4 rl + i, bit 4 + p of value 16h + 4j + i of row 8r + rl."""
+    word ((2j + h) * planes + p) * 2 + r holds, at bit 4 rl + i, bit 4 + p of value 16h + 4j + i of row 8r + rl."""
     n, groups = values.shape[:2]
     bits = torch.stack([(values >> (4 + p)) & 1 for p in range(planes)], dim=-1)  # [n, groups, 32, planes]
-    bits = bits.reshape(n // 16, 2, 8, groups, 2, 4, 4, planes).permute(0, 3, 5, 1, 4, 7, 2, 6)
+    bits = bits.reshape(n // 16, 2, 8, groups, 2, 4, 4, planes).permute(0, 3, 5, 4, 7, 1, 2, 6)
     bits = bits.reshape(n // 16, groups, 16 * planes, 4, 8)  # bit 4 rl + i: bit i + 4 (rl % 2) of byte rl // 2
     words = torch.zeros(bits.shape[:-1], dtype=torch.uint8)
     for k in range(8):
