@@ -1,34 +1,33 @@
 """CPU weight formats of the fast path: each GGUF matrix repacked once at load for the kernels of
 `gpullama.kernels.cpu_native`, which dequantize it on the fly, exactly as gguf's dequantizers do.
 
-Every quantized type is ``w = q * scale + zero`` per group of values with a small integer ``q``; the kernels
-compute that with one fused multiply-add, which rounds once, as gguf's float32 dequantizers do (their ``d * q``
-is exact in float32 for every type), so the weights the kernels multiply by are bit-identical to
-`gpullama.quants.dequantize`. Per type (``d``, ``m``, ``sc``, ``mn`` the block's fields as in `gpullama.quants`;
-``dl = d * sc``, ``ml = dmin * mn`` per sub-block):
+Each type keeps its own width and its own scale fields (issue 23): a value is ``(u + offset) * scale + zero`` with
+``u`` the unsigned quant, computed in one fused multiply-add, which rounds once as gguf's float32 dequantizers do
+(their ``d * q`` is exact in float32 for every type), so the weights the kernels multiply by are bit-identical to
+`gpullama.quants.dequantize`. Per type (``d``, ``m``, ``dmin``, ``sc``, ``mn`` the block's fields as in
+`gpullama.quants`):
 
-| GGUF type | format | q | scale | zero | group | bytes/weight (GGUF) |
-| --- | --- | --- | --- | --- | ---: | --- |
-| Q4_0 | Q4 | q (0..15) | d | -8d | 32 | 0.625 (0.5625) |
-| Q4_1 | Q4 | q | d | m | 32 | 0.625 (0.625) |
-| Q4_K | Q4 | q | dl | -ml | 32 | 0.75 (0.5625) |
-| Q5_0 | Q8 | q (0..31) | d | -16d | 32 | 1.125 (0.6875) |
-| Q5_1 | Q8 | q (0..31) | d | m | 32 | 1.125 (0.75) |
-| Q5_K | Q8 | q (0..31) | dl | -ml | 32 | 1.25 (0.6875) |
-| Q8_0 | Q8 | q + 128 | d | -128d | 32 | 1.125 (1.0625) |
-| Q6_K | Q8 | q (0..63) | d * scale | -32 d * scale | 16 | 1.5 (0.8203) |
-| MXFP4 | Q8 | E2M1 value x 2 + 12 (0..24) | e8m0 / 2 | -12 e8m0 / 2 | 32 | 1.125 (0.53125) |
-| F16 | F16 | | | | | 2 |
-| BF16, F32 | F32 (exact) | | | | | 4 |
+| GGUF type | format | values held | offset | scale | zero | bytes/weight (GGUF) |
+| --- | --- | --- | ---: | --- | --- | --- |
+| Q4_0 | FMT_Q4_0 | 4-bit | -8 | d (float16) | | 0.5625 (0.5625) |
+| Q4_1 | FMT_Q4_1 | 4-bit | | d | m (float16) | 0.625 (0.625) |
+| Q5_0 | FMT_Q5_0 | 4-bit + 1 bit plane | -16 | d | | 0.6875 (0.6875) |
+| Q5_1 | FMT_Q5_1 | 4-bit + 1 bit plane | | d | m | 0.75 (0.75) |
+| Q8_0 | FMT_Q8_0 | its int8 bytes | | d | | 1.0625 (1.0625) |
+| Q4_K | FMT_Q4_K | 4-bit | | d * sc per 32 | -dmin * mn | 0.578 (0.5625) |
+| Q5_K | FMT_Q5_K | 4-bit + 1 bit plane | | d * sc per 32 | -dmin * mn | 0.703 (0.6875) |
+| Q6_K | FMT_Q6_K | 4-bit + 2 bit planes | -32 | d * sc per 16 (int8 sc) | | 0.8203 (0.8203) |
+| MXFP4 | FMT_Q8 | E2M1 value x 2 + 12 as a byte | | e8m0 / 2 | -12 e8m0 / 2 | 1.125 (0.53125) |
+| F16 | FMT_F16 | float16 | | | | 2 |
+| BF16, F32 | FMT_F32 | float32 (exact) | | | | 4 |
 
-MXFP4's scale is a power of two and its values small integers, so ``q * scale + zero`` is exact too.
+The K-quants' units are 256 values (their super-blocks): 8 groups of 32 values, then the sub-scales (Q4_K/Q5_K's
+6-bit sc and mn held as one byte each: the 2-3% above the file), then d (and dmin), as float16; the kernel forms
+``d * sc`` (exact in float32) per group. MXFP4's scale is a power of two and its values small integers, so
+``u * scale + zero`` is exact too; its scales are float16 where every one is a float16 value, else float32.
 
-Scales and zeros are float16 for the types whose fields are float16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; float32
-where ``-8d`` and the like overflow float16), float32 for the K-quants.
-
-Q4 packs 32 values in 16 bytes (low nibble value k, high nibble value k + 16); Q8 holds one unsigned byte a value.
-The kernels read rows 16 at a time: each 16 rows are stored as one stream of blocks of 32 values (see the top of
-`cpu_native.c`); rows are padded with zeros to a multiple of 16.
+The kernels read rows 16 at a time: each 16 rows are stored as one stream of units (see the top of
+`cpu_native.c`); rows are padded with rows of zero bytes (scales 0) to a multiple of 16.
 """
 
 from __future__ import annotations
