@@ -154,6 +154,7 @@ class CpuWeight:
     half_scales: bool  # FMT_Q8: scales and zeros stored as float16 (exact where every one is a float16 value)
     blocks: torch.Tensor  # uint8 [N padded to 16 / 16, units, unit bytes]
     out_features: int
+    in_features: int
 
     @property
     def nbytes(self) -> int:
@@ -202,7 +203,7 @@ class CpuWeight:
             else:  # the values (chunk c of every row, then chunk c + 1), then the scales, then the zeros
                 per_row = [_interleave(t.reshape(t.shape[0], k // 32, -1, 1)) for t in parts[1:]]
                 chunks.append(torch.cat([_interleave(values.reshape(-1, k // 32, 8, 4))] + per_row, dim=-1))
-        return cls(fmt, group, half_scales, torch.cat(chunks), n)
+        return cls(fmt, group, half_scales, torch.cat(chunks), n, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded)."""
