@@ -27,6 +27,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import gguf
 import torch
 from machine import cpu_name  # benchmarks/machine.py
 
@@ -117,6 +118,27 @@ class Transformers:
         return time.perf_counter() - start
 
 
+def gguf_matrix_bytes(path: str) -> int:
+    """Bytes of the file's matrices a decode step reads once each: every 2-D tensor but the token embedding (read a
+    row at a time), which counts when it is also the output head (tied)."""
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    tied = "output.weight" not in tensors
+    return sum(int(t.n_bytes) for name, t in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def bytes_per_decode_token(engine: Gpullama, n: int = 16) -> float | None:
+    """Weight bytes the CPU fast path's matmul and MoE kernels read per token while generating `n` tokens (None
+    when the engine does not run them)."""
+    from gpullama.kernels import cpu_native
+    from gpullama.ops.cpu_ops import CpuOps
+
+    if not isinstance(engine.llm.model.ops, CpuOps):
+        return None
+    before = cpu_native.matmul_bytes_read() + cpu_native.moe_bytes_read()
+    engine.tg(n)
+    return (cpu_native.matmul_bytes_read() + cpu_native.moe_bytes_read() - before) / n
+
+
 def main() -> None:
     """Parse arguments, load every engine, alternate them over the rounds, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -183,6 +205,11 @@ def main() -> None:
             print(f"\n{engine.label}: load added {engine.loaded_bytes / 2**20:.0f} MiB resident "
                   f"(file {os.path.getsize(path) / 2**20:.0f} MiB; KV pool {runner.kv_cache_bytes / 2**20:.0f} MiB)",
                   end="")
+            read = bytes_per_decode_token(engine)
+            if read is not None:
+                matrices = gguf_matrix_bytes(path)
+                print(f"; weight bytes read per decode token {read / 2**20:.1f} MiB, {read / matrices:.3f}x the "
+                      f"file's matrix bytes ({matrices / 2**20:.1f} MiB)", end="")
     print()
 
 

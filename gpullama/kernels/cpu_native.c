@@ -11,17 +11,25 @@ arithmetic and the reduction tree are the same on all three.
 
 Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
 rounded to integers Q = round(x / d), d = max |x| / 32258, held as 254 hi + lo (two int8); per group and weight
-row the integer dot product of Q with the unsigned values u is exact in int32 (AVX512-VNNI, AVX2 or plain C), and y
-accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of one
-accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
+row the integer dot product of Q with the values u + offset (u unsigned, the offset the type's: -8 for Q4_0, -16
+for Q5_0, -32 for Q6_K, -128 for Q8_0's bytes read as q + 128) is exact in int32 (AVX512-VNNI, AVX2 or plain C),
+and y accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of
+one accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
 weights; threads split the weight rows; a row's arithmetic is the same in any tile.
 
-Weight formats (K a multiple of 32): rows in groups of 16 (N padded with rows of zeros); a group is one
-contiguous stream of blocks, one per 32 values along K, so the weights are read front to back. A block holds the
-16 rows' values in chunks of 4 bytes (chunk c of every row, then chunk c + 1; Q4: 16 bytes a row, value k in the
-low nibble of byte k, value k + 16 in its high nibble; Q8: 32 unsigned bytes a row; F16: 32 float16, F32: 32
-float, value k of the 16 rows then value k + 1), then (Q4, Q8) the 16 rows' scales, 32 / group sets of 16
-(float16 with half_scales, else float), then their zeros in the same shape. A value is q * scale + zero.
+Weight formats: rows in groups of 16 (N padded with rows of zeros); a group is one contiguous stream of units
+along K, so the weights are read front to back. A unit covers 32 values (256 for the K-quants, K a multiple of
+it). The 16 rows' values of each 32 come in chunks of 4 (chunk c of every row, then chunk c + 1):
+- 4, 5, 6 bits (Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K): 256 bytes of nibbles (byte k of a row: value k in the
+  low nibble, value k + 16 in the high one), then 1 or 2 bit planes of 64 bytes (see unpack_values);
+- 8 bits: 32 bytes a row (Q8_0: its signed quants; FMT_Q8: unsigned values);
+- F16: 32 float16, F32: 32 float, value k of the 16 rows then value k + 1.
+Then each type's own fields, 16 rows a field: Q4_0, Q5_0, Q8_0: d (float16); Q4_1, Q5_1: d, m; after the 8
+value sections of a K-quant unit, Q4_K and Q5_K: sc [8][16] and mn [8][16] (the 6-bit sub-scales as bytes), d,
+dmin (float16); Q6_K: sc [16][16] (int8), d. FMT_Q8 (MXFP4): 32 / group scales, then as many zeros (float16 with
+half_scales, else float). A value is (u + offset) * scale + zero: the K-quants' scale d * sc and zero -dmin * mn,
+exact in float32 as in gguf's dequantizers; each format reads as many bytes as the GGUF blocks hold (Q4_K, Q5_K:
+2-3% more, their 6-bit sub-scales held as bytes; MXFP4: 8-bit values).
 */
 
 #include <math.h>
@@ -254,36 +262,135 @@ static void *scratch(int which, size_t bytes) {
 
 #define GL_MAX_HEAD_DIM 256 /* attention: D a multiple of 16, at most this */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_F32 = 3 };
+/* Quantized formats (see the top of the file): FMT_Q8 holds unsigned bytes with a scale and a zero per 16 or 32
+   values (MXFP4); the others hold each GGUF type at its own width: 4-bit low nibbles, then (5 and 6 bits) bit
+   planes, then the type's own scale fields. */
+enum {
+    FMT_Q8 = 1, FMT_F16 = 2, FMT_F32 = 3,
+    FMT_Q4_0 = 4, FMT_Q4_1 = 5, FMT_Q5_0 = 6, FMT_Q5_1 = 7, FMT_Q8_0 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11
+};
 
 #define MT 8 /* rows of x per tile: a block's weights are unpacked once per tile */
 
-/* bytes of one block: 16 rows x 32 values (see the layout at the top of the file) */
-int64_t gl_block_bytes(int fmt, int group, int half_scales) {
+static inline int fmt_quantized(int fmt) { return fmt == FMT_Q8 || fmt >= FMT_Q4_0; }
+/* K-quants: a unit is 16 rows x 256 values (8 sub-blocks of 32, then the super-block's fields) */
+static inline int fmt_super(int fmt) { return fmt >= FMT_Q4_K; }
+static inline int fmt_bits(int fmt) {
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K   ? 4
+           : fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q5_K ? 5
+           : fmt == FMT_Q6_K                                       ? 6
+                                                                   : 8;
+}
+/* bit planes above the nibbles (bits 4, 5) */
+static inline int fmt_planes(int fmt) { return fmt_bits(fmt) == 5 ? 1 : fmt_bits(fmt) == 6 ? 2 : 0; }
+/* bytes of 16 rows x 32 values */
+static inline int fmt_vbytes(int fmt) { return fmt_bits(fmt) == 8 ? 512 : 256 + 64 * fmt_planes(fmt); }
+/* the integer added to each unsigned value u before its scale: u + offset is the GGUF quant (Q8_0 bytes are read
+   as u = q + 128) */
+static inline int fmt_offset(int fmt) {
+    return fmt == FMT_Q4_0 ? -8 : fmt == FMT_Q5_0 ? -16 : fmt == FMT_Q6_K ? -32 : fmt == FMT_Q8_0 ? -128 : 0;
+}
+/* whether values have an added zero (a minimum) besides the scale */
+static inline int fmt_has_zero(int fmt) {
+    return fmt == FMT_Q8 || fmt == FMT_Q4_1 || fmt == FMT_Q5_1 || fmt == FMT_Q4_K || fmt == FMT_Q5_K;
+}
+/* scales per 32 values */
+static inline int fmt_sets(int fmt, int group) { return fmt == FMT_Q6_K || (fmt == FMT_Q8 && group == 16) ? 2 : 1; }
+
+/* bytes of one unit: 16 rows x 32 values (256 for the K-quants), see the layout at the top of the file */
+int64_t gl_unit_bytes(int fmt, int group, int half_scales) {
     if (fmt == FMT_F16 || fmt == FMT_F32) return 16 * 32 * (fmt == FMT_F16 ? 2 : 4);
-    return 16 * (fmt == FMT_Q4 ? 16 : 32) + 2 * (32 / group) * 16 * (half_scales ? 2 : 4);
+    if (fmt == FMT_Q8) return 512 + 2 * (32 / group) * 16 * (half_scales ? 2 : 4);
+    if (!fmt_super(fmt)) return fmt_vbytes(fmt) + 32 * (1 + fmt_has_zero(fmt));
+    return 8 * fmt_vbytes(fmt) + (fmt == FMT_Q6_K ? 256 + 32 : 256 + 64);
 }
 
-/* The 16 rows x 32 unsigned values of one block, unpacked: chunk c holds, per row (lane), values 4c .. 4c + 3 */
+/* The 16 rows x 32 values of one value section as unsigned bytes, out[c][4 r + i] = value 4c + i of row r: the
+   nibbles (byte 4r + i of chunk j, j < 4, holds value 4j + i in its low nibble and 16 + 4j + i in its high one),
+   plus bit p of the little-endian word ((2j + h) * planes + p) * 2 + r / 8 of the planes (h = 1: the high
+   nibbles' values) at bit 4 (r % 8) + i, as bit 4 + p: two words, one 64-bit mask of the 16 rows. */
+static inline void unpack_values(int fmt, const uint8_t *v, uint8_t out[8][64]) {
+    int planes = fmt_planes(fmt);
+    if (fmt_bits(fmt) == 8) {
+        uint8_t flip = fmt == FMT_Q8_0 ? 0x80 : 0;
+        for (int c = 0; c < 8; c++)
+            for (int k = 0; k < 64; k++) out[c][k] = v[64 * c + k] ^ flip;
+        return;
+    }
+    for (int c = 0; c < 8; c++)
+        for (int row = 0; row < 16; row++)
+            for (int i = 0; i < 4; i++) {
+                int j = c & 3, h = c >> 2, byte = v[64 * j + 4 * row + i], u = h ? byte >> 4 : byte & 15;
+                int bit = 4 * (row & 7) + i;
+                for (int p = 0; p < planes; p++) {
+                    const uint8_t *word = v + 256 + 4 * (((2 * j + h) * planes + p) * 2 + row / 8);
+                    u |= ((word[bit >> 3] >> (bit & 7)) & 1) << (4 + p);
+                }
+                out[c][4 * row + i] = (uint8_t)u;
+            }
+}
+
+/* The 16 rows' scale and zero (zero: 0 for the types without one) of set t of sub-block j of the unit at b;
+   the K-quants' d * sc and dmin * mn are exact in float32, as in gguf's dequantizers */
+static inline void unit_scales(int fmt, int sets, int half, const uint8_t *b, int j, int t, vf *scale, vf *zero) {
+    int vbytes = fmt_vbytes(fmt);
+    *zero = vf_zero();
+    if (fmt == FMT_Q8) {
+        int sbytes = 16 * (half ? 2 : 4);
+        const uint8_t *s = b + vbytes + t * sbytes, *z = b + vbytes + (sets + t) * sbytes;
+        *scale = half ? vf_f16((const uint16_t *)s) : vf_load((const float *)s);
+        *zero = half ? vf_f16((const uint16_t *)z) : vf_load((const float *)z);
+    } else if (!fmt_super(fmt)) { /* d, then m */
+        *scale = vf_f16((const uint16_t *)(b + vbytes));
+        if (fmt_has_zero(fmt)) *zero = vf_f16((const uint16_t *)(b + vbytes + 32));
+    } else if (fmt == FMT_Q6_K) { /* int8 scales [16 sets][16 rows], then d */
+        const uint8_t *meta = b + 8 * vbytes;
+        *scale = vf_mul(vf_f16((const uint16_t *)(meta + 256)), vf_i8((const int8_t *)(meta + 16 * (2 * j + t))));
+    } else { /* sc [8][16], mn [8][16], d [16], dmin [16] */
+        const uint8_t *meta = b + 8 * vbytes;
+        const int8_t *sc = (const int8_t *)meta + 16 * j, *mn = sc + 128; /* 6-bit: 0 .. 63 as int8 */
+        *scale = vf_mul(vf_f16((const uint16_t *)(meta + 256)), vf_i8(sc));
+        *zero = vf_sub(vf_zero(), vf_mul(vf_f16((const uint16_t *)(meta + 288)), vf_i8(mn)));
+    }
+}
+
+/* The 16 rows x 32 unsigned values of one value section, unpacked: chunk c holds, per row (lane), values
+   4c .. 4c + 3. wg_dot(w, hi, lo, c0, c1, bias): the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the
+   values Q = 254 hi + lo (hi, lo int8, values 4 c0 .. 4 c1 - 1), plus bias, as floats; exact in int32. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #undef GL_ISA
 #define GL_ISA "avx512-vnni"
 typedef struct { __m512i c[8]; } wg;
 static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
-    if (fmt == FMT_Q4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
+    if (fmt_bits(fmt) == 4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
         __m512i m = _mm512_set1_epi8(15);
         for (int j = 0; j < 4; j++) {
             __m512i v = _mm512_loadu_si512((const void *)(b + 64 * j));
             w->c[j] = _mm512_and_si512(v, m);
             w->c[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
         }
-    } else {
-        for (int c = 0; c < 8; c++) w->c[c] = _mm512_loadu_si512((const void *)(b + 64 * c));
+    } else if (fmt_bits(fmt) == 8) {
+        __m512i flip = _mm512_set1_epi8(fmt == FMT_Q8_0 ? (char)0x80 : 0);
+        for (int c = 0; c < 8; c++) w->c[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(b + 64 * c)), flip);
+    } else { /* nibbles plus bit planes: bit p of a byte's word (rows 0-7, then rows 8-15) masks in 16 << p */
+        int planes = fmt_planes(fmt);
+        __m512i m = _mm512_set1_epi8(15);
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(b + 64 * j));
+            __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < planes; p++) {
+                    uint64_t rows;
+                    memcpy(&rows, b + 256 + 8 * ((2 * j + h) * planes + p), 8);
+                    __m512i bits = _mm512_maskz_mov_epi8((__mmask64)rows, _mm512_set1_epi8((char)(16 << p)));
+                    if (h) hi = _mm512_or_si512(hi, bits);
+                    else lo = _mm512_or_si512(lo, bits);
+                }
+            w->c[j] = lo, w->c[4 + j] = hi;
+        }
     }
 }
-/* the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the values 254 hi + lo (hi, lo int8, values
-   4 c0 .. 4 c1 - 1), as floats: sum(w hi) * 254 + sum(w lo), exact in int32 */
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias) {
     __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
     for (int c = c0; c < c1; c++) {
         int32_t h4, l4;
@@ -292,18 +399,30 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
         a = _mm512_dpbusd_epi32(a, w->c[c], _mm512_set1_epi32(h4));
         b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
     }
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(a, _mm512_set1_epi32(254)), b));
+    __m512i r = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(a, 8), _mm512_slli_epi32(a, 1)), b); /* 254a+b */
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(r, _mm512_set1_epi32(bias)));
 }
 #elif defined(__AVX2__)
-/* AVX2. Q4: each chunk's 16 rows x 4 nibbles as bytes, 8 rows a register; vpmaddubsw multiplies them by hi and
-   by lo (int8) into int16 pair sums (at most 8 chunks x 2 x 15 x 127: no overflow), vpmaddwd by 1 adds a row's
-   pairs, and the row's dot is 254 sum(w hi) + sum(w lo). Q8: each chunk's values widened to int16, 4 rows a
-   register, times the whole integers Q = 254 hi + lo (an int16) with vpmaddwd. Both give the exact int32 sums of
-   the plain C path, so the same results bit for bit. */
+/* AVX2. 4-bit values: each chunk's 16 rows x 4 nibbles as bytes, 8 rows a register; vpmaddubsw multiplies them by
+   hi and by lo (int8) into int16 pair sums (at most 8 chunks x 2 x 15 x 127: no overflow), vpmaddwd by 1 adds a
+   row's pairs, and the row's dot is 254 sum(w hi) + sum(w lo). Wider values: each chunk's values widened to int16,
+   4 rows a register, times the whole integers Q = 254 hi + lo (an int16) with vpmaddwd. Both give the exact int32
+   sums of the plain C path, so the same results bit for bit. */
 typedef struct { __m256i c[8][4]; int q4; } wg;
+/* 32 bytes: `value` where bit i of the little-endian word at p is set, else 0 */
+static inline __m256i plane_bytes(const uint8_t *p, char value) {
+    int32_t word;
+    memcpy(&word, p, 4);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(word),
+                                         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
+}
 static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
-    w->q4 = fmt == FMT_Q4;
-    if (fmt == FMT_Q4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
+    int bits = fmt_bits(fmt), planes = fmt_planes(fmt);
+    w->q4 = bits == 4;
+    if (bits == 4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
         __m256i m = _mm256_set1_epi8(15);
         for (int j = 0; j < 4; j++)
             for (int r = 0; r < 2; r++) {
@@ -311,17 +430,35 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
                 w->c[j][r] = _mm256_and_si256(v, m);
                 w->c[4 + j][r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
             }
-    } else {
+    } else if (bits == 8) {
+        __m128i flip = _mm_set1_epi8(fmt == FMT_Q8_0 ? (char)0x80 : 0);
         for (int c = 0; c < 8; c++)
             for (int g = 0; g < 4; g++)
-                w->c[c][g] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 64 * c + 16 * g)));
+                w->c[c][g] = _mm256_cvtepu8_epi16(
+                    _mm_xor_si128(_mm_loadu_si128((const __m128i *)(b + 64 * c + 16 * g)), flip));
+    } else { /* nibbles plus bit planes, widened to int16 */
+        __m256i m = _mm256_set1_epi8(15);
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 2; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * j + 32 * r));
+                __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+                const uint8_t *words = b + 256 + 4 * r; /* word ((2j + h) * planes + p) * 2 + r */
+                for (int p = 0; p < planes; p++) {
+                    lo = _mm256_or_si256(lo, plane_bytes(words + 8 * (2 * j * planes + p), (char)(16 << p)));
+                    hi = _mm256_or_si256(hi, plane_bytes(words + 8 * ((2 * j + 1) * planes + p), (char)(16 << p)));
+                }
+                w->c[j][2 * r] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+                w->c[j][2 * r + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+                w->c[4 + j][2 * r] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+                w->c[4 + j][2 * r + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+            }
     }
 }
 /* the 16 rows' sums of 4 rows a register (lanes: row r's two pair sums) -> the rows in order */
 static inline __m256i wg_rows(__m256i a, __m256i b) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
 }
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias) {
     __m256i r0, r1;
     if (w->q4) {
         __m256i sh0 = _mm256_setzero_si256(), sh1 = sh0, sl0 = sh0, sl1 = sh0;
@@ -335,9 +472,11 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
             sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(w->c[c][0], lb));
             sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(w->c[c][1], lb));
         }
-        __m256i ones = _mm256_set1_epi16(1), k254 = _mm256_set1_epi32(254);
-        r0 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh0, ones), k254), _mm256_madd_epi16(sl0, ones));
-        r1 = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sh1, ones), k254), _mm256_madd_epi16(sl1, ones));
+        __m256i ones = _mm256_set1_epi16(1), h0 = _mm256_madd_epi16(sh0, ones), h1 = _mm256_madd_epi16(sh1, ones);
+        r0 = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h0, 8), _mm256_slli_epi32(h0, 1)), /* 254 h */
+                              _mm256_madd_epi16(sl0, ones));
+        r1 = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h1, 8), _mm256_slli_epi32(h1, 1)),
+                              _mm256_madd_epi16(sl1, ones));
     } else {
         __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                           _mm256_setzero_si256()};
@@ -353,51 +492,47 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
         }
         r0 = wg_rows(acc[0], acc[1]), r1 = wg_rows(acc[2], acc[3]);
     }
+    __m256i bv = _mm256_set1_epi32(bias);
     float f[16];
-    _mm256_storeu_ps(f, _mm256_cvtepi32_ps(r0));
-    _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(r1));
+    _mm256_storeu_ps(f, _mm256_cvtepi32_ps(_mm256_add_epi32(r0, bv)));
+    _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(_mm256_add_epi32(r1, bv)));
     return vf_load(f);
 }
 #else
 typedef struct { uint8_t c[8][64]; } wg;
-static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
-    if (fmt == FMT_Q4) {
-        for (int j = 0; j < 4; j++)
-            for (int i = 0; i < 64; i++) w->c[j][i] = b[64 * j + i] & 15, w->c[4 + j][i] = b[64 * j + i] >> 4;
-    } else {
-        memcpy(w->c, b, sizeof(w->c));
-    }
-}
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1) {
-    int32_t acc[16] = {0};
+static inline void wg_load(int fmt, const uint8_t *b, wg *w) { unpack_values(fmt, b, w->c); }
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias) {
+    int32_t acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = 0;
     for (int c = c0; c < c1; c++)
         for (int r = 0; r < 16; r++)
             for (int i = 0; i < 4; i++)
                 acc[r] += (int32_t)w->c[c][4 * r + i] * (254 * (int32_t)hi[4 * c + i] + (int32_t)lo[4 * c + i]);
     float f[16];
-    for (int r = 0; r < 16; r++) f[r] = (float)acc[r];
+    for (int r = 0; r < 16; r++) f[r] = (float)(acc[r] + bias);
     return vf_load(f);
 }
 #endif
 
-/* 16 scales (float16 or float) at p */
-static inline vf load16(const uint8_t *p, int half) {
-    return half ? vf_f16((const uint16_t *)p) : vf_load((const float *)p);
-}
-
 typedef struct {
     int fmt, group, half_scales;
-    int64_t K, G, block_bytes; /* G = K / 32 blocks a row */
+    int64_t K, G, block_bytes; /* G: units a row (K / 32, or K / 256 for the K-quants), block_bytes: a unit's */
     const uint8_t *data;       /* [N / 16][G][block_bytes] */
 } weight_t;
+
+static inline weight_t weight_of(int fmt, int group, int half_scales, int64_t K, const uint8_t *data) {
+    weight_t w = {fmt, group, half_scales, K, K / (fmt_super(fmt) ? 256 : 32), gl_unit_bytes(fmt, group, half_scales),
+                  data};
+    return w;
+}
 
 /* The activations of a quantized matmul: each row's groups of 32 values rounded to integers Q = round(x / d),
    d = max |x| / 32258, so |Q| <= 32258 (x to 1 part in 64516 of the group's largest value); Q is held as
    254 hi + lo with hi, lo int8 (for the 8-bit dot products); s is the sum of Q over each half group. */
 typedef struct {
     int8_t *hi, *lo; /* [M][K] */
-    float *d;        /* [M][G] */
-    int32_t *s;      /* [M][2G] */
+    float *d;        /* [M][K / 32] */
+    int32_t *s;      /* [M][2 K / 32] */
 } xquant_t;
 
 #define Q_MAX 32258 /* 254 * 127 */
@@ -426,33 +561,37 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
 }
 
 /* rows m0 .. m0 + mt - 1 of y against the 16 weight rows of block `rb` (quantized formats): per 32 values, exact
-   integer dot products, then y += (scale * d) * dot + (zero * d) * sum(q), one group after another. fmt, sets
-   (scales per 32 values) and mt are constants at every call, so the loops unroll into registers. */
+   integer dot products dot = sum (u + offset) Q, then y += (scale * d) * dot + (zero * d) * sum(Q), one group after
+   another. fmt, sets (scales per 32 values) and mt are constants at every call, so the loops unroll into
+   registers. */
 static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, const weight_t *w, const xquant_t *xq,
                                                          int64_t m0, int mt, int64_t rb, float *y, int64_t ldy) {
-    int64_t K = w->K, G = w->G;
-    int chunks = 8 / sets, vbytes = fmt == FMT_Q4 ? 256 : 512, sbytes = 16 * (w->half_scales ? 2 : 4);
-    const uint8_t *b = w->data + rb * G * w->block_bytes;
+    int64_t K = w->K, G = K / 32;
+    int sub = fmt_super(fmt) ? 8 : 1, vbytes = fmt_vbytes(fmt), chunks = 8 / sets, offset = fmt_offset(fmt);
+    const uint8_t *b = w->data + rb * w->G * w->block_bytes;
     vf acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = vf_zero();
-    for (int64_t g = 0; g < G; g++, b += w->block_bytes) {
-        __builtin_prefetch(b + 16 * w->block_bytes);
-        wg u;
-        wg_load(fmt, b, &u);
-        for (int t = 0; t < sets; t++) {
-            vf scale = load16(b + vbytes + t * sbytes, w->half_scales);
-            vf zero = load16(b + vbytes + (sets + t) * sbytes, w->half_scales);
-            for (int i = 0; i < mt; i++) {
-                int64_t m = m0 + i;
-                float d = xq->d[m * G + g];
-                const int32_t *s = xq->s + m * 2 * G + 2 * g;
-                int32_t sum = sets == 1 ? s[0] + s[1] : s[t];
-                vf dot = wg_dot(&u, xq->hi + m * K + 32 * g, xq->lo + m * K + 32 * g, t * chunks, (t + 1) * chunks);
-                acc[i] = vf_fma(dot, vf_mul(scale, vf_set1(d)), acc[i]);
-                acc[i] = vf_fma(zero, vf_set1(d * (float)sum), acc[i]);
+    for (int64_t unit = 0; unit < w->G; unit++, b += w->block_bytes)
+        for (int j = 0; j < sub; j++) {
+            int64_t g = unit * sub + j; /* the group of 32 values of x */
+            __builtin_prefetch(b + j * vbytes + 8192);
+            wg u;
+            wg_load(fmt, b + j * vbytes, &u);
+            for (int t = 0; t < sets; t++) {
+                vf scale, zero;
+                unit_scales(fmt, sets, w->half_scales, b, j, t, &scale, &zero);
+                for (int i = 0; i < mt; i++) {
+                    int64_t m = m0 + i;
+                    float d = xq->d[m * G + g];
+                    const int32_t *s = xq->s + m * 2 * G + 2 * g;
+                    int32_t sum = sets == 1 ? s[0] + s[1] : s[t];
+                    vf dot = wg_dot(&u, xq->hi + m * K + 32 * g, xq->lo + m * K + 32 * g, t * chunks,
+                                    (t + 1) * chunks, offset * sum);
+                    acc[i] = vf_fma(dot, vf_mul(scale, vf_set1(d)), acc[i]);
+                    if (fmt_has_zero(fmt)) acc[i] = vf_fma(zero, vf_set1(d * (float)sum), acc[i]);
+                }
             }
         }
-    }
     for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
 }
 
@@ -475,7 +614,7 @@ static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, con
                                                           int64_t rb, float *y, int64_t ldy) {
 #define GL_TILE(n)                                                                                                   \
     case n:                                                                                                          \
-        if (fmt == FMT_Q4 || fmt == FMT_Q8) mm_int(fmt, sets, w, xq, m0, n, rb, y, ldy);                            \
+        if (fmt_quantized(fmt)) mm_int(fmt, sets, w, xq, m0, n, rb, y, ldy);                                         \
         else mm_dense(fmt, w, x, ldx, m0, n, rb, y, ldy);                                                            \
         break;
     switch (mt) { GL_TILE(1) GL_TILE(2) GL_TILE(3) GL_TILE(4) GL_TILE(5) GL_TILE(6) GL_TILE(7) GL_TILE(8) }
@@ -495,32 +634,61 @@ static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, c
                      int64_t rb1, float *y, int64_t ldy) {                                                           \
         mm_blocks(fmt, sets, w, x, ldx, xq, M, rb0, rb1, y, ldy);                                                    \
     }
-GL_BLOCKS(mm_q4, FMT_Q4, 1)
 GL_BLOCKS(mm_q8, FMT_Q8, 1)
 GL_BLOCKS(mm_q8_g16, FMT_Q8, 2)
 GL_BLOCKS(mm_f16, FMT_F16, 1)
 GL_BLOCKS(mm_f32, FMT_F32, 1)
+GL_BLOCKS(mm_q4_0, FMT_Q4_0, 1)
+GL_BLOCKS(mm_q4_1, FMT_Q4_1, 1)
+GL_BLOCKS(mm_q5_0, FMT_Q5_0, 1)
+GL_BLOCKS(mm_q5_1, FMT_Q5_1, 1)
+GL_BLOCKS(mm_q8_0, FMT_Q8_0, 1)
+GL_BLOCKS(mm_q4_k, FMT_Q4_K, 1)
+GL_BLOCKS(mm_q5_k, FMT_Q5_K, 1)
+GL_BLOCKS(mm_q6_k, FMT_Q6_K, 2)
 
-/* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32) in format `fmt`
-   laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
+typedef void (*blocks_fn)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t,
+                          float *, int64_t);
+
+static blocks_fn blocks_for(int fmt, int group) {
+    switch (fmt) {
+    case FMT_Q8: return group == 16 ? mm_q8_g16 : mm_q8;
+    case FMT_F16: return mm_f16;
+    case FMT_Q4_0: return mm_q4_0;
+    case FMT_Q4_1: return mm_q4_1;
+    case FMT_Q5_0: return mm_q5_0;
+    case FMT_Q5_1: return mm_q5_1;
+    case FMT_Q8_0: return mm_q8_0;
+    case FMT_Q4_K: return mm_q4_k;
+    case FMT_Q5_K: return mm_q5_k;
+    case FMT_Q6_K: return mm_q6_k;
+    default: return mm_f32;
+    }
+}
+
+static int64_t matmul_bytes; /* weight bytes gl_matmul has read, for benchmarks */
+
+/* the weight bytes gl_matmul has read so far (every block of each matrix, once per call) */
+int64_t gl_matmul_bytes_read(void) { return matmul_bytes; }
+
+/* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32; of 256 for the
+   K-quants) in format `fmt` laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
 int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, int64_t K, int64_t ldx,
               const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
-    weight_t w = {fmt, group, half_scales, K, K / 32, gl_block_bytes(fmt, group, half_scales), data};
+    weight_t w = weight_of(fmt, group, half_scales, K, data);
     xquant_t xq = {NULL, NULL, NULL, NULL};
-    if (fmt == FMT_Q4 || fmt == FMT_Q8) {
-        size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * w.G;
-        uint8_t *buf = scratch(0, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * w.G);
+    if (fmt_quantized(fmt)) {
+        int64_t G = K / 32;
+        size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * G;
+        uint8_t *buf = scratch(0, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * G);
         if (!buf) return -1;
         xq.hi = (int8_t *)buf, xq.lo = (int8_t *)(buf + qbytes);
         xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
         quantize_rows(x, ldx, M, K, &xq, threads);
     }
-    void (*run)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t, float *,
-                int64_t) = fmt == FMT_Q4    ? mm_q4
-                           : fmt == FMT_Q8 ? (group == 16 ? mm_q8_g16 : mm_q8)
-                           : fmt == FMT_F16 ? mm_f16
-                                            : mm_f32;
+    blocks_fn run = blocks_for(fmt, group);
     int64_t blocks = N / 16;
+    matmul_bytes += blocks * w.G * w.block_bytes;
     if (blocks < 4 * threads && M < MT) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -530,37 +698,38 @@ int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, in
     return 0;
 }
 
-/* out [T, K] = rows ids[0 .. T - 1] of W (format `fmt`, blocks as for gl_matmul), each value u * scale + zero in
-   one rounding, as gguf dequantizes it. Returns 0, or -1 when an id is outside [0, N). */
+/* out [T, K] = rows ids[0 .. T - 1] of W (format `fmt`, blocks as for gl_matmul), each value (u + offset) * scale +
+   zero in one rounding, as gguf dequantizes it. Returns 0, or -1 when an id is outside [0, N). */
 int gl_embedding(int fmt, int group, int half_scales, const uint8_t *data, int64_t N, int64_t K, const int64_t *ids,
                  int64_t T, float *out) {
-    int64_t G = K / 32, bb = gl_block_bytes(fmt, group, half_scales);
-    int sets = 32 / group, vbytes = fmt == FMT_Q4 ? 256 : 512, sbytes = 16 * (half_scales ? 2 : 4);
+    weight_t w = weight_of(fmt, group, half_scales, K, data);
+    int sub = fmt_super(fmt) ? 8 : 1, sets = fmt_sets(fmt, group), vbytes = fmt_vbytes(fmt);
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -1;
     for (int64_t t = 0; t < T; t++) {
         int64_t rb = ids[t] / 16, lane = ids[t] % 16;
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *b = data + (rb * G + g) * bb;
+        for (int64_t g = 0; g < K / 32; g++) {
+            const uint8_t *b = data + (rb * w.G + g / sub) * w.block_bytes;
             float *o = out + t * K + 32 * g;
-            if (fmt == FMT_F16 || fmt == FMT_F32) {
+            if (!fmt_quantized(fmt)) {
                 for (int k = 0; k < 32; k++)
                     o[k] = fmt == FMT_F16 ? half_bits_to_float(((const uint16_t *)b)[16 * k + lane])
                                           : ((const float *)b)[16 * k + lane];
                 continue;
             }
+            int j = (int)(g % sub);
+            uint8_t u[8][64];
+            unpack_values(fmt, b + j * vbytes, u);
+            float sc[2][16], zr[2][16];
+            for (int s = 0; s < sets; s++) {
+                vf scale, zero;
+                unit_scales(fmt, sets, half_scales, b, j, s, &scale, &zero);
+                vf_store(sc[s], scale);
+                vf_store(zr[s], zero);
+            }
             for (int k = 0; k < 32; k++) {
-                int u, t8 = k / (32 / sets);
-                if (fmt == FMT_Q4) {
-                    int byte = b[64 * ((k % 16) / 4) + 4 * lane + k % 4];
-                    u = k < 16 ? byte & 15 : byte >> 4;
-                } else {
-                    u = b[64 * (k / 4) + 4 * lane + k % 4];
-                }
-                const uint8_t *sp = b + vbytes + t8 * sbytes, *zp = b + vbytes + (sets + t8) * sbytes;
-                float sc = half_scales ? half_bits_to_float(((const uint16_t *)sp)[lane]) : ((const float *)sp)[lane];
-                float zr = half_scales ? half_bits_to_float(((const uint16_t *)zp)[lane]) : ((const float *)zp)[lane];
-                o[k] = fmaf((float)u, sc, zr);
+                int s = k / (32 / sets);
+                o[k] = fmaf((float)(u[k / 4][4 * lane + k % 4] + fmt_offset(fmt)), sc[s][lane], zr[s][lane]);
             }
         }
     }
@@ -1158,13 +1327,6 @@ typedef struct {
     int64_t stride, N;
 } experts_t;
 
-typedef void (*blocks_fn)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t,
-                          float *, int64_t);
-
-static blocks_fn blocks_for(int fmt, int group) {
-    return fmt == FMT_Q4 ? mm_q4 : fmt == FMT_Q8 ? (group == 16 ? mm_q8_g16 : mm_q8) : fmt == FMT_F16 ? mm_f16 : mm_f32;
-}
-
 /* xquant_t of rows r .. of q */
 static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
     int64_t G = K / 32;
@@ -1220,8 +1382,8 @@ int gl_moe(int fmt1, int group1, int half1, const uint8_t *w1, int64_t stride1, 
            const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *wts, int64_t k,
            int64_t E, int act, float alpha, float limit, float *out, int threads) {
     int64_t P = T * k;
-    experts_t ex1 = {{fmt1, group1, half1, H, H / 32, gl_block_bytes(fmt1, group1, half1), w1}, stride1, N1};
-    experts_t ex2 = {{fmt2, group2, half2, I, I / 32, gl_block_bytes(fmt2, group2, half2), w2}, stride2, N2};
+    experts_t ex1 = {weight_of(fmt1, group1, half1, H, w1), stride1, N1};
+    experts_t ex2 = {weight_of(fmt2, group2, half2, I, w2), stride2, N2};
     int64_t *start = moe_scratch(0, sizeof(int64_t) * (3 * E + 2 + 2 * P));
     if (!start) return -1;
     int64_t *fill = start + E + 1, *active = fill + E, *pair = active + E, *row = pair + P;
@@ -1240,7 +1402,7 @@ int gl_moe(int fmt1, int group1, int half1, const uint8_t *w1, int64_t stride1, 
     for (int64_t p = 0; p < P; p++) pair[fill[ids[p]]] = p, row[p] = fill[ids[p]]++;
 
     moe_bytes += n_active * (stride1 + stride2);
-    int quant1 = fmt1 == FMT_Q4 || fmt1 == FMT_Q8, quant2 = fmt2 == FMT_Q4 || fmt2 == FMT_Q8;
+    int quant1 = fmt_quantized(fmt1), quant2 = fmt_quantized(fmt2);
     float *xs = moe_scratch(1, sizeof(float) * P * (H > I ? H : I)); /* gathered rows, then the activations */
     float *y1 = moe_scratch(2, sizeof(float) * P * N1);
     float *y2 = moe_scratch(3, sizeof(float) * P * N2);

@@ -28,7 +28,8 @@ import torch
 log = logging.getLogger("gpullama")
 
 SOURCE = Path(__file__).with_suffix(".c")
-FMT_Q4, FMT_Q8, FMT_F16, FMT_F32 = 0, 1, 2, 3
+FMT_Q8, FMT_F16, FMT_F32 = 1, 2, 3
+FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1, FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 4, 5, 6, 7, 8, 9, 10, 11
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
 MAX_HEAD_DIM = 256
 """`attention` needs a head dim that is a multiple of 16 (of 32 for a Q8_0 cache) and at most this, and a block size
@@ -119,6 +120,7 @@ def _build() -> ctypes.CDLL:
             fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name in _RETURNS_STATUS else None)
         lib.gl_isa.restype = ctypes.c_char_p
         lib.gl_moe_bytes_read.restype = ctypes.c_int64
+        lib.gl_matmul_bytes_read.restype = ctypes.c_int64
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -154,12 +156,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def matmul(fmt: int, group: int, half_scales: bool, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 16, K / 32, block bytes]`` uint8
-    (scales float16 with `half_scales`, else float32); `out` may be a column slice of a wider matrix."""
+    """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 16, units, unit bytes]`` uint8
+    (units of 32 values, of 256 for the K-quants; FMT_Q8: scales float16 with `half_scales`, else float32); `out`
+    may be a column slice of a wider matrix."""
     if _lib.gl_matmul(fmt, group, half_scales, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
                       16 * blocks.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads()):
         raise MemoryError(f"no memory for the int8 copy of a {tuple(x.shape)} matmul input")
     return out
+
+
+def matmul_bytes_read() -> int:
+    """Weight bytes `matmul` has read in this process so far (every block of the matrix, once a call)."""
+    return int(_lib.gl_matmul_bytes_read())
 
 
 def rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

@@ -107,7 +107,7 @@ class CpuOps(TorchOps):
         """Rows of the embedding table for `ids` times `scale` (Gemma, Granite), float32 ``[T, H]``."""
         if not isinstance(table, CpuWeight):
             return super().embedding(ids, table, scale)
-        out = torch.empty(ids.shape[0], table.blocks.shape[1] * 32)
+        out = torch.empty(ids.shape[0], table.in_features)
         ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
         rows = cpu_native.embedding(table.fmt, table.group, table.half_scales, table.blocks, table.out_features, ids,
                                     out)

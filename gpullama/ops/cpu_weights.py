@@ -1,34 +1,33 @@
 """CPU weight formats of the fast path: each GGUF matrix repacked once at load for the kernels of
 `gpullama.kernels.cpu_native`, which dequantize it on the fly, exactly as gguf's dequantizers do.
 
-Every quantized type is ``w = q * scale + zero`` per group of values with a small integer ``q``; the kernels
-compute that with one fused multiply-add, which rounds once, as gguf's float32 dequantizers do (their ``d * q``
-is exact in float32 for every type), so the weights the kernels multiply by are bit-identical to
-`gpullama.quants.dequantize`. Per type (``d``, ``m``, ``sc``, ``mn`` the block's fields as in `gpullama.quants`;
-``dl = d * sc``, ``ml = dmin * mn`` per sub-block):
+Each type keeps its own width and its own scale fields (issue 23): a value is ``(u + offset) * scale + zero`` with
+``u`` the unsigned quant, computed in one fused multiply-add, which rounds once as gguf's float32 dequantizers do
+(their ``d * q`` is exact in float32 for every type), so the weights the kernels multiply by are bit-identical to
+`gpullama.quants.dequantize`. Per type (``d``, ``m``, ``dmin``, ``sc``, ``mn`` the block's fields as in
+`gpullama.quants`):
 
-| GGUF type | format | q | scale | zero | group | bytes/weight (GGUF) |
-| --- | --- | --- | --- | --- | ---: | --- |
-| Q4_0 | Q4 | q (0..15) | d | -8d | 32 | 0.625 (0.5625) |
-| Q4_1 | Q4 | q | d | m | 32 | 0.625 (0.625) |
-| Q4_K | Q4 | q | dl | -ml | 32 | 0.75 (0.5625) |
-| Q5_0 | Q8 | q (0..31) | d | -16d | 32 | 1.125 (0.6875) |
-| Q5_1 | Q8 | q (0..31) | d | m | 32 | 1.125 (0.75) |
-| Q5_K | Q8 | q (0..31) | dl | -ml | 32 | 1.25 (0.6875) |
-| Q8_0 | Q8 | q + 128 | d | -128d | 32 | 1.125 (1.0625) |
-| Q6_K | Q8 | q (0..63) | d * scale | -32 d * scale | 16 | 1.5 (0.8203) |
-| MXFP4 | Q8 | E2M1 value x 2 + 12 (0..24) | e8m0 / 2 | -12 e8m0 / 2 | 32 | 1.125 (0.53125) |
-| F16 | F16 | | | | | 2 |
-| BF16, F32 | F32 (exact) | | | | | 4 |
+| GGUF type | format | values held | offset | scale | zero | bytes/weight (GGUF) |
+| --- | --- | --- | ---: | --- | --- | --- |
+| Q4_0 | FMT_Q4_0 | 4-bit | -8 | d (float16) | | 0.5625 (0.5625) |
+| Q4_1 | FMT_Q4_1 | 4-bit | | d | m (float16) | 0.625 (0.625) |
+| Q5_0 | FMT_Q5_0 | 4-bit + 1 bit plane | -16 | d | | 0.6875 (0.6875) |
+| Q5_1 | FMT_Q5_1 | 4-bit + 1 bit plane | | d | m | 0.75 (0.75) |
+| Q8_0 | FMT_Q8_0 | its int8 bytes | | d | | 1.0625 (1.0625) |
+| Q4_K | FMT_Q4_K | 4-bit | | d * sc per 32 | -dmin * mn | 0.578 (0.5625) |
+| Q5_K | FMT_Q5_K | 4-bit + 1 bit plane | | d * sc per 32 | -dmin * mn | 0.703 (0.6875) |
+| Q6_K | FMT_Q6_K | 4-bit + 2 bit planes | -32 | d * sc per 16 (int8 sc) | | 0.8203 (0.8203) |
+| MXFP4 | FMT_Q8 | E2M1 value x 2 + 12 as a byte | | e8m0 / 2 | -12 e8m0 / 2 | 1.125 (0.53125) |
+| F16 | FMT_F16 | float16 | | | | 2 |
+| BF16, F32 | FMT_F32 | float32 (exact) | | | | 4 |
 
-MXFP4's scale is a power of two and its values small integers, so ``q * scale + zero`` is exact too.
+The K-quants' units are 256 values (their super-blocks): 8 groups of 32 values, then the sub-scales (Q4_K/Q5_K's
+6-bit sc and mn held as one byte each: the 2-3% above the file), then d (and dmin), as float16; the kernel forms
+``d * sc`` (exact in float32) per group. MXFP4's scale is a power of two and its values small integers, so
+``u * scale + zero`` is exact too; its scales are float16 where every one is a float16 value, else float32.
 
-Scales and zeros are float16 for the types whose fields are float16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; float32
-where ``-8d`` and the like overflow float16), float32 for the K-quants.
-
-Q4 packs 32 values in 16 bytes (low nibble value k, high nibble value k + 16); Q8 holds one unsigned byte a value.
-The kernels read rows 16 at a time: each 16 rows are stored as one stream of blocks of 32 values (see the top of
-`cpu_native.c`); rows are padded with zeros to a multiple of 16.
+The kernels read rows 16 at a time: each 16 rows are stored as one stream of units (see the top of
+`cpu_native.c`); rows are padded with rows of zero bytes (scales 0) to a multiple of 16.
 """
 
 from __future__ import annotations
@@ -39,88 +38,111 @@ import gguf
 import torch
 
 from gpullama.kernels import cpu_native
-from gpullama.quants import MXFP4_VALUES, QTensor, _bits, _f16, _nibbles, _q5_quants, e8m0_half, unpack_k_scales
+from gpullama.quants import MXFP4_VALUES, QTensor, _bits, _nibbles, _q5_quants, e8m0_half, unpack_k_scales
 
 Q = gguf.GGMLQuantizationType
 
 _CHUNK_ROWS = 4096  # rows converted at a time, to bound the memory a load needs
 _ROW_ALIGN = 16
 
-Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-"""Types packed as 4-bit values."""
-Q8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0, Q.Q6_K, Q.MXFP4)
-"""Types packed as 8-bit values."""
-HALF_SCALE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
-"""Types whose scales and zeros are float16 values (``-8d`` included), kept as float16."""
+NATIVE_FORMATS = {
+    Q.Q4_0: cpu_native.FMT_Q4_0, Q.Q4_1: cpu_native.FMT_Q4_1, Q.Q5_0: cpu_native.FMT_Q5_0,
+    Q.Q5_1: cpu_native.FMT_Q5_1, Q.Q8_0: cpu_native.FMT_Q8_0, Q.Q4_K: cpu_native.FMT_Q4_K,
+    Q.Q5_K: cpu_native.FMT_Q5_K, Q.Q6_K: cpu_native.FMT_Q6_K,
+}
+"""Types held at their own width, with their own scale fields, each in its `cpu_native` format."""
+Q8_TYPES = (Q.MXFP4,)
+"""Types packed as 8-bit values with a scale and a zero per group (`cpu_native.FMT_Q8`)."""
+QUANTIZED_TYPES = (*NATIVE_FORMATS, *Q8_TYPES)
+"""Every quantized type with a CPU format."""
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+"""Types whose blocks cover 256 values: their rows must be a multiple of 256 values."""
+_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
 
 
-def _legacy(b: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, ...]:
-    """u, scale, zero of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks ``[n, type_size]`` (one scale per 32 values)."""
-    d = _f16(b[:, 0:2])[:, 0]
-    if qtype == Q.Q8_0:
-        return (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8), d, -128 * d
-    if qtype == Q.Q4_0:
-        return _nibbles(b[:, 2:]), d, -8 * d
-    if qtype == Q.Q4_1:
-        return _nibbles(b[:, 4:]), d, _f16(b[:, 2:4])[:, 0]
-    if qtype == Q.Q5_0:
-        return _q5_quants(b[:, 2:6], b[:, 6:]), d, -16 * d
-    return _q5_quants(b[:, 4:8], b[:, 8:]), d, _f16(b[:, 2:4])[:, 0]  # Q5_1
-
-
-def _k_quant(b: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, ...]:
-    """u, scale, zero of Q4_K/Q5_K/Q6_K super-blocks ``[n, type_size]``."""
-    n = b.shape[0]
-    if qtype == Q.Q6_K:
-        low = _nibbles(b[:, 0:128].reshape(n, 2, 64))
-        high = _bits(b[:, 128:192].reshape(n, 2, 32), 2, 4).reshape(n, 2, 128)
-        dl = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-        return (low | (high << 4)).reshape(n, 256), dl, -32 * dl
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = unpack_k_scales(b[:, 4:16])
-    dl, ml = d * sc.to(torch.float32), dmin * mn.to(torch.float32)
-    low = _nibbles(b[:, -128:].reshape(n, 4, 32)).reshape(n, 256)
-    if qtype == Q.Q4_K:
-        return low, dl, -ml
-    return low | (_bits(b[:, 16:48], 1, 8).reshape(n, 256) << 4), dl, -ml  # Q5_K
-
-
-def _mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """u, scale, zero of MXFP4 blocks ``[n, 17]``: u = the doubled E2M1 value + 12."""
-    d = e8m0_half(b[:, 0])
-    table = torch.tensor([v + 12 for v in MXFP4_VALUES], dtype=torch.uint8)
-    return table[_nibbles(b[:, 1:]).long()], d, -12 * d
-
-
-def quantized_rows(weight: QTensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows `rows` of a quantized matrix as ``(u [n, K] uint8, scale [n, K / group], zero [n, K / group])`` with
-    ``u * scale + zero`` (per group) equal to `gpullama.quants.dequantize`."""
-    _, ts = gguf.GGML_QUANT_SIZES[weight.qtype]
+def _mxfp4_rows(weight: QTensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows `rows` of an MXFP4 matrix as ``(u [n, K] uint8, scale [n, K / 32], zero [n, K / 32])`` with
+    ``u * scale + zero`` equal to `gpullama.quants.dequantize`: u = the doubled E2M1 value + 12."""
     data = weight.data[rows]
     n = data.shape[0]
-    b = data.reshape(-1, ts)
-    if weight.qtype == Q.MXFP4:
-        u, scale, zero = _mxfp4(b)
-    else:
-        u, scale, zero = (_k_quant if weight.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else _legacy)(b, weight.qtype)
-    return u.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
+    b = data.reshape(-1, 17)
+    d = e8m0_half(b[:, 0])
+    table = torch.tensor([v + 12 for v in MXFP4_VALUES], dtype=torch.uint8)
+    return table[_nibbles(b[:, 1:]).long()].reshape(n, -1), d.reshape(n, -1), (-12 * d).reshape(n, -1)
+
+
+def native_fields(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """GGUF rows ``[n, row bytes]`` of a type of `NATIVE_FORMATS` as (values ``[n, K / 32, 32]`` uint8: the
+    unsigned quants, Q8_0's signed bytes as they are; the type's scale fields per unit of 32 values, 256 for the
+    K-quants: ``[n, units, count]`` each, float16 as in the file, Q4_K/Q5_K's 6-bit sc and mn as bytes)."""
+    n = data.shape[0]
+    b = data.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+
+    def half(at: int) -> torch.Tensor:
+        return b[:, at : at + 2].contiguous().view(torch.float16).reshape(n, -1, 1)
+
+    if qtype == Q.Q6_K:
+        low = _nibbles(b[:, 0:128].reshape(-1, 2, 64))
+        high = _bits(b[:, 128:192].reshape(-1, 2, 32), 2, 4).reshape(-1, 2, 128)
+        values, fields = low | (high << 4), [b[:, 192:208].reshape(n, -1, 16), half(208)]
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        sc, mn = unpack_k_scales(b[:, 4:16])
+        values = _nibbles(b[:, -128:].reshape(-1, 4, 32)).reshape(-1, 256)
+        if qtype == Q.Q5_K:
+            values = values | (_bits(b[:, 16:48], 1, 8).reshape(-1, 256) << 4)
+        fields = [sc.reshape(n, -1, 8), mn.reshape(n, -1, 8), half(0), half(2)]
+    elif qtype == Q.Q8_0:
+        values, fields = b[:, 2:], [half(0)]
+    elif qtype == Q.Q4_0:
+        values, fields = _nibbles(b[:, 2:]), [half(0)]
+    elif qtype == Q.Q4_1:
+        values, fields = _nibbles(b[:, 4:]), [half(0), half(2)]
+    elif qtype == Q.Q5_0:
+        values, fields = _q5_quants(b[:, 2:6], b[:, 6:]), [half(0)]
+    else:  # Q5_1
+        values, fields = _q5_quants(b[:, 4:8], b[:, 8:]), [half(0), half(2)]
+    return values.reshape(n, -1, 32), fields
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """Per-row data ``[n, groups, a, b]`` (n a multiple of 16) as ``[n / 16, groups, a * 16 * b * itemsize]``
+    bytes: item a of every row of 16, then item a + 1."""
+    n, groups = t.shape[:2]
+    t = t.reshape(n // 16, 16, groups, t.shape[2], -1).permute(0, 2, 3, 1, 4).contiguous()
+    return t.view(torch.uint8).reshape(n // 16, groups, -1)
+
+
+def _bit_planes(values: torch.Tensor, planes: int) -> torch.Tensor:
+    """Bits 4 .. 3 + planes of `values` ``[n, groups, 32]`` as the kernels' words ``[n / 16, groups, 64 planes]``:
+    word ((2j + h) * planes + p) * 2 + r holds, at bit 4 rl + i, bit 4 + p of value 16h + 4j + i of row 8r + rl."""
+    n, groups = values.shape[:2]
+    bits = torch.stack([(values >> (4 + p)) & 1 for p in range(planes)], dim=-1)  # [n, groups, 32, planes]
+    bits = bits.reshape(n // 16, 2, 8, groups, 2, 4, 4, planes).permute(0, 3, 5, 4, 7, 1, 2, 6)
+    bits = bits.reshape(n // 16, groups, 16 * planes, 4, 8)  # bit 4 rl + i: bit i + 4 (rl % 2) of byte rl // 2
+    words = torch.zeros(bits.shape[:-1], dtype=torch.uint8)
+    for k in range(8):
+        words |= bits[..., k] << k
+    return words.reshape(n // 16, groups, -1)
+
+
+def _native_blocks(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """GGUF rows ``[n, row bytes]`` (n a multiple of 16) as the blocks of `cpu_native`'s format for `qtype`."""
+    values, fields = native_fields(data, qtype)
+    n, groups = values.shape[:2]
+    if _BITS[qtype] == 8:
+        sections = [_interleave(values.reshape(n, groups, 8, 4))]
+    else:  # byte j: value j in its low nibble, value j + 16 in its high nibble; then the bit planes
+        nibbles = (values[..., :16] & 15) | ((values[..., 16:] & 15) << 4)
+        sections = [_interleave(nibbles.reshape(n, groups, 4, 4))]
+        if _BITS[qtype] > 4:
+            sections.append(_bit_planes(values, _BITS[qtype] - 4))
+    units = fields[0].shape[1]
+    value_bytes = torch.cat(sections, dim=-1).reshape(n // 16, units, -1)  # K-quants: 8 groups of 32 a unit
+    return torch.cat([value_bytes] + [_interleave(f.unsqueeze(-1)) for f in fields], dim=-1)
 
 
 class _NotHalf(Exception):
     """A scale or zero is not a float16 value."""
-
-
-def _blocks(values: torch.Tensor, *per_row: torch.Tensor) -> torch.Tensor:
-    """Rows (a multiple of 16) as the kernels' blocks ``[n / 16, K / 32, block bytes]`` uint8: per 16 rows and 32
-    values, the values (`values` ``[n, K / 32, chunks, width]``: chunk c of every row, then chunk c + 1), then each
-    of `per_row` (``[n, K / 32, sets]``: set t of every row, then set t + 1)."""
-    n, groups = values.shape[:2]
-
-    def interleave(t: torch.Tensor) -> torch.Tensor:  # [n, groups, a, b] -> [n / 16, groups, a * 16 * b bytes]
-        t = t.reshape(n // 16, 16, groups, t.shape[2], -1).permute(0, 2, 3, 1, 4).contiguous()
-        return t.view(torch.uint8).reshape(n // 16, groups, -1)
-
-    return torch.cat([interleave(values)] + [interleave(t.reshape(n, groups, -1, 1)) for t in per_row], dim=-1)
 
 
 @dataclass
@@ -128,10 +150,11 @@ class CpuWeight:
     """One matrix in a `cpu_native` weight format; `matmul` computes ``x @ W.T``."""
 
     fmt: int  # cpu_native.FMT_*
-    group: int  # values per scale (Q4, Q8)
-    half_scales: bool  # scales and zeros stored as float16 (exact for the types whose fields are float16)
-    blocks: torch.Tensor  # uint8 [N padded to 16 / 16, K / 32, block bytes]
+    group: int  # values per scale (FMT_Q8)
+    half_scales: bool  # FMT_Q8: scales and zeros stored as float16 (exact where every one is a float16 value)
+    blocks: torch.Tensor  # uint8 [N padded to 16 / 16, units, unit bytes]
     out_features: int
+    in_features: int
 
     @property
     def nbytes(self) -> int:
@@ -140,48 +163,47 @@ class CpuWeight:
 
     @classmethod
     def from_qtensor(cls, weight: QTensor) -> CpuWeight:
-        """Repack a 2-D GGUF matrix whose rows are a multiple of 32 values (see `packable`), a few thousand rows at
-        a time."""
-        if weight.qtype in HALF_SCALE_TYPES:
+        """Repack a 2-D GGUF matrix (see `packable`), a few thousand rows at a time."""
+        if weight.qtype in Q8_TYPES:
             try:
                 return cls._pack(weight, half_scales=True)
-            except _NotHalf:  # a scale or zero float16 cannot hold (-8d overflowing): keep them float32
+            except _NotHalf:  # a scale or zero float16 cannot hold: keep them float32
                 pass
         return cls._pack(weight, half_scales=False)
 
     @classmethod
     def _pack(cls, weight: QTensor, half_scales: bool) -> CpuWeight:
         n, k = weight.shape
-        dense = weight.qtype in (Q.F16, Q.BF16, Q.F32)
-        if dense:
-            fmt, group = (cpu_native.FMT_F16 if weight.qtype == Q.F16 else cpu_native.FMT_F32), 32
-        else:
-            fmt = cpu_native.FMT_Q4 if weight.qtype in Q4_TYPES else cpu_native.FMT_Q8
-            group = 16 if weight.qtype == Q.Q6_K else 32
+        qtype = weight.qtype
+        fmt, group = NATIVE_FORMATS.get(qtype, cpu_native.FMT_Q8), 32
+        if qtype in (Q.F16, Q.BF16, Q.F32):
+            fmt = cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32
         chunks = []
         for start in range(0, n, _CHUNK_ROWS):
             rows = slice(start, start + _CHUNK_ROWS)
-            if dense:
+            pad = -weight.data[rows].shape[0] % _ROW_ALIGN  # only the last chunk can be short; zero rows compute 0
+            if qtype in NATIVE_FORMATS:  # rows of zero bytes: blocks whose scales are 0
+                data = weight.data[rows]
+                chunks.append(_native_blocks(torch.cat([data, data.new_zeros(pad, data.shape[1])]), qtype))
+                continue
+            if fmt != cpu_native.FMT_Q8:
                 parts = [weight.data[rows] if fmt == cpu_native.FMT_F16 else weight.data[rows].to(torch.float32)]
             else:
-                parts = list(quantized_rows(weight, rows))
+                parts = list(_mxfp4_rows(weight, rows))
                 if half_scales:
                     halves = [t.to(torch.float16) for t in parts[1:]]
                     if any(not torch.equal(h.float(), t) for h, t in zip(halves, parts[1:])):
                         raise _NotHalf
                     parts[1:] = halves
-            pad = -parts[0].shape[0] % _ROW_ALIGN  # only the last chunk can be short; rows of zeros compute 0
             if pad:
                 parts = [torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in parts]
             values = parts[0].reshape(parts[0].shape[0], k // 32, 32)
-            if dense:  # value k of the 16 rows, then value k + 1
-                values = values.unsqueeze(-1)
-            elif fmt == cpu_native.FMT_Q4:  # byte j: value j in its low nibble, value j + 16 in its high nibble
-                values = (values[..., :16] | (values[..., 16:] << 4)).reshape(-1, k // 32, 4, 4)
-            else:
-                values = values.reshape(-1, k // 32, 8, 4)
-            chunks.append(_blocks(values, *parts[1:]))
-        return cls(fmt, group, half_scales, torch.cat(chunks), n)
+            if fmt != cpu_native.FMT_Q8:  # value k of the 16 rows, then value k + 1
+                chunks.append(_interleave(values.unsqueeze(-1)))
+            else:  # the values (chunk c of every row, then chunk c + 1), then the scales, then the zeros
+                per_row = [_interleave(t.reshape(t.shape[0], k // 32, -1, 1)) for t in parts[1:]]
+                chunks.append(torch.cat([_interleave(values.reshape(-1, k // 32, 8, 4))] + per_row, dim=-1))
+        return cls(fmt, group, half_scales, torch.cat(chunks), n, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded)."""
@@ -190,19 +212,20 @@ class CpuWeight:
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
 
+def _has_format(qtype: gguf.GGMLQuantizationType, cols: int) -> bool:
+    return qtype in QUANTIZED_TYPES + (Q.F16, Q.BF16, Q.F32) and cols % (256 if qtype in K_QUANTS else 32) == 0
+
+
 def packable(weight: QTensor) -> bool:
-    """Whether `weight` has a CPU format: a 2-D matrix of a supported type with rows a multiple of 32 values."""
-    return (
-        len(weight.shape) == 2
-        and weight.shape[1] % 32 == 0
-        and weight.qtype in Q4_TYPES + Q8_TYPES + (Q.F16, Q.BF16, Q.F32)
-    )
+    """Whether `weight` has a CPU format: a 2-D matrix of a supported type whose rows are whole blocks (32 values,
+    256 for the K-quants)."""
+    return len(weight.shape) == 2 and _has_format(weight.qtype, weight.shape[1])
 
 
 @dataclass
 class CpuExperts:
     """A MoE layer's E expert matrices of one kind (gate|up, or down) in one `cpu_native` format, stacked:
-    ``blocks [E, N padded to 16 / 16, K / 32, block bytes]``, as `cpu_native.moe` reads them."""
+    ``blocks [E, N padded to 16 / 16, units, unit bytes]``, as `cpu_native.moe` reads them."""
 
     fmt: int
     group: int
@@ -222,7 +245,7 @@ class CpuExperts:
     @classmethod
     def from_qtensors(cls, parts: list[QTensor]) -> CpuExperts:
         """Pack stacked experts ``[E, rows, K]`` (the parts' rows of each expert joined: gate then up), one expert
-        at a time; all of them with float16 scales where every scale is a float16 value, else float32."""
+        at a time; FMT_Q8 with float16 scales where every scale is a float16 value, else float32."""
         num_experts = parts[0].shape[0]
 
         def expert(e: int) -> QTensor:
@@ -231,7 +254,7 @@ class CpuExperts:
             joined = data[0] if len(data) == 1 else torch.cat(data, dim=0)
             return QTensor(joined, parts[0].qtype, (rows, parts[0].shape[2]), parts[0].name)
 
-        half = parts[0].qtype in HALF_SCALE_TYPES
+        half = parts[0].qtype in Q8_TYPES
         while True:  # one layer's experts at a time into one buffer (no second copy of them at load)
             try:
                 first = CpuWeight._pack(expert(0), half_scales=half)
@@ -246,11 +269,9 @@ class CpuExperts:
 
 
 def packable_experts(parts: list[QTensor]) -> bool:
-    """Whether stacked experts have a CPU format: one type, a quantized one or F16/BF16/F32, rows of a multiple of
-    32 values."""
+    """Whether stacked experts have a CPU format: one type, a quantized one or F16/BF16/F32, rows of whole
+    blocks."""
     first = parts[0]
-    return (
-        all(len(p.shape) == 3 and p.qtype == first.qtype and p.shape[2] == first.shape[2] for p in parts)
-        and first.shape[2] % 32 == 0
-        and first.qtype in Q4_TYPES + Q8_TYPES + (Q.F16, Q.BF16, Q.F32)
+    return all(len(p.shape) == 3 and p.qtype == first.qtype and p.shape[2] == first.shape[2] for p in parts) and (
+        _has_format(first.qtype, first.shape[2])
     )

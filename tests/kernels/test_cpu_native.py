@@ -202,9 +202,10 @@ def _avx2() -> bool:
 
 
 @pytest.mark.skipif(not _avx2(), reason="no AVX2 on this CPU")
-def test_avx2_matmul_equals_plain_c_bit_for_bit(tmp_path: Path) -> None:
-    """The AVX2 dot products (vpmaddubsw for 4-bit values, vpmaddwd for 8-bit) give the plain C path's exact
-    integer sums: the same outputs, bit for bit, for every weight format."""
+def test_vector_matmuls_equal_plain_c_bit_for_bit(tmp_path: Path) -> None:
+    """The AVX2 dot products (vpmaddubsw for 4-bit values, vpmaddwd for 5-, 6- and 8-bit ones, their bit planes
+    spread by vpshufb) and, on a CPU that has them, the AVX512-VNNI ones (-march=native) give the plain C path's
+    exact integer sums: the same outputs, bit for bit, for every weight format."""
     import ctypes
 
     import gguf
@@ -215,7 +216,10 @@ def test_avx2_matmul_equals_plain_c_bit_for_bit(tmp_path: Path) -> None:
 
     Q = gguf.GGMLQuantizationType
     libs = []
-    for flags in (["-O2", "-mavx2", "-mfma", "-mf16c"], ["-O2"]):
+    builds = [["-O2", "-mavx2", "-mfma", "-mf16c"], ["-O2"]]
+    if cpu_native.isa() == "avx512-vnni":
+        builds.append(["-O2", "-march=native"])
+    for flags in builds:
         out = tmp_path / f"lib{len(libs)}.so"
         subprocess.run([os.environ.get("CC", "cc"), *flags, "-shared", "-fPIC", "-std=gnu11", str(cpu_native.SOURCE),
                         "-o", str(out), "-lm"], check=True, capture_output=True)
@@ -223,9 +227,9 @@ def test_avx2_matmul_equals_plain_c_bit_for_bit(tmp_path: Path) -> None:
         lib.gl_matmul.argtypes, lib.gl_matmul.restype = cpu_native._SIGNATURES["gl_matmul"], ctypes.c_int
         lib.gl_isa.restype = ctypes.c_char_p
         libs.append(lib)
-    assert [lib.gl_isa() for lib in libs] == [b"avx2", b"generic"]
+    assert [lib.gl_isa() for lib in libs] == [b"avx2", b"generic", b"avx512-vnni"][: len(builds)]
     x = torch.randn(11, 512, generator=gen(5)) * 3
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.MXFP4):
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.MXFP4):
         w = CpuWeight.from_qtensor(QTensor(torch.from_numpy(random_blocks(qtype, 40, 512, 1)), qtype, (40, 512)))
         outs = []
         for lib in libs:
@@ -233,4 +237,4 @@ def test_avx2_matmul_equals_plain_c_bit_for_bit(tmp_path: Path) -> None:
             assert lib.gl_matmul(w.fmt, w.group, w.half_scales, x.data_ptr(), 11, 512, 512, w.blocks.data_ptr(), 48,
                                  out.data_ptr(), 48, 1) == 0
             outs.append(out)
-        assert torch.equal(outs[0], outs[1]), qtype.name
+        assert all(torch.equal(out, outs[1]) for out in outs), qtype.name

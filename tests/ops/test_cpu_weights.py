@@ -9,13 +9,13 @@ import torch
 
 from gpullama.kernels import cpu_native
 from gpullama.ops import cpu_weights
-from gpullama.ops.cpu_weights import CpuWeight, packable, quantized_rows
+from gpullama.ops.cpu_weights import CpuWeight, native_fields, packable
 from gpullama.quants import QTensor
 from tests.fixtures.quant_blocks import random_blocks, random_float_tensor
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 40, 512  # 40 rows: not a multiple of the kernels' 16-row blocks, so the padding is exercised
-QUANTIZED = cpu_weights.Q4_TYPES + cpu_weights.Q8_TYPES
+QUANTIZED = cpu_weights.QUANTIZED_TYPES
 FLOATS = (Q.F16, Q.BF16, Q.F32)
 
 needs_kernels = pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
@@ -36,17 +36,44 @@ def rounded_input(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 32258)).view_as(x)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
-def test_unsigned_values_scales_and_zeros_give_gguf_values_exactly(qtype) -> None:
-    """``u * scale + zero`` in one rounding (as the kernels compute it) equals gguf's value, bit for bit."""
+GGUF_MATRIX_BYTES = {qtype: gguf.GGML_QUANT_SIZES[qtype][1] / gguf.GGML_QUANT_SIZES[qtype][0] for qtype in QUANTIZED}
+
+
+@pytest.mark.parametrize("qtype", list(cpu_weights.NATIVE_FORMATS), ids=lambda t: t.name)
+def test_native_fields_are_the_gguf_quants_and_scales(qtype) -> None:
+    """The values and fields the native formats hold rebuild gguf's values exactly, by each type's formula."""
     weight, reference = weight_and_reference(qtype)
-    u, scale, zero = quantized_rows(weight, slice(None))
-    assert u.dtype == torch.uint8 and int(u.max()) < (16 if qtype in cpu_weights.Q4_TYPES else 256)
-    group = COLS // scale.shape[1]
-    values = torch.addcmul(zero.repeat_interleave(group, 1), u.float(), scale.repeat_interleave(group, 1))
-    fused = (u.double() * scale.repeat_interleave(group, 1).double() + zero.repeat_interleave(group, 1).double()).float()
-    assert torch.equal(fused, reference)
-    assert torch.allclose(values, reference, rtol=0, atol=1e-6 * reference.abs().max().item())
+    values, fields = native_fields(weight.data, qtype)
+    q = values.to(torch.int32)
+    if qtype == Q.Q8_0:
+        q = values.view(torch.int8).to(torch.int32)
+    q = (q - {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q6_K: 32}.get(qtype, 0)).reshape(ROWS, -1).double()
+    d = fields[{Q.Q6_K: 1, Q.Q4_K: 2, Q.Q5_K: 2}.get(qtype, 0)].double()
+    if qtype == Q.Q6_K:  # d * sc per 16 values
+        got = q * (d * fields[0].view(torch.int8).double()).repeat_interleave(16, -1).reshape(ROWS, -1)
+    elif qtype in (Q.Q4_K, Q.Q5_K):  # d * sc * q - dmin * mn per 32 values
+        scale = (d * fields[0].double()).repeat_interleave(32, -1).reshape(ROWS, -1)
+        zero = (fields[-1].double() * fields[1].double()).repeat_interleave(32, -1).reshape(ROWS, -1)
+        got = q * scale - zero
+    else:
+        got = q * d.repeat_interleave(32, -1).reshape(ROWS, -1)
+        if qtype in (Q.Q4_1, Q.Q5_1):
+            got = got + fields[1].double().repeat_interleave(32, -1).reshape(ROWS, -1)
+    assert torch.equal(got.float(), reference)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_packed_bytes_are_the_gguf_bytes(qtype) -> None:
+    """Bytes a weight: the file's for the legacy types and Q6_K, within 3% for Q4_K/Q5_K (their 6-bit scales
+    held as bytes); MXFP4 as 8-bit values."""
+    weight, _ = weight_and_reference(qtype, rows=64)
+    per_weight = CpuWeight.from_qtensor(weight).nbytes / (64 * COLS)
+    if qtype == Q.MXFP4:
+        assert per_weight == 1.125
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        assert GGUF_MATRIX_BYTES[qtype] < per_weight < 1.03 * GGUF_MATRIX_BYTES[qtype]
+    else:
+        assert per_weight == GGUF_MATRIX_BYTES[qtype]
 
 
 @needs_kernels
@@ -80,7 +107,7 @@ def test_matmul_is_the_dot_product_with_the_rounded_input(qtype) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
     """Each output row is bitwise the same computed alone or among 1 to 300 rows, on 1 thread or 2."""
     weight, _ = weight_and_reference(qtype, rows=96, cols=256)
@@ -109,13 +136,13 @@ def test_packing_in_row_chunks_matches_one_chunk(monkeypatch) -> None:
 
 @needs_kernels
 def test_scales_float16_cannot_hold_stay_float32() -> None:
-    """Q4_0's zero is -8d: for d beyond float16's range / 8 the scales are kept as float32, still exact."""
-    weight, reference = weight_and_reference(Q.Q4_0, rows=16, cols=64)
+    """FMT_Q8 (MXFP4): a scale float16 cannot hold keeps the scales float32, still exact."""
+    weight, reference = weight_and_reference(Q.MXFP4, rows=16, cols=64)
     raw = weight.data.clone()
-    raw[3, 0:2] = torch.tensor([60000.0], dtype=torch.float16).view(torch.uint8)  # d of row 3, block 0
-    weight = QTensor(raw, Q.Q4_0, (16, 64))
+    raw[3, 0] = 128 + 20  # scale 2^20 / 2, beyond float16
+    weight = QTensor(raw, Q.MXFP4, (16, 64))
     packed = CpuWeight.from_qtensor(weight)
-    assert not packed.half_scales
+    assert not packed.half_scales and CpuWeight.from_qtensor(weight_and_reference(Q.MXFP4)[0]).half_scales
     got = cpu_native.embedding(packed.fmt, packed.group, False, packed.blocks, 16, torch.arange(16),
                                torch.empty(16, 64))
     assert torch.equal(got, weight.dequantize())
