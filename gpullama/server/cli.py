@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from gpullama.engine.args import EngineArgs, positive_int
+from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
 
 from .connection import head_timeout_protocol
@@ -78,6 +79,14 @@ def host_pattern_list(text: str) -> list[str]:
     return [name.lower() for name in names]
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    """An argparse type: vLLM's ``--kv-events-config`` JSON."""
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-events-config: ")) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags: the engine's (from `EngineArgs`) and the server's own."""
     p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
@@ -113,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     security.add_argument("--allowed-origins", type=name_list, default=[],
                           help="comma-separated browser origins allowed by CORS, such as http://localhost:3000, or "
                           "'*' (default: none, CORS off)")
+    p.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help="publish KV-cache events in vLLM's format for prefix-aware routers, with vLLM's keys, e.g. "
+                   '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+                   '"tcp://*:5558"}\' (needs gpullama[kv-events]; docs/deploy.md) (default: off)')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-stats-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
                    help="log the engine's status line this often while it has work; 0 turns it off "
@@ -147,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_connections=args.max_connections, request_timeout=args.request_timeout or None,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
-                          allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval)
+                          allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval,
+                          kv_events=args.kv_events_config)
     state = ServerState(config)
     from .app import create_app  # the routes load once the flags and the model reference are known good
 
