@@ -122,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     security.add_argument("--allowed-origins", type=name_list, default=[],
                           help="comma-separated browser origins allowed by CORS, such as http://localhost:3000, or "
                           "'*' (default: none, CORS off)")
+    p.add_argument("--headless", action="store_true",
+                   help="a node other than 0 of multi-node tensor parallelism (--nnodes, --node-rank 1 and up): load "
+                   "this machine's ranks and follow node 0's steps, without an HTTP server; implied by --node-rank > "
+                   "0 and by torchrun's RANK > 0 (docs/deploy.md)")
     p.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
                    help="publish KV-cache events in vLLM's format for prefix-aware routers, with vLLM's keys, e.g. "
                    '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
@@ -154,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         check_model(engine_args.model)
     except ValueError as exc:
         return fail(str(exc))
+    if args.headless or engine_args.node_rank > 0 or _torchrun_rank() > 0:
+        return _run_headless(engine_args)
     config = ServerConfig(engine=engine_args, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, api_key=args.api_key,
                           max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
@@ -199,6 +205,27 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"cannot load model {args.model}: {state.error}")
     if server.signalled:
         log.info("gpullama-serve stopped (%s)", signal.Signals(server.signalled[0]).name)
+    return EXIT_STOPPED
+
+
+def _torchrun_rank() -> int:
+    """This process's rank when torchrun started it (its RANK and MASTER_ADDR are set), else 0."""
+    env = os.environ
+    return int(env.get("RANK", "0")) if "MASTER_ADDR" in env and env.get("RANK", "").isdigit() else 0
+
+
+def _run_headless(engine_args: EngineArgs) -> int:
+    """A node other than 0: follow node 0 until it stops the group (status 0) or fails (1, with the reason)."""
+    from gpullama.llm import run_headless_node
+
+    log.info("gpullama-serve --headless: model %s, node %d of %d, node 0 at %s:%d", engine_args.model,
+             engine_args.node_rank, engine_args.nnodes, engine_args.master_addr, engine_args.master_port)
+    try:
+        run_headless_node(engine_args)
+    except ValueError as exc:
+        return fail(str(exc))
+    except RuntimeError as exc:
+        return fail(str(exc), 1)
     return EXIT_STOPPED
 
 
