@@ -170,7 +170,10 @@ class GpullamaIngress:
 
     async def proxy(self, request: Request) -> StreamingResponse:
         body = await request.body()
-        forwarded = ForwardedRequest(request.method, request.url.path, request.scope.get("query_string", b""),
+        path, root = request.scope["path"], request.scope.get("root_path", "")
+        if root and path.startswith(root):  # the app's route prefix (the replica's app is mounted at /)
+            path = path[len(root):] or "/"
+        forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      list(request.scope["headers"]), body)
         routing = ForwardedRequest.routing_text(body)
         if routing is not None:
