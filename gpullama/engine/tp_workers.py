@@ -502,8 +502,8 @@ def run_headless(spec: WorkerSpec, world_size: int, rdzv: Rendezvous) -> None:
     threading.Thread(target=watch_leader, name="gpullama-tp-node0", daemon=True).start()
     if workers.processes:
         threading.Thread(target=watch_workers, name="gpullama-tp-monitor", daemon=True).start()
-    log.info("tensor parallel: node %d of %d ready (ranks %d-%d), following node 0 at %s:%d", node, rdzv.nnodes,
-             first, first + per_node - 1, rdzv.master_addr, rdzv.master_port)
+    log.info("tensor parallel: %s of %d ready, following node 0 at %s:%d", rdzv.describe_node(node, world_size),
+             rdzv.nnodes, rdzv.master_addr, rdzv.master_port)
     try:
         runner.follow()
     finally:
