@@ -11,6 +11,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from gpullama.chat_template import CHATML_TEMPLATE, ChatTemplate
+from gpullama.fim import FimTokens
 
 logger = logging.getLogger("gpullama")
 
@@ -169,7 +170,9 @@ class Tokenizer:
         # the tokens the backend holds as special (see _add_special_tokens): the ones skip_special_tokens drops
         self._skipped_ids = frozenset(i for i, t in enumerate(self._types) if t in (CONTROL, UNKNOWN))
         self.eos_token_ids: set[int] = self._eog_ids(meta)
+        self.fim: FimTokens = FimTokens.from_metadata(meta, self._tokens)
         self._token_bytes: list[bytes] | None = None
+        self._plain_tk: _HFTokenizer | None = None
 
         source = meta.get("tokenizer.chat_template")
         if not source:
@@ -213,6 +216,15 @@ class Tokenizer:
             if self.add_eos_token:
                 ids = [*ids, self.eos_token_id]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with control-token names in it read as plain text (llama.cpp's
+        ``parse_special=false``); user-defined tokens are still parsed whole, and no BOS or EOS is added."""
+        if self._plain_tk is None:  # a copy of the backend, so that encode() keeps parsing them
+            plain = _HFTokenizer.from_str(self._tk.to_str())
+            plain.encode_special_tokens = True
+            self._plain_tk = plain
+        return self._plain_tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False,
                preserved_token_ids: Collection[int] = ()) -> str:

@@ -21,11 +21,15 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries, as the OpenAI API allows
 
 
 class RequestError(ValueError):
-    """A request the engine can never run; `param` names the request field at fault (as OpenAI's errors do)."""
+    """A request the engine can never run; `param` names the request field at fault (as OpenAI's errors do).
+    `n_prompt_tokens` and `n_ctx` are set when the request does not fit the context."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, n_prompt_tokens: int | None = None,
+                 n_ctx: int | None = None):
         super().__init__(message)
         self.param = param
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
     if n >= limit:  # before looking at each id: a prompt of millions of ids is refused by its length alone
         raise RequestError(
             f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens, leaving no room "
-            f"for the completion (at most {limit - 1} prompt tokens). Please shorten the prompt.", "prompt")
+            f"for the completion (at most {limit - 1} prompt tokens). Please shorten the prompt.", "prompt", n, limit)
     bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
     if bad:
         raise RequestError(f"prompt token id {str(bad[0])[:30]} is out of range: the vocabulary has {vocab} tokens",
@@ -96,7 +100,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
         raise RequestError(
             f"This model's maximum context length is {limit} tokens. However, you requested {n + max_tokens} tokens "
             f"({n} in the prompt, {max_tokens} for the completion). Please reduce the prompt or 'max_tokens'.",
-            "max_tokens")
+            "max_tokens", n, limit)
     if n + max_tokens > limits.kv_capacity_tokens:
         raise RequestError(
             f"the request needs up to {n + max_tokens} tokens of KV cache but the pool holds "

@@ -21,6 +21,8 @@ from .anthropic.messages import count_tokens, create_message
 from .body import JSONResponse
 from .errors import CHAT_NAMES, APIError, style_for_path
 from .health import health, metrics
+from .llamacpp import completion as llamacpp_completion
+from .llamacpp import props as llamacpp_props
 from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .ollama import chat as ollama_chat
 from .ollama import embed as ollama_embed
@@ -46,6 +48,10 @@ def routes() -> list[Route]:
         Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        # the same without /v1, as llama.cpp serves them (OpenAI clients configured without /v1)
+        Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
+        Route("/models", list_models, methods=["GET"]),
         # Anthropic
         Route("/v1/messages", create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
@@ -59,6 +65,11 @@ def routes() -> list[Route]:
         Route("/api/ps", ollama_models.ps, methods=["GET"]),
         Route("/api/version", ollama_models.version, methods=["GET"]),
         Route("/", ollama_models.root, methods=["GET", "HEAD"]),
+        # llama.cpp's native endpoints
+        Route("/completion", llamacpp_completion.completion, methods=["POST"]),
+        Route("/infill", llamacpp_completion.infill, methods=["POST"]),
+        Route("/apply-template", llamacpp_props.apply_template, methods=["POST"]),
+        Route("/props", llamacpp_props.props, methods=["GET"]),
         # vLLM's tokenizer endpoints
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -99,13 +110,22 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
+"""What the ``localhost`` keyword of ``--allowed-origins`` allows: any port of this machine's names."""
+
+
 def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:
-    """Outermost first: access log, request id and 500s, Host allow-list, CORS (when configured), API key."""
+    """Outermost first: access log, request id and 500s, Host allow-list, CORS, API key.
+
+    CORS comes before the key check (a browser's preflight carries no Authorization); it allows only the
+    configured origins (none by default), so a preflight from any other gets Starlette's 400 "Disallowed CORS
+    origin" and no answer carries an allow-origin header for it."""
     stack = [Middleware(AccessLogMiddleware, metrics=state.metrics), Middleware(RequestIdMiddleware),
              Middleware(TrustedHostMiddleware, allowed_hosts=config.host_patterns(), www_redirect=False)]
-    if config.allowed_origins:  # before the key check: a browser's preflight carries no Authorization
-        stack.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
-                                allow_headers=["*"], expose_headers=["x-request-id"]))
+    origins = [o for o in config.allowed_origins if o != "localhost"]
+    local = LOCAL_ORIGINS if "localhost" in config.allowed_origins else None
+    stack.append(Middleware(CORSMiddleware, allow_origins=origins, allow_origin_regex=local,
+                            allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["x-request-id"]))
     stack.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
     return stack
 

@@ -55,8 +55,27 @@ def _bad(error: StructuredOutputError) -> APIError:
 
 
 def response_format_spec(body: dict) -> StructuredOutput | None:
-    """The grammar of the request's ``response_format`` (None for text or none); 400 naming the field."""
+    """The grammar a request asks for (None for text or none); 400 naming the field. OpenAI's ``response_format``,
+    and llama.cpp's extensions: ``grammar`` (GBNF), a top-level ``json_schema``, and ``response_format`` of type
+    ``json_object`` or ``json_schema`` with its ``schema`` beside the type. At most one of them."""
     value = body.get("response_format")
+    asked = [name for name in ("grammar", "json_schema") if body.get(name) is not None]
+    if isinstance(value, dict) and value.get("type") not in (None, "text"):
+        asked.append("response_format")
+    if len(asked) > 1:
+        raise APIError(400, f"give at most one of 'grammar', 'json_schema' and 'response_format', got "
+                       f"{' and '.join(repr(a) for a in asked)}", param=asked[1])
+    try:
+        if body.get("grammar") is not None:
+            return StructuredOutput(grammar=body["grammar"], param="grammar")
+        if body.get("json_schema") is not None:
+            return StructuredOutput(json_schema=body["json_schema"], param="json_schema")
+        if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema") and "schema" in value:
+            if value.get("schema") is None:  # llama.cpp's shape without a schema: any JSON object
+                return StructuredOutput(json_object=True, param="response_format")
+            return StructuredOutput(json_schema=value["schema"], param="response_format.schema")
+    except StructuredOutputError as e:
+        raise _bad(e) from None
     if isinstance(value, dict) and value.get("type") == "json_schema" and isinstance(value.get("json_schema"), dict):
         inner = value["json_schema"]
         for key, kind in (("strict", bool), ("name", str)):
@@ -158,11 +177,28 @@ def render_plan(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool = Tr
         raise APIError(400, f"the chat template rejected the conversation: {exc}", param="messages") from exc
 
 
-def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+def render_chat(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool, continue_final_message: bool) -> str:
+    """The prompt text of a planned conversation (its tools rendered as the chat endpoint renders them); with
+    `continue_final_message` it ends right after the last message's content (no end-of-turn), so the model
+    continues that message (transformers' rule)."""
+    if not continue_final_message:
+        return render_plan(tokenizer, plan, add_generation_prompt)
+    text = render_plan(tokenizer, plan, add_generation_prompt=False)
+    final = str(plan.messages[-1].get("content") or "").strip()
+    cut = text.rfind(final) if final else -1
+    if cut < 0:
+        raise APIError(400, "continue_final_message: the chat template does not keep the last message's text "
+                       "verbatim, so it cannot be continued", param="continue_final_message")
+    return text[: cut + len(final)]
+
+
+def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any],
+                        add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> tuple[str, list[int]]:
     """Give the request's sampling options the plan's grammar and kept marker tokens, render the chat template on
-    the plan's messages and tools (`render_plan`), and tokenize."""
+    the plan's messages and tools (`render_chat`), and tokenize."""
     if plan.spec is not None:
         sampling_kwargs["structured_output"] = plan.spec
     sampling_kwargs["preserved_token_ids"] = plan.preserved_token_ids
-    text = render_plan(tokenizer, plan)
+    text = render_chat(tokenizer, plan, add_generation_prompt, continue_final_message)
     return text, tokenizer.encode(text, add_special_tokens=False)

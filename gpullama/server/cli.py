@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -91,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags: the engine's (from `EngineArgs`) and the server's own."""
     p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
     EngineArgs.add_cli_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--host", type=name_list, default=["127.0.0.1"],
+                   help="address to bind, or several comma-separated (default: 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8080, help="port to bind (default: 8080)")
     p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: the model's name)")
     p.add_argument("--api-key", default=os.environ.get("GPULLAMA_API_KEY"),
@@ -142,6 +144,25 @@ EXIT_BAD_INPUT = 2  # bad arguments, or a model that cannot be used (checked bef
 EXIT_CANNOT_BIND = 3  # the address could not be bound (port in use, no permission): uvicorn's startup failure
 
 
+def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
+    """One listening socket per address (IPv6 ones written bare or in brackets), for several ``--host``; OSError
+    (with the others closed) when one cannot be bound."""
+    sockets: list[socket.socket] = []
+    try:
+        for host in hosts:
+            host = host.strip("[]")
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.set_inheritable(True)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def fail(message: str, status: int = EXIT_BAD_INPUT) -> int:
     """Print one error line to stderr (the last line printed) and return the exit status."""
     print(f"gpullama-serve: error: {message}", file=sys.stderr, flush=True)
@@ -160,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     if args.headless or engine_args.node_rank > 0 or _torchrun_rank() > 0:
         return _run_headless(engine_args)
+    hosts, args.host = args.host, ",".join(args.host)
     config = ServerConfig(engine=engine_args, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, api_key=args.api_key,
                           max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
@@ -193,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     startup_error = _LastError()
     logging.getLogger("uvicorn.error").addHandler(startup_error)
     try:
-        server.run()
+        sockets = [] if len(hosts) == 1 else bind_sockets(hosts, args.port)
+    except OSError as exc:
+        return fail(f"cannot listen on {args.host} port {args.port}: {exc}", EXIT_CANNOT_BIND)
+    try:
+        server.run(sockets=sockets or None)
     except SystemExit as exc:  # uvicorn exits 3 when it cannot bind, after logging why
         if exc.code != EXIT_CANNOT_BIND:
             raise

@@ -44,17 +44,20 @@ class APIError(Exception):
     """An error answered to the client (in its API's shape): status, message, the field at fault, a code."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.extra = extra or {}  # more fields of the error object (llama.cpp's n_prompt_tokens and n_ctx)
 
     def body(self) -> dict:
-        """The OpenAI error object."""
-        return error_body(self.status, self.message, param=self.param, code=self.code)
+        """The OpenAI error object (with the extra fields)."""
+        body = error_body(self.status, self.message, param=self.param, code=self.code)
+        body["error"].update(self.extra)
+        return body
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
@@ -119,7 +122,7 @@ class FieldNames:
         param, message = self.param(error.param), self.message(error.message)
         if param == error.param and message == error.message:
             return error
-        return APIError(error.status, message, param=param, code=error.code, headers=error.headers)
+        return APIError(error.status, message, param=param, code=error.code, headers=error.headers, extra=error.extra)
 
 
 CHAT_NAMES = FieldNames()

@@ -46,8 +46,9 @@ def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError
     boundary renames them), a failure of ours as a 500 with only the request id."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, RequestError):
-        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, RequestError):  # one that does not fit the context says so as llama.cpp does, in fields
+        extra = {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx} if exc.n_ctx is not None else None
+        return APIError(400, str(exc), param=exc.param, extra=extra)
     if isinstance(exc, ValueError):  # a StructuredOutputError names its field
         return APIError(400, str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, EngineStopped):

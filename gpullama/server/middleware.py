@@ -61,11 +61,12 @@ class RequestIdMiddleware:
 
 
 class APIKeyMiddleware:
-    """Require the API key on the API routes (``/v1/*``, Ollama's ``/api/*``), as ``Authorization: Bearer KEY`` or
-    Anthropic's ``x-api-key: KEY``; health and metrics stay open (as in vLLM). The 401 is in the shape of the
-    route's API family."""
+    """Require the API key on the API routes (``/v1/*``, Ollama's ``/api/*``, llama.cpp's native ones and the
+    OpenAI routes without ``/v1``), as ``Authorization: Bearer KEY`` or Anthropic's ``x-api-key: KEY``; health,
+    metrics and the tokenizer endpoints stay open (as in vLLM). The 401 is in the shape of the route's API
+    family."""
 
-    PROTECTED = ("/v1", "/api/")
+    PROTECTED = ("/v1", "/api/", "/completion", "/infill", "/chat/", "/models", "/apply-template", "/props")
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app

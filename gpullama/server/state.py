@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from gpullama import __version__
 from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineStopped
 from gpullama.engine.kv_events import KVEventsConfig
@@ -24,6 +25,8 @@ from .metrics import ServerMetrics
 
 log = logging.getLogger("gpullama.server")
 
+BUILD_INFO = f"gpullama-{__version__}"
+"""This server and its version: chat and completions' ``system_fingerprint``, ``/props``' ``build_info``."""
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_QUEUE = 256  # requests waiting for a place in the batch, then 429
 DEFAULT_MAX_CONNECTIONS = 512  # open connections, then uvicorn answers 503
@@ -59,7 +62,11 @@ class ServerConfig:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
         if self.allowed_hosts is not None:
             return self.allowed_hosts
-        return list(LOOPBACK_HOSTS) if is_loopback(self.host) else ["*"]
+        hosts = [host.strip() for host in self.host.split(",")]  # every address of --host
+        if not all(is_loopback(host) for host in hosts):
+            return ["*"]
+        bound = [f"[{h.strip('[]')}]" if ":" in h else h for h in hosts]  # such as 127.0.0.2, as a Host header
+        return [*LOOPBACK_HOSTS, *(h for h in bound if h not in LOOPBACK_HOSTS)]
 
 
 def is_loopback(host: str) -> bool:

@@ -1,4 +1,5 @@
-"""``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, in vLLM's request and response shapes."""
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, in vLLM's request and response shapes, and
+llama.cpp's (``content``, ``add_special``, ``parse_special``, ``with_pieces``; ``content`` in the answer)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from gpullama import __version__
 from gpullama.chat.model_format import chat_format
 
 from .body import JSONResponse, off_loop_if_long, read_json
-from .chat_plan import ChatPlan, plan_chat, render_plan
+from .chat_plan import plan_chat, render_chat
 from .errors import APIError
 from .openai.chat import parse_messages
 from .state import check_model, require_ready, server_state
@@ -36,34 +37,58 @@ def _object(body: Any) -> dict:
     return body
 
 
-def render_chat(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool, continue_final_message: bool) -> str:
-    """The prompt text of a planned conversation (its tools rendered as the chat endpoint renders them); with
-    `continue_final_message` it ends right after the last message's content (no end-of-turn), so the model
-    continues that message (transformers' rule)."""
-    if not continue_final_message:
-        return render_plan(tokenizer, plan, add_generation_prompt)
-    text = render_plan(tokenizer, plan, add_generation_prompt=False)
-    final = str(plan.messages[-1].get("content") or "").strip()
-    cut = text.rfind(final) if final else -1
-    if cut < 0:
-        raise APIError(400, "continue_final_message: the chat template does not keep the last message's text "
-                       "verbatim, so it cannot be continued", param="continue_final_message")
-    return text[: cut + len(final)]
+def _piece(tokenizer: Any, token_id: int) -> str | list[int]:
+    """llama.cpp's piece of a token: its text, or its bytes when they are not valid UTF-8 alone."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def _tokenize_content(tok: Any, body: dict, max_model_len: int) -> dict:
+    """llama.cpp's ``/tokenize``: `content` (text, or text and token ids mixed), `add_special` (BOS, default
+    false), `parse_special` (default true), `with_pieces` (each token as ``{"id", "piece"}``)."""
+    content = body["content"]
+    pieces = [content] if isinstance(content, str) else content
+    if not isinstance(pieces, list) or not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+                                               for p in pieces):
+        raise APIError(400, "'content' must be a string or a list of strings and token ids", param="content")
+    add_special, parse_special = _flag(body, "add_special", False), _flag(body, "parse_special", True)
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, int):
+            ids.append(piece)
+            continue
+        part = tok.encode(piece) if parse_special else tok.encode_plain(piece)
+        if add_special and i == 0 and tok.add_bos_token:
+            part = [tok.bos_token_id, *part]
+        ids += part
+    outside = [t for t in ids if not 0 <= t < tok.vocab_size]
+    if outside:
+        raise APIError(400, f"token id {outside[0]} is out of range: the vocabulary has {tok.vocab_size} tokens",
+                       param="content")
+    tokens: list = [{"id": t, "piece": _piece(tok, t)} for t in ids] if _flag(body, "with_pieces", False) else ids
+    return {"tokens": tokens, "count": len(ids), "max_model_len": max_model_len}
 
 
 async def tokenize(request: Request) -> Response:
     """``POST /tokenize``: a `prompt`, or `messages` rendered with the chat template (with `tools`, `tool_choice`
     and `chat_template_kwargs` as chat completions renders them, so the count is the real prompt's), as token ids.
 
-    Answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (token strings only with `return_token_strs`)."""
+    Answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (token strings only with `return_token_strs`).
+    llama.cpp's `content` instead: answers ``{"tokens", "count", "max_model_len"}`` (see `_tokenize_content`)."""
     state = server_state(request)
     require_ready(state)
     body = _object(await read_json(request))
     check_model(state, body.get("model"))
     tok = state.llm.tokenizer
-    if ("prompt" in body) == ("messages" in body):
-        raise APIError(400, "give either 'prompt' (a string) or 'messages' (a list of messages), not both or neither",
-                       param="prompt")
+    if sum(name in body for name in ("prompt", "messages", "content")) != 1:
+        raise APIError(400, "give one of 'prompt' (a string), 'content' (llama.cpp's: a string) or 'messages' "
+                       "(a list of messages)", param="prompt")
+    if "content" in body:
+        size = len(body["content"]) if isinstance(body["content"], (str, list)) else 0
+        return JSONResponse(await off_loop_if_long(size, _tokenize_content, tok, body, state.llm.max_model_len))
     if "prompt" in body:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
@@ -87,7 +112,8 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (special tokens kept, as vLLM)."""
+    """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text, "content": text}`` (vLLM's name and
+    llama.cpp's; special tokens kept, as both do)."""
     state = server_state(request)
     require_ready(state)
     body = _object(await read_json(request))
@@ -101,7 +127,7 @@ async def detokenize(request: Request) -> Response:
         raise APIError(400, f"token id {outside[0]} is out of range: the vocabulary has {vocab} tokens",
                        param="tokens")
     text = await off_loop_if_long(len(tokens), state.llm.tokenizer.decode, tokens)
-    return JSONResponse({"prompt": text})
+    return JSONResponse({"prompt": text, "content": text})
 
 
 async def version(request: Request) -> Response:

@@ -78,6 +78,7 @@ def test_prompt_plus_max_tokens_over_the_context_is_400_with_both_numbers(client
     message = info.value.body["message"]
     assert str(limit) in message and str(limit + 5) in message  # the prompt is 5 tokens
     assert info.value.body["param"] == "max_tokens"
+    assert info.value.body["n_prompt_tokens"] == 5 and info.value.body["n_ctx"] == limit  # llama.cpp's fields
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model_name, prompt="hi " * (limit + 10), max_tokens=1)
     assert str(limit) in info.value.body["message"]

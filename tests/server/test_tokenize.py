@@ -61,13 +61,37 @@ def test_detokenize_is_the_tokenizers_decode(http: httpx.Client, hf_tokenizer) -
     ids = hf_tokenizer.encode(text + "Paris 😀 ça", add_special_tokens=False)
     r = http.post("/detokenize", json={"tokens": ids})
     assert r.status_code == 200, r.text
-    assert r.json() == {"prompt": hf_tokenizer.decode(ids)}  # special tokens kept, as vLLM and transformers do
+    text = hf_tokenizer.decode(ids)
+    assert r.json() == {"prompt": text, "content": text}  # vLLM's name, llama.cpp's; special tokens kept, as both do
+
+
+def test_llama_cpp_tokenize_fields(http: httpx.Client, hf_tokenizer) -> None:
+    """llama.cpp's /tokenize: content, add_special (BOS when the GGUF adds one; SmolLM2's does not),
+    parse_special, with_pieces (text, or the bytes of a token that is not whole UTF-8), mixed token ids."""
+    content = "This is a test <|im_end|> with unicode 媽 and emoji 🤗"
+    ids = hf_tokenizer.encode(content, add_special_tokens=False)
+    r = http.post("/tokenize", json={"content": content})
+    assert r.status_code == 200 and r.json()["tokens"] == ids
+    assert http.post("/tokenize", json={"content": content, "add_special": True}).json()["tokens"] == ids
+    plain = hf_tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+    assert http.post("/tokenize", json={"content": content, "parse_special": False}).json()["tokens"] == plain
+    pieces = http.post("/tokenize", json={"content": content, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    raw = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert raw.decode() == content and any(isinstance(p["piece"], list) for p in pieces)  # 媽 and 🤗 split
+    mixed = http.post("/tokenize", json={"content": [ids[0], hf_tokenizer.decode(ids[1:3])]}).json()["tokens"]
+    assert mixed == ids[:3]
+    detok = http.post("/detokenize", json={"tokens": ids}).json()
+    assert detok["content"] == content
 
 
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"content": "hi", "prompt": "hi"}, "prompt"),
+    ("/tokenize", {"content": {"a": 1}}, "content"),
+    ("/tokenize", {"content": [10**9]}, "content"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
      "continue_final_message"),

@@ -26,6 +26,7 @@ from ..chat_plan import ChatPlan, plan_chat, render_planned_chat, response_forma
 from ..errors import OLLAMA, APIError, FieldNames, internal_error
 from ..fields import bad, bool_field, object_body, str_field
 from ..generation import Generation, Job, start_generation
+from ..infill import fim_prompt_ids
 from ..sampling import SamplingOptions, sampling_params
 from ..state import ServerState, require_ready, server_state
 from ..streaming import NDJSON_MEDIA_TYPE, ClientDisconnected, StreamResponse, ndjson_line, unless_disconnected
@@ -196,7 +197,7 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
     body = object_body(parse_json(raw))
     check_model_name(state, body.get("model"))
     prompt = str_field(body, "prompt") or ""
-    for name in ("suffix", "context", "images", "template"):
+    for name in ("context", "images", "template"):
         if body.get(name):
             raise bad(name, f"'{name}' is not supported" + (
                 ": send the conversation to /api/chat" if name == "context" else ""))
@@ -206,6 +207,10 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
     stream = bool_field(body, "stream", default=True)
     request.state.field_names = GENERATE_NAMES
     tok = state.llm.tokenizer
+    suffix = str_field(body, "suffix")
+    if suffix:  # fill in the middle: the prompt is the code before (llama.cpp's /infill layout)
+        opts.kwargs["stop_token_ids"] = [*opts.kwargs.get("stop_token_ids", []), *tok.fim.stop_ids]
+        return opts, None, prompt, fim_prompt_ids(tok, state.llm.max_model_len, prompt, suffix), stream, False
     if raw_mode:  # the prompt as written, as a completion
         spec = response_format_spec({"response_format": response_format(body)})
         if spec is not None:

@@ -42,6 +42,9 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     names: FieldNames = NAMES  # with this request's own choices (max_completion_tokens, top_logprobs)
+    add_generation_prompt: bool = True  # vLLM's and llama.cpp's rendering flags (as /tokenize takes them)
+    continue_final_message: bool = False
+    verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
 
 
 def message_content(value: Any, where: str) -> str:
@@ -98,9 +101,23 @@ def parse_chat(body: Any) -> ChatRequest:
     elif body.get("top_logprobs") is not None:
         raise bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
     names = NAMES.but(logprobs="top_logprobs")
+    n_probs = int_field(body, "n_probs")  # llama.cpp's: the top n_probs of each token, as top_logprobs
+    if n_probs and "logprobs" not in opts.kwargs:
+        if not 0 <= n_probs <= SamplingParams.MAX_LOGPROBS:
+            raise bad("n_probs", f"'n_probs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {n_probs}")
+        opts.kwargs["logprobs"] = n_probs
+        names = NAMES.but(logprobs="n_probs")
     if body.get("max_completion_tokens") is not None:
         names = names.but(max_tokens="max_completion_tokens")
-    return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, names)
+    add_generation = bool_field(body, "add_generation_prompt", default=True)
+    cont = bool_field(body, "continue_final_message")
+    if cont and add_generation:
+        if body.get("add_generation_prompt") is not None:
+            raise bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both "
+                      "be true")
+        add_generation = False
+    return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, names, add_generation,
+                       cont, bool_field(body, "verbose"))
 
 
 def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan, str, list[int]]:
@@ -111,7 +128,8 @@ def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan,
     check_model(state, req.model)
     tok = state.llm.tokenizer
     plan = plan_chat(body, req.messages, chat_format(tok))
-    text, ids = render_planned_chat(tok, plan, req.options.kwargs)
+    text, ids = render_planned_chat(tok, plan, req.options.kwargs, req.add_generation_prompt,
+                                    req.continue_final_message)
     return req, plan, text, ids
 
 
@@ -128,5 +146,5 @@ async def chat_completions(request: Request) -> Response:
     shaper = ChatOutputShaper(plan, text)
     answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
                     include_usage=req.include_usage, arrival=arrival, names=req.names,
-                    shaper=shaper if shaper.active else None)
+                    shaper=shaper if shaper.active else None, verbose=req.verbose)
     return await serve_choices(request, state, answer, req.stream)

@@ -21,7 +21,7 @@ from ..errors import APIError, FieldNames, internal_error
 from ..fields import admitted, bool_field, int_field, object_body, str_field
 from ..generation import Generation, Job, start_generation
 from ..sampling import check_choices
-from ..state import ServerState
+from ..state import BUILD_INFO, ServerState
 from ..streaming import DONE, ClientDisconnected, StreamResponse, event, unless_disconnected
 
 log = logging.getLogger("gpullama.server")
@@ -50,6 +50,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def generation_usage(gen: Generation) -> dict:
     """OpenAI's usage object for the tokens a generation has seen so far."""
     return usage(gen.num_prompt_tokens, gen.num_generated_tokens, gen.num_cached_tokens)
+
+
+def generation_timings(gen: Generation) -> dict:
+    """llama.cpp's ``timings`` of a request so far: prompt tokens (less the cached ones) and generated tokens,
+    with their times (prompt: arrival to first token; generation: first to last token) and rates."""
+    first = gen.first_token_at or time.perf_counter()
+    prompt_n = gen.num_prompt_tokens - gen.num_cached_tokens
+    prompt_ms = (first - gen.arrival) * 1e3
+    predicted_n = gen.num_generated_tokens
+    predicted_ms = ((gen.last_token_at or first) - first) * 1e3
+    steps = max(0, predicted_n - len(gen.jobs))  # the first token of each choice comes with the prompt
+    return {"cache_n": gen.num_cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+            "predicted_per_second": 1e3 * steps / predicted_ms if predicted_ms > 0 else 0.0}
 
 
 @dataclass
@@ -112,7 +129,7 @@ def completion_logprobs(items: list[TokenLogprob], text_offset: int) -> dict:
 def chat_completion(rid: str, created: int, model: str, choices: list[dict], usage_obj: dict) -> dict:
     """A whole ``chat.completion`` object; each choice is ``{index, text, logprobs, finish_reason}``."""
     return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "id": rid, "object": "chat.completion", "created": created, "model": model, "system_fingerprint": BUILD_INFO,
         "choices": [{
             "index": c["index"],
             "message": c.get("message") or {"role": "assistant", "content": c["text"]},
@@ -126,7 +143,7 @@ def chat_completion(rid: str, created: int, model: str, choices: list[dict], usa
 def text_completion(rid: str, created: int, model: str, choices: list[dict], usage_obj: dict) -> dict:
     """A whole ``text_completion`` object; each choice is ``{index, text, logprobs, finish_reason, offset}``."""
     return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": BUILD_INFO,
         "choices": [{
             "index": c["index"],
             "text": c["text"],
@@ -143,7 +160,7 @@ class ChunkBuilder:
     def __init__(self, chat: bool, rid: str, created: int, model: str, include_usage: bool) -> None:
         self.chat = chat
         self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": created, "model": model}
+                     "created": created, "model": model, "system_fingerprint": BUILD_INFO}
         self.include_usage = include_usage
 
     def _chunk(self, choice: dict) -> dict:
@@ -201,6 +218,8 @@ class Answer:
     arrival: float
     names: FieldNames  # the request's field names, for errors in its stream
     shaper: ChatOutputShaper | None = None  # chat: reasoning and tool calls read out of the text
+    verbose: bool = False  # llama.cpp's "verbose": add its native result as "__verbose"
+    prompt_text: str = ""  # the first choice's prompt as text (special tokens written), for "__verbose"
 
 
 async def serve_choices(request: Request, state: ServerState, answer: Answer, stream: bool) -> Response:
@@ -214,9 +233,23 @@ async def serve_choices(request: Request, state: ServerState, answer: Answer, st
     for job in answer.jobs:
         if answer.prompt_texts[job.prompt_index] is None:
             answer.prompt_texts[job.prompt_index] = state.llm.tokenizer.decode(job.prompt_ids)
+    if answer.verbose:
+        answer.prompt_text = state.llm.tokenizer.decode(answer.jobs[0].prompt_ids)
     if stream:
         return _stream_response(answer, gen, state.model_name)
     return await _full_response(request, answer, gen, state.model_name)
+
+
+def verbose_result(answer: Answer, gen: Generation, model: str, text: str, finish: str | None,
+                   stop_reason: str | int | None) -> dict:
+    """llama.cpp's ``__verbose``: the first choice as its native ``/completion`` result would give it."""
+    stop_type = "none" if finish is None else "limit" if finish == "length" else (
+        "word" if isinstance(stop_reason, str) else "eos")
+    return {"index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True, "model": model,
+            "tokens_predicted": gen.num_generated_tokens, "tokens_evaluated": gen.num_prompt_tokens,
+            "prompt": answer.prompt_text, "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
+            "stopping_word": stop_reason if isinstance(stop_reason, str) else "",
+            "tokens_cached": gen.num_cached_tokens, "timings": generation_timings(gen)}
 
 
 async def _full_response(request: Request, answer: Answer, gen: Generation, model: str) -> Response:
@@ -227,6 +260,7 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
         texts = {job.index: answer.prompt_texts[job.prompt_index] if answer.echo else "" for job in jobs}
         logprobs = {job.index: ([] if job.params.logprobs is not None else None) for job in jobs}
         finish: dict[int, str | None] = {}
+        stop_reasons: dict[int, str | int | None] = {}
         try:
             async for index, delta in gen.deltas():
                 texts[index] += delta.text
@@ -234,6 +268,7 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
                     logprobs[index].extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     finish[index] = delta.finish_reason
+                    stop_reasons[index] = delta.stop_reason
         finally:
             await gen.close()
         choices = [{"index": job.index, "text": texts[job.index], "logprobs": logprobs[job.index],
@@ -243,7 +278,12 @@ async def _full_response(request: Request, answer: Answer, gen: Generation, mode
                 c["message"] = answer.shaper.message(c["index"], c["text"])
                 c["finish_reason"] = answer.shaper.finish_reason(c["index"], c["finish_reason"])
         build = chat_completion if answer.chat else text_completion
-        return build(answer.id, now(), model, choices, generation_usage(gen))
+        out = {**build(answer.id, now(), model, choices, generation_usage(gen)), "timings": generation_timings(gen)}
+        if answer.verbose:
+            first = jobs[0].index
+            out["__verbose"] = verbose_result(answer, gen, model, texts[first], finish.get(first),
+                                              stop_reasons.get(first))
+        return out
 
     try:
         return JSONResponse(await unless_disconnected(request.receive, collect))
@@ -276,13 +316,14 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> StreamRespo
                         rest = shaper.finish(index)
                         if rest:
                             yield event(chunks.fields(index, rest, None))
-                        yield event(chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)))
+                        yield event({**chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)),
+                                     "timings": generation_timings(gen)})
                     continue
                 if delta.text or delta.logprobs:
                     yield event(chunks.content(index, delta.text, delta.logprobs, offsets[index]))
                     offsets[index] += len(delta.text)
                 if delta.finish_reason is not None:
-                    yield event(chunks.finish(index, delta.finish_reason))
+                    yield event({**chunks.finish(index, delta.finish_reason), "timings": generation_timings(gen)})
             if answer.include_usage:
                 yield event(chunks.usage(generation_usage(gen)))
         except APIError as exc:

@@ -18,6 +18,7 @@ from ..chat_plan import response_format_spec
 from ..errors import CHAT_NAMES, FieldNames
 from ..fields import admitted, bad, bool_field, int_field, str_field
 from ..generation import Job
+from ..infill import fim_prompt_ids
 from ..sampling import MAX_N, SamplingOptions, check_choices, sampling_options, sampling_params
 from ..state import ServerState, check_model, require_ready, server_state
 from .choices import Answer, new_id, parse_head, serve_choices
@@ -38,6 +39,8 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     names: FieldNames = NAMES
+    suffix: str | None = None  # fill in the middle: the text after the completion
+    verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -69,6 +72,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     admitted(check_choices, len(prompts), head.n)
     opts = sampling_options(body)
     logprobs = int_field(body, "logprobs")
+    n_probs = int_field(body, "n_probs")  # llama.cpp's name
+    if logprobs is None and n_probs:
+        logprobs = n_probs
     if logprobs is not None:
         if not 0 <= logprobs <= SamplingParams.MAX_LOGPROBS:
             raise bad("logprobs", f"'logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {logprobs}")
@@ -76,13 +82,17 @@ def parse_completion(body: Any) -> CompletionRequest:
     echo = bool_field(body, "echo")
     if echo and logprobs is not None:
         raise bad("echo", "'echo' together with 'logprobs' is not supported (prompt log-probabilities are not computed)")
-    if str_field(body, "suffix"):
-        raise bad("suffix", "'suffix' is not supported")
+    suffix = str_field(body, "suffix") or None
+    if suffix is not None and echo:
+        raise bad("echo", "'echo' together with 'suffix' is not supported")
+    if suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise bad("suffix", "'suffix' needs text prompts (the prompt is the code before the completion)")
     best_of = int_field(body, "best_of")
     if best_of is not None and best_of not in (1, head.n):
         raise bad("best_of", f"'best_of' other than 1 or n is not supported, got {best_of}")
     names = NAMES.but(max_tokens="max_completion_tokens") if body.get("max_completion_tokens") is not None else NAMES
-    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names)
+    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names, suffix,
+                             bool_field(body, "verbose"))
 
 
 def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
@@ -94,6 +104,9 @@ def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionReques
     if spec is not None:
         req.options.kwargs["structured_output"] = spec
     tok = state.llm.tokenizer
+    if req.suffix is not None:  # fill in the middle, laid out as llama.cpp's /infill; stops where it does
+        req.options.kwargs["stop_token_ids"] = [*req.options.kwargs["stop_token_ids"], *tok.fim.stop_ids]
+        return req, [fim_prompt_ids(tok, state.llm.max_model_len, p, req.suffix) for p in req.prompts]
     return req, [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in req.prompts]
 
 
@@ -116,5 +129,5 @@ async def completions(request: Request) -> Response:
         for i in range(req.n):
             jobs.append(Job(p * req.n + i, ids, sampling_params(req.options, seed_offset=i), prompt_index=p))
     answer = Answer(chat=False, id=new_id("cmpl"), jobs=jobs, prompt_texts=texts, echo=req.echo,
-                    include_usage=req.include_usage, arrival=arrival, names=req.names)
+                    include_usage=req.include_usage, arrival=arrival, names=req.names, verbose=req.verbose)
     return await serve_choices(request, state, answer, req.stream)

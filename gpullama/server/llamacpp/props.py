@@ -1,0 +1,69 @@
+"""``GET /props`` and ``POST /apply-template``: llama.cpp's server properties (the fields its clients read: the
+chat template, the context size, the model path, the default generation settings, build info) and its chat
+template rendering without generation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gpullama.chat.model_format import chat_format
+
+from ..body import JSONResponse, off_loop_if_long, read_json
+from ..chat_plan import plan_chat, render_chat
+from ..errors import APIError
+from ..fields import bool_field, object_body
+from ..openai.chat import parse_messages
+from ..state import BUILD_INFO, check_model, require_ready, server_state
+from .request import sampling
+
+
+async def props(request: Request) -> Response:
+    """``GET /props``: read-only (llama.cpp's ``POST /props`` needs ``--props``; it is not served)."""
+    state = server_state(request)
+    require_ready(state)
+    llm, engine_args = state.llm, state.config.engine
+    tok = llm.tokenizer
+    _, settings = sampling({}, tok)
+    return JSONResponse({
+        "default_generation_settings": {"params": {**settings, "stream": False, "n_probs": 0, "grammar": "",
+                                                   "max_tokens": settings["n_predict"]},
+                                        "n_ctx": llm.max_model_len},
+        "total_slots": engine_args.max_num_seqs,
+        "model_alias": state.model_name,
+        "model_path": str(engine_args.model),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
+        "chat_template": tok.chat_template.source,
+        "chat_template_caps": {},
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+        "build_info": BUILD_INFO,
+        "is_sleeping": False,
+    })
+
+
+def _render(tok: Any, body: dict) -> str:
+    messages = parse_messages(body)
+    add_generation = bool_field(body, "add_generation_prompt", default=True)
+    cont = bool_field(body, "continue_final_message")
+    if add_generation and cont and "add_generation_prompt" in body:
+        raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                       param="continue_final_message")
+    fields = {**body, "tools": body.get("tools") or None}  # llama.cpp takes an empty list as none
+    plan = plan_chat(fields, messages, chat_format(tok))
+    return render_chat(tok, plan, add_generation and not cont, cont)
+
+
+async def apply_template(request: Request) -> Response:
+    """``POST /apply-template``: a chat completions body's messages (and tools, chat_template_kwargs,
+    add_generation_prompt, continue_final_message) rendered with the chat template -> ``{"prompt": text}``."""
+    state = server_state(request)
+    require_ready(state)
+    body = object_body(await read_json(request))
+    check_model(state, body.get("model"))
+    tok = state.llm.tokenizer
+    size = len(orjson.dumps(body))
+    return JSONResponse({"prompt": await off_loop_if_long(size, _render, tok, body)})
