@@ -19,7 +19,7 @@ from gpullama.chat.messages import check_messages
 from gpullama.engine.args import EngineArgs, EngineConfig
 from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
-from gpullama.engine.tp_workers import TPWorkers, WorkerSpec, threads_per_rank
+from gpullama.engine.tp_workers import Rendezvous, TPWorkers, WorkerSpec, run_headless, threads_per_rank
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.model import Decoder
@@ -101,6 +101,28 @@ def _samples(params: SamplingParams) -> list[SamplingParams]:
             for i in range(params.n)]
 
 
+def run_headless_node(args: EngineArgs) -> None:
+    """Run a node other than 0 of a multi-node tensor-parallel group (``gpullama-serve --headless``): its ranks
+    load their shards from this machine's copy of the model and follow node 0's steps until node 0 stops."""
+    rendezvous = Rendezvous.from_args(args)
+    tp_size = max(args.tensor_parallel_size, rendezvous.nnodes)
+    if rendezvous.node_rank == 0:
+        raise ValueError("--headless is for the nodes other than 0 (--node-rank 1 and up): node 0 serves")
+    path = resolve_model(args.model)
+    device = resolve_device(args.device)
+    local_ranks = rendezvous.ranks_per_node(tp_size)
+    threads = args.threads or (threads_per_rank(local_ranks) if device.type == "cpu" else None)
+    gguf_model = read_gguf(path)
+    config = gguf_model.config
+    ShardPlan(config, 0, tp_size).check(gguf_model.tensors)
+    dtype = resolve_dtype(args.dtype, device)
+    max_model_len = args.max_model_len or config.context_length
+    spec = WorkerSpec(path, str(device), dtype, max_model_len, EngineConfig.from_args(args, max_model_len), threads,
+                      quantized_cpu_path(args.dtype, device, gguf_model.tensors))
+    del gguf_model
+    run_headless(spec, tp_size, rendezvous)
+
+
 class LLM:
     """A loaded model with its tokenizer and engine: ``LLM("smollm2-135m").generate("Hello")``.
 
@@ -132,9 +154,15 @@ class LLM:
         step(f"finding {args.model}")
         self.path = resolve_model(args.model)
         self.device = resolve_device(args.device)
-        tp_size = args.tensor_parallel_size
+        rendezvous = Rendezvous.from_args(args)
+        tp_size = max(args.tensor_parallel_size, rendezvous.nnodes)  # torchrun's WORLD_SIZE when it runs us
+        if rendezvous.node_rank != 0:
+            raise ValueError(f"node_rank {rendezvous.node_rank}: only node 0 loads an LLM and serves; run the other "
+                             "nodes with `gpullama-serve --headless` (docs/deploy.md)")
+        local_ranks = rendezvous.ranks_per_node(tp_size)
         # ranks on the CPU share its cores: each gets its share unless told otherwise
-        threads = args.threads or (threads_per_rank(tp_size) if tp_size > 1 and self.device.type == "cpu" else None)
+        threads = args.threads or (threads_per_rank(local_ranks) if tp_size > 1 and self.device.type == "cpu"
+                                   else None)
         if threads:
             torch.set_num_threads(threads)
         size = f" ({os.path.getsize(self.path) / 1e6:.0f} MB)" if os.path.isfile(self.path) else ""
@@ -157,10 +185,11 @@ class LLM:
         if tp_size > 1:
             # a model that cannot be cut into tp_size ranks fails here, before any process starts
             ShardPlan(self.config, 0, tp_size).check(gguf_model.tensors)
-            step(f"starting {tp_size - 1} tensor-parallel worker processes")
+            step(f"starting {local_ranks - 1} tensor-parallel worker processes"
+                 + (f", waiting for {rendezvous.nnodes - 1} other nodes" if rendezvous.multi_node else ""))
             spec = WorkerSpec(self.path, str(self.device), self.dtype, max_model_len, engine_config, threads,
                               quantized_cpu)
-            self._workers = TPWorkers.start(spec, tp_size)
+            self._workers = TPWorkers.start(spec, tp_size, rendezvous)
         try:
             ops = select_ops(self.device, self.dtype, quantized_cpu)
             step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")

@@ -131,7 +131,7 @@ def test_two_ranks_on_the_cpu_fast_path(tiny_model, monkeypatch, arch: str, weig
         pytest.skip(f"no CPU kernels: {cpu_native.build_error()}")
     specs = []
     start = TPWorkers.start.__func__
-    monkeypatch.setattr(TPWorkers, "start", classmethod(lambda cls, spec, n: specs.append(spec) or start(cls, spec, n)))
+    monkeypatch.setattr(TPWorkers, "start", classmethod(lambda cls, spec, n, rdzv=None: specs.append(spec) or start(cls, spec, n, rdzv)))
     path = str(tiny_model(arch, weight_type).path)
     exact = LLM(path, device="cpu", dtype="float32")
     ids = token_ids(exact.config.vocab_size, n=40)

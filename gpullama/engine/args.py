@@ -151,6 +151,16 @@ class EngineArgs:
         "drafts the tokens that followed the last n-gram's earlier occurrence in the prompt or output, and checks "
         "them in one forward; greedy output is unchanged, sampled output keeps its distribution (default: off)",
         type=speculative_config_arg)
+    # multi-node tensor parallelism (vLLM's flag names): every node runs tensor_parallel_size / nnodes local ranks;
+    # they meet at master_addr:master_port, which node 0 hosts (torchrun's variables are read too: docs/deploy.md)
+    nnodes: int = _arg(1, "machines the tensor-parallel ranks span (default: %(default)s)", type=positive_int)
+    node_rank: int = _arg(0, "this machine's place among them, 0 to nnodes-1; node 0 serves, the others run "
+                          "headless (default: %(default)s)", type=int)
+    master_addr: str = _arg("127.0.0.1", "address of node 0, where the ranks meet (default: %(default)s)")
+    master_port: int = _arg(29501, "port of the rendezvous store on node 0 (default: %(default)s)", type=int)
+    distributed_timeout_seconds: int = _arg(
+        120, "seconds for every rank of every node to join the group, else the load fails naming the missing node "
+        "(default: %(default)s)", type=positive_int)
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -168,10 +178,18 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "nnodes",
+                     "distributed_timeout_seconds"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not _is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..nnodes-1 ({self.nnodes - 1}), got {self.node_rank!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                             f"{self.nnodes} (each node runs the same number of ranks)")
+        if not _is_int(self.master_port) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:

@@ -140,6 +140,11 @@ class AsyncEngine:
         return self.engine.block_manager.num_blocks
 
     @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.engine.block_manager.block_size
+
+    @property
     def kv_blocks_used(self) -> int:
         """KV blocks held by requests (blocks that only keep a cached prefix count as free)."""
         bm = self.engine.block_manager

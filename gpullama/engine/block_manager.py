@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from gpullama.engine.kv_events import BlockRemoved, BlockStored, EventSink, external_hash
 from gpullama.engine.sequence import Sequence
 
 
@@ -41,6 +42,7 @@ class BlockManager:
         # unreferenced blocks, least recently freed first; cached ones stay findable until taken
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.event_sink: EventSink | None = None  # hears what the prefix cache gains and loses (kv_events)
 
     @property
     def num_blocks(self) -> int:
@@ -61,6 +63,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
+            if self.event_sink is not None:
+                self.event_sink(BlockRemoved([external_hash(block.hash)]))
         block.hash, block.token_ids, block.parent = None, (), None
         block.epoch += 1
         block.ref_count = 1
@@ -136,15 +140,29 @@ class BlockManager:
         bs = self.block_size
         first, last = old_num_computed // bs, seq.num_computed_tokens // bs
         previous = self.blocks[seq.block_table[first - 1]] if first > 0 else None
+        stored: BlockStored | None = None  # the run of blocks that became findable, for the event sink
         for index in range(first, last):
             block = self.blocks[seq.block_table[index]]
             ids = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            findable = False
             if block.hash is None:
                 block.hash = chain_hash(previous.hash if previous else None, ids)
                 block.token_ids = ids
                 block.parent = previous.key if previous else None
-                self.cached.setdefault(block.hash, block.block_id)
+                findable = self.cached.setdefault(block.hash, block.block_id) == block.block_id
+            if self.event_sink is not None:
+                if findable:
+                    if stored is None:
+                        parent = external_hash(previous.hash) if previous and previous.hash is not None else None
+                        stored = BlockStored([], parent, [], bs)
+                    stored.block_hashes.append(external_hash(block.hash))
+                    stored.token_ids.extend(ids)
+                elif stored is not None:  # a gap: the blocks after it go in an event of their own
+                    self.event_sink(stored)
+                    stored = None
             previous = block
+        if stored is not None:
+            self.event_sink(stored)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Release a sequence's blocks; full blocks stay cached until their slot is reused."""

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from gpullama.engine.args import EngineArgs, positive_int
+from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
 
 from .connection import head_timeout_protocol
@@ -79,6 +80,14 @@ def host_pattern_list(text: str) -> list[str]:
     return [name.lower() for name in names]
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    """An argparse type: vLLM's ``--kv-events-config`` JSON."""
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-events-config: ")) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags: the engine's (from `EngineArgs`) and the server's own."""
     p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
@@ -115,6 +124,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     security.add_argument("--allowed-origins", type=name_list, default=[],
                           help="comma-separated browser origins allowed by CORS, such as http://localhost:3000, or "
                           "'*' (default: none, CORS off)")
+    p.add_argument("--headless", action="store_true",
+                   help="a node other than 0 of multi-node tensor parallelism (--nnodes, --node-rank 1 and up): load "
+                   "this machine's ranks and follow node 0's steps, without an HTTP server; implied by --node-rank > "
+                   "0 and by torchrun's RANK > 0 (docs/deploy.md)")
+    p.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help="publish KV-cache events in vLLM's format for prefix-aware routers, with vLLM's keys, e.g. "
+                   '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+                   '"tcp://*:5558"}\' (needs gpullama[kv-events]; docs/deploy.md) (default: off)')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-stats-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
                    help="log the engine's status line this often while it has work; 0 turns it off "
@@ -162,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         check_model(engine_args.model)
     except ValueError as exc:
         return fail(str(exc))
+    if args.headless or engine_args.node_rank > 0 or _torchrun_rank() > 0:
+        return _run_headless(engine_args)
     hosts, args.host = args.host, ",".join(args.host)
     config = ServerConfig(engine=engine_args, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, api_key=args.api_key,
@@ -169,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_connections=args.max_connections, request_timeout=args.request_timeout or None,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
-                          allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval)
+                          allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval,
+                          kv_events=args.kv_events_config)
     state = ServerState(config)
     from .app import create_app  # the routes load once the flags and the model reference are known good
 
@@ -211,6 +231,27 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"cannot load model {args.model}: {state.error}")
     if server.signalled:
         log.info("gpullama-serve stopped (%s)", signal.Signals(server.signalled[0]).name)
+    return EXIT_STOPPED
+
+
+def _torchrun_rank() -> int:
+    """This process's rank when torchrun started it (its RANK and MASTER_ADDR are set), else 0."""
+    env = os.environ
+    return int(env.get("RANK", "0")) if "MASTER_ADDR" in env and env.get("RANK", "").isdigit() else 0
+
+
+def _run_headless(engine_args: EngineArgs) -> int:
+    """A node other than 0: follow node 0 until it stops the group (status 0) or fails (1, with the reason)."""
+    from gpullama.llm import run_headless_node
+
+    log.info("gpullama-serve --headless: model %s, node %d of %d, node 0 at %s:%d", engine_args.model,
+             engine_args.node_rank, engine_args.nnodes, engine_args.master_addr, engine_args.master_port)
+    try:
+        run_headless_node(engine_args)
+    except ValueError as exc:
+        return fail(str(exc))
+    except RuntimeError as exc:
+        return fail(str(exc), 1)
     return EXIT_STOPPED
 
 

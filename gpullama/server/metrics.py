@@ -1,4 +1,12 @@
-"""Prometheus metrics of the server (a private registry rendered at ``GET /metrics``)."""
+"""Prometheus metrics of the server (a private registry rendered at ``GET /metrics``).
+
+Besides our own ``gpullama_*`` names, the gauges that cluster routers scrape are also exported under the names of
+the Kubernetes Gateway API inference extension's model-server protocol (vLLM's names, which its endpoint picker,
+llm-d, AIBrix and Dynamo read): ``vllm:num_requests_waiting`` (TotalQueuedRequests), ``vllm:num_requests_running``
+(TotalRunningRequests), ``vllm:kv_cache_usage_perc`` (KVCacheUtilization, 0 to 1; also under its older name
+``vllm:gpu_cache_usage_perc``) and ``vllm:cache_config_info`` (the optional BlockSize and NumGPUBlocks labels of
+the prefix-cache scorer). The LoRA-info gauge is not exported: gpullama serves no LoRA adapters.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +48,19 @@ class ServerMetrics:
         self.accepted_tokens = Counter("gpullama_spec_decode_num_accepted_tokens",
                                        "Speculative (n-gram) draft tokens accepted.", registry=r)
         self._drafts_seen = (0, 0)
+        # the model-server protocol's names (docs/deploy.md, "Behind a Kubernetes inference gateway")
+        self.protocol_waiting = Gauge("vllm:num_requests_waiting", "Requests queued in the engine (TotalQueuedRequests).",
+                                      registry=r)
+        self.protocol_running = Gauge("vllm:num_requests_running",
+                                      "Requests in the engine's running batch (TotalRunningRequests).", registry=r)
+        self.protocol_kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                                       "KV-cache usage, 0 to 1: 1 means 100 percent (KVCacheUtilization).", registry=r)
+        self.protocol_kv_usage_old = Gauge("vllm:gpu_cache_usage_perc",
+                                           "KV-cache usage, 0 to 1 (the older name of vllm:kv_cache_usage_perc).",
+                                           registry=r)
+        self.cache_config = Gauge("vllm:cache_config_info", "KV-cache layout: block size in tokens and pool blocks.",
+                                  ["block_size", "num_gpu_blocks"], registry=r)
+        self._cache_config_set = False
 
     def observe_request(self, path: str, status: int) -> None:
         """Count one finished HTTP request (unknown paths share one label)."""
@@ -53,11 +74,19 @@ class ServerMetrics:
         total = engine.kv_blocks_total if engine is not None else 0
         self.kv_blocks_used.set(used)
         self.kv_blocks_total.set(total)
-        self.kv_usage.set(used / total if total else 0.0)
         if engine is not None:  # the engine's running totals, as counters
             stats = engine.engine.stats
             drafts, accepted = stats.draft_tokens, stats.accepted_tokens
             self.draft_tokens.inc(max(0, drafts - self._drafts_seen[0]))
             self.accepted_tokens.inc(max(0, accepted - self._drafts_seen[1]))
             self._drafts_seen = (drafts, accepted)
+        usage = used / total if total else 0.0
+        self.kv_usage.set(usage)
+        self.protocol_waiting.set(engine.num_waiting if engine is not None else 0)
+        self.protocol_running.set(engine.num_running if engine is not None else 0)
+        self.protocol_kv_usage.set(usage)
+        self.protocol_kv_usage_old.set(usage)
+        if engine is not None and not self._cache_config_set:
+            self.cache_config.labels(str(engine.kv_block_size), str(total)).set(1)
+            self._cache_config_set = True
         return generate_latest(self.registry)

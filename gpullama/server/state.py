@@ -17,6 +17,7 @@ from starlette.requests import Request
 from gpullama import __version__
 from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineStopped
+from gpullama.engine.kv_events import KVEventsConfig
 
 from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
 from .errors import APIError
@@ -55,6 +56,7 @@ class ServerConfig:
     allowed_hosts: list[str] | None = None  # None: loopback names when bound to a loopback address, else any
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: off
     log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between engine status lines; 0: none
+    kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's format) when enabled
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
@@ -105,6 +107,7 @@ class ServerState:
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
         self._status_task: asyncio.Task | None = None
+        self.kv_events: Any = None  # the KV-event publisher, when the config enables one
 
     async def load(self) -> None:
         """Load the model off the event loop, then start the engine; on failure record it and notify."""
@@ -114,6 +117,7 @@ class ServerState:
                  args.max_model_len)
         try:
             llm, engine_cls = await self._load_in_thread()
+            self._start_kv_events(llm)
             self.engine = engine_cls(llm)
             self.llm = llm
         except Exception as exc:  # noqa: BLE001 - any loading failure ends the server with a clear log line
@@ -129,6 +133,18 @@ class ServerState:
         log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
                  self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
                  self.config.host, self.config.port)
+
+    def _start_kv_events(self, llm: Any) -> None:
+        """Publish the prefix cache's KV events when the config asks for them (before the engine runs a step)."""
+        events = self.config.kv_events
+        if events is None or not events.enabled:
+            return
+        from gpullama.engine.kv_events import KVEventPublisher
+
+        self.kv_events = KVEventPublisher.from_config(events)
+        llm.engine.block_manager.event_sink = self.kv_events.record
+        log.info("KV-cache events on %s%s", events.endpoint,
+                 f" (replay on {events.replay_endpoint})" if events.replay_endpoint else "")
 
     async def _load_in_thread(self) -> tuple[Any, Callable[[Any], Any]]:
         # A daemon thread, not the default executor: a server that stops mid-load (port in use, Ctrl-C) must not
@@ -168,6 +184,9 @@ class ServerState:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if hasattr(self.llm, "shutdown"):  # tensor-parallel worker processes
             self.llm.shutdown()
         self.status = "stopped"
