@@ -178,6 +178,8 @@ class LLM:
                 max_model_len, self.config.context_length,
             )
         self.max_model_len = max_model_len
+        if args.chat_template is not None:  # the given template in place of the file's (a copy: the map is shared)
+            self.metadata = {**self.metadata, "tokenizer.chat_template": args.chat_template}
         step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         engine_config = EngineConfig.from_args(args, max_model_len)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,29 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected bytes such as 1073741824, 512M or 4G, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def chat_template_text(value: Any) -> str:
+    """The text of `EngineArgs.chat_template`: a string holding a Jinja tag (``{{`` or ``{%``) is the template
+    itself, anything else a file's path (as vLLM reads its --chat-template); ValueError naming the file or the
+    template's syntax error (line and message)."""
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and "{{" not in value and "{%" not in value):
+        path = os.fspath(value)
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: cannot read the template file {path!r}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"chat_template must be a template or a file's path holding one, got {value!r:.80}")
+    from gpullama.chat_template import ChatTemplate  # jinja2 only when a template is given (--help stays light)
+
+    try:
+        ChatTemplate(value, "", "")  # compiled as the tokenizer will compile it
+    except ValueError as e:
+        raise ValueError(f"chat_template: {e}") from None
     return value
 
 
@@ -106,9 +130,11 @@ def speculative_config_arg(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _arg(default: Any, help: str, *, flag: str | None = None, short: str | None = None, **argparse_kwargs: Any):
-    """A field with its command-line flag: `flag` overrides ``--field-name``; the rest goes to add_argument."""
-    meta = {"help": help, "flag": flag, "short": short, "argparse": argparse_kwargs}
+def _arg(default: Any, help: str, *, flag: str | None = None, short: str | None = None,
+         aliases: tuple[str, ...] = (), **argparse_kwargs: Any):
+    """A field with its command-line flag: `flag` overrides ``--field-name``, `aliases` are other names of it (as
+    another engine spells it); the rest goes to add_argument."""
+    meta = {"help": help, "flag": flag, "short": short, "aliases": aliases, "argparse": argparse_kwargs}
     return field(default=default, metadata=meta)
 
 
@@ -151,6 +177,11 @@ class EngineArgs:
         "drafts the tokens that followed the last n-gram's earlier occurrence in the prompt or output, and checks "
         "them in one forward; greedy output is unchanged, sampled output keeps its distribution (default: off)",
         type=speculative_config_arg)
+    chat_template: str | None = _arg(
+        None, "a Jinja chat template used instead of the GGUF's tokenizer.chat_template: a file's path, or the "
+        "template itself (vLLM's --chat-template; llama.cpp's --chat-template-file names the same flag); a missing "
+        "file or a template that does not parse is refused before loading (default: the model's)",
+        aliases=("--chat-template-file",))
     # multi-node tensor parallelism (vLLM's flag names): every node runs tensor_parallel_size / nnodes local ranks;
     # they meet at master_addr:master_port, which node 0 hosts (torchrun's variables are read too: docs/deploy.md)
     nnodes: int = _arg(1, "machines the tensor-parallel ranks span (default: %(default)s)", type=positive_int)
@@ -165,6 +196,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self.model = str(self.model)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.chat_template is not None:
+            self.chat_template = chat_template_text(self.chat_template)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             if not hasattr(self.device, "type"):  # a torch.device is fine as it is
                 raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
@@ -199,7 +232,7 @@ class EngineArgs:
                 continue
             meta = f.metadata
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
-            names = [flag] + ([meta["short"]] if meta["short"] else [])
+            names = [flag, *meta["aliases"]] + ([meta["short"]] if meta["short"] else [])
             if f.default is True:
                 parser.add_argument(*names, dest=f.name, action="store_false", help=meta["help"])
             elif f.default is False:

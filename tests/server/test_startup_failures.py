@@ -47,6 +47,14 @@ def test_a_bad_model_reference_fails_before_the_port_is_bound(reference, reason,
     assert "Traceback" not in run.stderr and run.stdout == ""
 
 
+def test_a_missing_chat_template_file_fails_before_the_port_is_bound(tiny_model, taken_port) -> None:
+    run = serve("--model", str(tiny_model("llama").path), "--chat-template-file", "/nonexistent/chat.jinja",
+                "--port", str(taken_port))
+    assert run.returncode == BAD_INPUT, run.stderr
+    assert run.stderr.strip().splitlines() == [last_line(run)], run.stderr
+    assert "chat_template: cannot read the template file '/nonexistent/chat.jinja'" in last_line(run)
+
+
 def test_a_truncated_model_file_fails_before_the_port_is_bound(tiny_model, tmp_path: Path, taken_port) -> None:
     data = tiny_model("llama").path.read_bytes()
     cut = tmp_path / "cut.gguf"
