@@ -47,7 +47,10 @@ def test_speculative_server_answers_as_the_plain_one(speculative: Server, server
         got = spec.post("/v1/chat/completions", json=body).json()
         assert got["choices"][0]["message"] == want["choices"][0]["message"]
         assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
-        assert got["usage"] == want["usage"]
+        # the token counts; cached_tokens depends on what each server's prefix cache held before (the shared plain
+        # server has answered other tests' requests with the same system prompt)
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert {k: got["usage"][k] for k in counts} == {k: want["usage"][k] for k in counts}
         got_lp, want_lp = got["choices"][0]["logprobs"]["content"], want["choices"][0]["logprobs"]["content"]
         assert [e["token"] for e in got_lp] == [e["token"] for e in want_lp]
         assert all(abs(a["logprob"] - b["logprob"]) < 1e-3 for a, b in zip(got_lp, want_lp))
