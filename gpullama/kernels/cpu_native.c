@@ -574,7 +574,11 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, cons
     for (int64_t unit = 0; unit < w->G; unit++, b += w->block_bytes)
         for (int j = 0; j < sub; j++) {
             int64_t g = unit * sub + j; /* the group of 32 values of x */
-            __builtin_prefetch(b + j * vbytes + 8192);
+            /* the lines 8 KiB ahead, spread evenly over the unit's sub-blocks (a K-quant unit's scale fields too):
+               one prefetch per group left most of a K-quant unit to the hardware prefetcher, and a whole unit's
+               lines at once (36 for Q4_K) stalled the loads behind them */
+            for (int64_t l = j * w->block_bytes / sub; l < (j + 1) * w->block_bytes / sub; l += 64)
+                __builtin_prefetch(b + 8192 + l);
             wg u;
             wg_load(fmt, b + j * vbytes, &u);
             for (int t = 0; t < sets; t++) {
