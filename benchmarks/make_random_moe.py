@@ -31,13 +31,27 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERT_ROWS, USED = 2048, 32, 4, 128, 768, 8
 """Qwen3-30B-A3B's layer shapes."""
 
 
+MXFP4_EXPONENTS = (119, 122)
+"""MXFP4 exponent bytes drawn in [119, 122): scales 2^-9 .. 2^-7, a trained model's spread (random bytes would
+give scales up to 2^127)."""
+
+
+def random_mxfp4(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random MXFP4 blocks ``[rows, bytes per row]``: an exponent byte in `MXFP4_EXPONENTS`, 16 random code bytes."""
+    blocks = rng.integers(0, 256, size=(rows * cols // 32, 17), dtype=np.uint8)
+    blocks[:, 0] = rng.integers(*MXFP4_EXPONENTS, size=blocks.shape[0], dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_model(path: str, layers: int, experts: int, vocab: int, qtype: gguf.GGMLQuantizationType,
-                seed: int = 0) -> None:
-    """Write the model file."""
+                seed: int = 0, expert_qtype: gguf.GGMLQuantizationType | None = None) -> None:
+    """Write the model file: every matrix `qtype`, the experts `expert_qtype` (default `qtype`)."""
+    expert_qtype = expert_qtype or qtype
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "qwen3moe")
-    writer.add_name(f"random qwen3moe {layers}x{experts} {qtype.name}")
-    writer.add_file_type({Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+    writer.add_name(f"random qwen3moe {layers}x{experts} {qtype.name} experts {expert_qtype.name}")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if expert_qtype == Q.MXFP4 else
+                         {Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
                           Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K, Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
                           Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
     writer.add_block_count(layers)
@@ -57,10 +71,14 @@ def write_model(path: str, layers: int, experts: int, vocab: int, qtype: gguf.GG
     write_metadata(writer, padded_vocab(vocab))
 
     def matrix(name: str, rows: int, cols: int, stack: int = 0) -> None:
-        blocks = random_matrix(qtype, rows * max(stack, 1), cols, rng)
+        kind = expert_qtype if stack else qtype
+        if kind == Q.MXFP4:
+            blocks = random_mxfp4(rows * max(stack, 1), cols, rng)
+        else:
+            blocks = random_matrix(kind, rows * max(stack, 1), cols, rng)
         if stack:
             blocks = blocks.reshape(stack, rows, -1)
-        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
 
     def floats(name: str, *shape: int, mean: float = 0.0, scale: float = 0.1) -> None:
         writer.add_tensor(name, (mean + scale * rng.standard_normal(shape)).astype(np.float32))
@@ -95,11 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--type", choices=list(TYPES), default="q8_0", help="type of every matrix (routers stay F32)")
+    p.add_argument("--expert-type", choices=[*TYPES, "mxfp4"], help="the experts' type (default --type; mxfp4: "
+                   "gpt-oss's, with --type q8_0 as gpt-oss files ship the other matrices)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    write_model(args.out, args.layers, args.experts, args.vocab, TYPES[args.type])
-    print(f"wrote {args.out}: {args.layers} layers x {args.experts} experts {args.type}, "
+    expert_qtype = Q.MXFP4 if args.expert_type == "mxfp4" else TYPES.get(args.expert_type or args.type)
+    write_model(args.out, args.layers, args.experts, args.vocab, TYPES[args.type], expert_qtype=expert_qtype)
+    print(f"wrote {args.out}: {args.layers} layers x {args.experts} experts {args.type} "
+          f"(experts {expert_qtype.name}), "
           f"{Path(args.out).stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 

@@ -20,16 +20,17 @@ weights; threads split the weight rows; a row's arithmetic is the same in any ti
 Weight formats: rows in groups of 16 (N padded with rows of zeros); a group is one contiguous stream of units
 along K, so the weights are read front to back. A unit covers 32 values (256 for the K-quants, K a multiple of
 it). The 16 rows' values of each 32 come in chunks of 4 (chunk c of every row, then chunk c + 1):
-- 4, 5, 6 bits (Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K): 256 bytes of nibbles (byte k of a row: value k in the
-  low nibble, value k + 16 in the high one), then 1 or 2 bit planes of 64 bytes (see unpack_values);
+- 4, 5, 6 bits (Q4_0, Q4_1, Q4_K, MXFP4; Q5_0, Q5_1, Q5_K; Q6_K): 256 bytes of nibbles (byte k of a row: value k in
+  the low nibble, value k + 16 in the high one), then 1 or 2 bit planes of 64 bytes (see unpack_values); MXFP4's
+  nibbles are its E2M1 codes, read through a 16-entry table (mxfp4_u);
 - 8 bits: 32 bytes a row (Q8_0: its signed quants; FMT_Q8: unsigned values);
 - F16: 32 float16, F32: 32 float, value k of the 16 rows then value k + 1.
-Then each type's own fields, 16 rows a field: Q4_0, Q5_0, Q8_0: d (float16); Q4_1, Q5_1: d, m; after the 8
-value sections of a K-quant unit, Q4_K and Q5_K: sc [8][16] and mn [8][16] (the 6-bit sub-scales as bytes), d,
-dmin (float16); Q6_K: sc [16][16] (int8), d. FMT_Q8 (MXFP4): 32 / group scales, then as many zeros (float16 with
-half_scales, else float). A value is (u + offset) * scale + zero: the K-quants' scale d * sc and zero -dmin * mn,
-exact in float32 as in gguf's dequantizers; each format reads as many bytes as the GGUF blocks hold (Q4_K, Q5_K:
-2-3% more, their 6-bit sub-scales held as bytes; MXFP4: 8-bit values).
+Then each type's own fields, 16 rows a field: Q4_0, Q5_0, Q8_0: d (float16); Q4_1, Q5_1: d, m; MXFP4: its E8M0
+exponent byte; after the 8 value sections of a K-quant unit, Q4_K and Q5_K: sc [8][16] and mn [8][16] (the 6-bit
+sub-scales as bytes), d, dmin (float16); Q6_K: sc [16][16] (int8), d. FMT_Q8 (no GGUF type uses it now): 32 / group
+scales, then as many zeros (float16 with half_scales, else float). A value is (u + offset) * scale + zero: the
+K-quants' scale d * sc and zero -dmin * mn, MXFP4's 2^(e - 128), exact in float32 as in gguf's dequantizers; each
+format reads as many bytes as the GGUF blocks hold (Q4_K, Q5_K: 2-3% more, their 6-bit sub-scales held as bytes).
 */
 
 #include <math.h>
@@ -256,6 +257,35 @@ static void *scratch(int which, size_t bytes) {
     return buf[which];
 }
 
+/* 16 E8M0 exponent bytes as the floats 2^(e - 127) / 2 (ggml's e8m0_to_fp32_half), exactly: (e - 1) << 23 as
+   float bits, subnormal 0x00200000 << e for e < 2 */
+static inline vf vf_e8m0_half(const uint8_t *e) {
+#if defined(__AVX512F__)
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));
+    __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+    __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), v);
+    __mmask16 small = _mm512_cmplt_epu32_mask(v, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 h[2];
+    for (int i = 0; i < 2; i++) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e + 8 * i)));
+        __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+        __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);
+        __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), v);
+        h[i] = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
+    }
+    return mk(h[0], h[1]);
+#else
+    vf r;
+    for (int i = 0; i < 16; i++) {
+        uint32_t bits = e[i] < 2 ? 0x00200000u << e[i] : (uint32_t)(e[i] - 1) << 23;
+        memcpy(&r.v[i], &bits, 4);
+    }
+    return r;
+#endif
+}
+
 /* ------------------------------------------------------------------------------------------------------------
    matmul
    ------------------------------------------------------------------------------------------------------------ */
@@ -267,16 +297,17 @@ static void *scratch(int which, size_t bytes) {
    planes, then the type's own scale fields. */
 enum {
     FMT_Q8 = 1, FMT_F16 = 2, FMT_F32 = 3,
-    FMT_Q4_0 = 4, FMT_Q4_1 = 5, FMT_Q5_0 = 6, FMT_Q5_1 = 7, FMT_Q8_0 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11
+    FMT_Q4_0 = 4, FMT_Q4_1 = 5, FMT_Q5_0 = 6, FMT_Q5_1 = 7, FMT_Q8_0 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11,
+    FMT_MXFP4 = 12
 };
 
 #define MT 8 /* rows of x per tile: a block's weights are unpacked once per tile */
 
 static inline int fmt_quantized(int fmt) { return fmt == FMT_Q8 || fmt >= FMT_Q4_0; }
 /* K-quants: a unit is 16 rows x 256 values (8 sub-blocks of 32, then the super-block's fields) */
-static inline int fmt_super(int fmt) { return fmt >= FMT_Q4_K; }
+static inline int fmt_super(int fmt) { return fmt >= FMT_Q4_K && fmt <= FMT_Q6_K; }
 static inline int fmt_bits(int fmt) {
-    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K   ? 4
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K || fmt == FMT_MXFP4 ? 4
            : fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q5_K ? 5
            : fmt == FMT_Q6_K                                       ? 6
                                                                    : 8;
@@ -286,10 +317,17 @@ static inline int fmt_planes(int fmt) { return fmt_bits(fmt) == 5 ? 1 : fmt_bits
 /* bytes of 16 rows x 32 values */
 static inline int fmt_vbytes(int fmt) { return fmt_bits(fmt) == 8 ? 512 : 256 + 64 * fmt_planes(fmt); }
 /* the integer added to each unsigned value u before its scale: u + offset is the GGUF quant (Q8_0 bytes are read
-   as u = q + 128) */
+   as u = q + 128; MXFP4's 4-bit codes as u = its doubled E2M1 value + 12, see mxfp4_u) */
 static inline int fmt_offset(int fmt) {
-    return fmt == FMT_Q4_0 ? -8 : fmt == FMT_Q5_0 ? -16 : fmt == FMT_Q6_K ? -32 : fmt == FMT_Q8_0 ? -128 : 0;
+    return fmt == FMT_Q4_0    ? -8
+           : fmt == FMT_Q5_0  ? -16
+           : fmt == FMT_Q6_K  ? -32
+           : fmt == FMT_Q8_0  ? -128
+           : fmt == FMT_MXFP4 ? -12
+                              : 0;
 }
+/* MXFP4: a 4-bit code (sign bit 3, then the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) as u = 2 value + 12 */
+static const uint8_t mxfp4_u[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 /* whether values have an added zero (a minimum) besides the scale */
 static inline int fmt_has_zero(int fmt) {
     return fmt == FMT_Q8 || fmt == FMT_Q4_1 || fmt == FMT_Q5_1 || fmt == FMT_Q4_K || fmt == FMT_Q5_K;
@@ -301,6 +339,7 @@ static inline int fmt_sets(int fmt, int group) { return fmt == FMT_Q6_K || (fmt 
 int64_t gl_unit_bytes(int fmt, int group, int half_scales) {
     if (fmt == FMT_F16 || fmt == FMT_F32) return 16 * 32 * (fmt == FMT_F16 ? 2 : 4);
     if (fmt == FMT_Q8) return 512 + 2 * (32 / group) * 16 * (half_scales ? 2 : 4);
+    if (fmt == FMT_MXFP4) return fmt_vbytes(fmt) + 16; /* the 16 rows' E8M0 exponent bytes */
     if (!fmt_super(fmt)) return fmt_vbytes(fmt) + 32 * (1 + fmt_has_zero(fmt));
     return 8 * fmt_vbytes(fmt) + (fmt == FMT_Q6_K ? 256 + 32 : 256 + 64);
 }
@@ -326,7 +365,7 @@ static inline void unpack_values(int fmt, const uint8_t *v, uint8_t out[8][64]) 
                     const uint8_t *word = v + 256 + 4 * (((2 * j + h) * planes + p) * 2 + row / 8);
                     u |= ((word[bit >> 3] >> (bit & 7)) & 1) << (4 + p);
                 }
-                out[c][4 * row + i] = (uint8_t)u;
+                out[c][4 * row + i] = fmt == FMT_MXFP4 ? mxfp4_u[u] : (uint8_t)u;
             }
 }
 
@@ -340,6 +379,8 @@ static inline void unit_scales(int fmt, int sets, int half, const uint8_t *b, in
         const uint8_t *s = b + vbytes + t * sbytes, *z = b + vbytes + (sets + t) * sbytes;
         *scale = half ? vf_f16((const uint16_t *)s) : vf_load((const float *)s);
         *zero = half ? vf_f16((const uint16_t *)z) : vf_load((const float *)z);
+    } else if (fmt == FMT_MXFP4) { /* one E8M0 exponent byte a row */
+        *scale = vf_e8m0_half(b + vbytes);
     } else if (!fmt_super(fmt)) { /* d, then m */
         *scale = vf_f16((const uint16_t *)(b + vbytes));
         if (fmt_has_zero(fmt)) *zero = vf_f16((const uint16_t *)(b + vbytes + 32));
@@ -368,6 +409,10 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
             __m512i v = _mm512_loadu_si512((const void *)(b + 64 * j));
             w->c[j] = _mm512_and_si512(v, m);
             w->c[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+        }
+        if (fmt == FMT_MXFP4) { /* the codes as u, looked up in every 128-bit lane */
+            __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_u));
+            for (int c = 0; c < 8; c++) w->c[c] = _mm512_shuffle_epi8(lut, w->c[c]);
         }
     } else if (fmt_bits(fmt) == 8) {
         __m512i flip = _mm512_set1_epi8(fmt == FMT_Q8_0 ? (char)0x80 : 0);
@@ -421,8 +466,8 @@ static inline __m256i plane_bytes(const uint8_t *p, char value) {
 }
 static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
     int bits = fmt_bits(fmt), planes = fmt_planes(fmt);
-    w->q4 = bits == 4;
-    if (bits == 4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
+    w->q4 = bits == 4 && fmt != FMT_MXFP4; /* MXFP4's u reach 24: 8 chunks of vpmaddubsw pairs could overflow */
+    if (w->q4) { /* byte k of a row: value k in its low nibble, value k + 16 in its high nibble */
         __m256i m = _mm256_set1_epi8(15);
         for (int j = 0; j < 4; j++)
             for (int r = 0; r < 2; r++) {
@@ -436,8 +481,9 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
             for (int g = 0; g < 4; g++)
                 w->c[c][g] = _mm256_cvtepu8_epi16(
                     _mm_xor_si128(_mm_loadu_si128((const __m128i *)(b + 64 * c + 16 * g)), flip));
-    } else { /* nibbles plus bit planes, widened to int16 */
+    } else { /* nibbles plus bit planes (MXFP4: its codes looked up as u), widened to int16 */
         __m256i m = _mm256_set1_epi8(15);
+        __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4_u));
         for (int j = 0; j < 4; j++)
             for (int r = 0; r < 2; r++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * j + 32 * r));
@@ -447,6 +493,7 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
                     lo = _mm256_or_si256(lo, plane_bytes(words + 8 * (2 * j * planes + p), (char)(16 << p)));
                     hi = _mm256_or_si256(hi, plane_bytes(words + 8 * ((2 * j + 1) * planes + p), (char)(16 << p)));
                 }
+                if (fmt == FMT_MXFP4) lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
                 w->c[j][2 * r] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
                 w->c[j][2 * r + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
                 w->c[4 + j][2 * r] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
@@ -650,6 +697,7 @@ GL_BLOCKS(mm_q8_0, FMT_Q8_0, 1)
 GL_BLOCKS(mm_q4_k, FMT_Q4_K, 1)
 GL_BLOCKS(mm_q5_k, FMT_Q5_K, 1)
 GL_BLOCKS(mm_q6_k, FMT_Q6_K, 2)
+GL_BLOCKS(mm_mxfp4, FMT_MXFP4, 1)
 
 typedef void (*blocks_fn)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t,
                           float *, int64_t);
@@ -666,6 +714,7 @@ static blocks_fn blocks_for(int fmt, int group) {
     case FMT_Q4_K: return mm_q4_k;
     case FMT_Q5_K: return mm_q5_k;
     case FMT_Q6_K: return mm_q6_k;
+    case FMT_MXFP4: return mm_mxfp4;
     default: return mm_f32;
     }
 }

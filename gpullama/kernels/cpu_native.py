@@ -30,6 +30,7 @@ log = logging.getLogger("gpullama")
 SOURCE = Path(__file__).with_suffix(".c")
 FMT_Q8, FMT_F16, FMT_F32 = 1, 2, 3
 FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1, FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 4, 5, 6, 7, 8, 9, 10, 11
+FMT_MXFP4 = 12
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
 MAX_HEAD_DIM = 256
 """`attention` needs a head dim that is a multiple of 16 (of 32 for a Q8_0 cache) and at most this, and a block size

@@ -17,14 +17,14 @@ Each type keeps its own width and its own scale fields (issue 23): a value is ``
 | Q4_K | FMT_Q4_K | 4-bit | | d * sc per 32 | -dmin * mn | 0.578 (0.5625) |
 | Q5_K | FMT_Q5_K | 4-bit + 1 bit plane | | d * sc per 32 | -dmin * mn | 0.703 (0.6875) |
 | Q6_K | FMT_Q6_K | 4-bit + 2 bit planes | -32 | d * sc per 16 (int8 sc) | | 0.8203 (0.8203) |
-| MXFP4 | FMT_Q8 | E2M1 value x 2 + 12 as a byte | | e8m0 / 2 | -12 e8m0 / 2 | 1.125 (0.53125) |
+| MXFP4 | FMT_MXFP4 | 4-bit E2M1 code, read as its doubled value + 12 | -12 | e8m0 / 2 (its byte) | | 0.53125 (0.53125) |
 | F16 | FMT_F16 | float16 | | | | 2 |
 | BF16, F32 | FMT_F32 | float32 (exact) | | | | 4 |
 
 The K-quants' units are 256 values (their super-blocks): 8 groups of 32 values, then the sub-scales (Q4_K/Q5_K's
 6-bit sc and mn held as one byte each: the 2-3% above the file), then d (and dmin), as float16; the kernel forms
-``d * sc`` (exact in float32) per group. MXFP4's scale is a power of two and its values small integers, so
-``u * scale + zero`` is exact too; its scales are float16 where every one is a float16 value, else float32.
+``d * sc`` (exact in float32) per group. MXFP4 keeps its E8M0 exponent byte; the kernel forms the power of two
+``2^(e - 128)`` exactly, and its values are small integers, so ``(u - 12) * scale`` is exact too.
 
 The kernels read rows 16 at a time: each 16 rows are stored as one stream of units (see the top of
 `cpu_native.c`); rows are padded with rows of zero bytes (scales 0) to a multiple of 16.
@@ -38,7 +38,7 @@ import gguf
 import torch
 
 from gpullama.kernels import cpu_native
-from gpullama.quants import MXFP4_VALUES, QTensor, _bits, _nibbles, _q5_quants, e8m0_half, unpack_k_scales
+from gpullama.quants import QTensor, _bits, _nibbles, _q5_quants, unpack_k_scales
 
 Q = gguf.GGMLQuantizationType
 
@@ -48,33 +48,21 @@ _ROW_ALIGN = 16
 NATIVE_FORMATS = {
     Q.Q4_0: cpu_native.FMT_Q4_0, Q.Q4_1: cpu_native.FMT_Q4_1, Q.Q5_0: cpu_native.FMT_Q5_0,
     Q.Q5_1: cpu_native.FMT_Q5_1, Q.Q8_0: cpu_native.FMT_Q8_0, Q.Q4_K: cpu_native.FMT_Q4_K,
-    Q.Q5_K: cpu_native.FMT_Q5_K, Q.Q6_K: cpu_native.FMT_Q6_K,
+    Q.Q5_K: cpu_native.FMT_Q5_K, Q.Q6_K: cpu_native.FMT_Q6_K, Q.MXFP4: cpu_native.FMT_MXFP4,
 }
 """Types held at their own width, with their own scale fields, each in its `cpu_native` format."""
-Q8_TYPES = (Q.MXFP4,)
-"""Types packed as 8-bit values with a scale and a zero per group (`cpu_native.FMT_Q8`)."""
-QUANTIZED_TYPES = (*NATIVE_FORMATS, *Q8_TYPES)
+QUANTIZED_TYPES = tuple(NATIVE_FORMATS)
 """Every quantized type with a CPU format."""
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 """Types whose blocks cover 256 values: their rows must be a multiple of 256 values."""
-_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
-
-
-def _mxfp4_rows(weight: QTensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows `rows` of an MXFP4 matrix as ``(u [n, K] uint8, scale [n, K / 32], zero [n, K / 32])`` with
-    ``u * scale + zero`` equal to `gpullama.quants.dequantize`: u = the doubled E2M1 value + 12."""
-    data = weight.data[rows]
-    n = data.shape[0]
-    b = data.reshape(-1, 17)
-    d = e8m0_half(b[:, 0])
-    table = torch.tensor([v + 12 for v in MXFP4_VALUES], dtype=torch.uint8)
-    return table[_nibbles(b[:, 1:]).long()].reshape(n, -1), d.reshape(n, -1), (-12 * d).reshape(n, -1)
+_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.MXFP4: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
 
 
 def native_fields(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """GGUF rows ``[n, row bytes]`` of a type of `NATIVE_FORMATS` as (values ``[n, K / 32, 32]`` uint8: the
     unsigned quants, Q8_0's signed bytes as they are; the type's scale fields per unit of 32 values, 256 for the
-    K-quants: ``[n, units, count]`` each, float16 as in the file, Q4_K/Q5_K's 6-bit sc and mn as bytes)."""
+    K-quants: ``[n, units, count]`` each, float16 as in the file, Q4_K/Q5_K's 6-bit sc and mn as bytes, MXFP4's
+    E8M0 byte))."""
     n = data.shape[0]
     b = data.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
 
@@ -93,6 +81,8 @@ def native_fields(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple
         fields = [sc.reshape(n, -1, 8), mn.reshape(n, -1, 8), half(0), half(2)]
     elif qtype == Q.Q8_0:
         values, fields = b[:, 2:], [half(0)]
+    elif qtype == Q.MXFP4:  # the E2M1 codes as they are (the kernel looks them up), the exponent byte
+        values, fields = _nibbles(b[:, 1:]), [b[:, 0:1].reshape(n, -1, 1)]
     elif qtype == Q.Q4_0:
         values, fields = _nibbles(b[:, 2:]), [half(0)]
     elif qtype == Q.Q4_1:
@@ -141,17 +131,13 @@ def _native_blocks(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torc
     return torch.cat([value_bytes] + [_interleave(f.unsqueeze(-1)) for f in fields], dim=-1)
 
 
-class _NotHalf(Exception):
-    """A scale or zero is not a float16 value."""
-
-
 @dataclass
 class CpuWeight:
     """One matrix in a `cpu_native` weight format; `matmul` computes ``x @ W.T``."""
 
     fmt: int  # cpu_native.FMT_*
-    group: int  # values per scale (FMT_Q8)
-    half_scales: bool  # FMT_Q8: scales and zeros stored as float16 (exact where every one is a float16 value)
+    group: int  # values per scale of cpu_native's FMT_Q8 (no GGUF type is packed in it now): 32
+    half_scales: bool  # FMT_Q8's scales as float16: False
     blocks: torch.Tensor  # uint8 [N padded to 16 / 16, units, unit bytes]
     out_features: int
     in_features: int
@@ -164,46 +150,20 @@ class CpuWeight:
     @classmethod
     def from_qtensor(cls, weight: QTensor) -> CpuWeight:
         """Repack a 2-D GGUF matrix (see `packable`), a few thousand rows at a time."""
-        if weight.qtype in Q8_TYPES:
-            try:
-                return cls._pack(weight, half_scales=True)
-            except _NotHalf:  # a scale or zero float16 cannot hold: keep them float32
-                pass
-        return cls._pack(weight, half_scales=False)
-
-    @classmethod
-    def _pack(cls, weight: QTensor, half_scales: bool) -> CpuWeight:
         n, k = weight.shape
         qtype = weight.qtype
-        fmt, group = NATIVE_FORMATS.get(qtype, cpu_native.FMT_Q8), 32
-        if qtype in (Q.F16, Q.BF16, Q.F32):
-            fmt = cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32
         chunks = []
         for start in range(0, n, _CHUNK_ROWS):
-            rows = slice(start, start + _CHUNK_ROWS)
-            pad = -weight.data[rows].shape[0] % _ROW_ALIGN  # only the last chunk can be short; zero rows compute 0
+            data = weight.data[start : start + _CHUNK_ROWS]
+            pad = -data.shape[0] % _ROW_ALIGN  # only the last chunk can be short; zero rows compute 0
             if qtype in NATIVE_FORMATS:  # rows of zero bytes: blocks whose scales are 0
-                data = weight.data[rows]
                 chunks.append(_native_blocks(torch.cat([data, data.new_zeros(pad, data.shape[1])]), qtype))
                 continue
-            if fmt != cpu_native.FMT_Q8:
-                parts = [weight.data[rows] if fmt == cpu_native.FMT_F16 else weight.data[rows].to(torch.float32)]
-            else:
-                parts = list(_mxfp4_rows(weight, rows))
-                if half_scales:
-                    halves = [t.to(torch.float16) for t in parts[1:]]
-                    if any(not torch.equal(h.float(), t) for h, t in zip(halves, parts[1:])):
-                        raise _NotHalf
-                    parts[1:] = halves
-            if pad:
-                parts = [torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in parts]
-            values = parts[0].reshape(parts[0].shape[0], k // 32, 32)
-            if fmt != cpu_native.FMT_Q8:  # value k of the 16 rows, then value k + 1
-                chunks.append(_interleave(values.unsqueeze(-1)))
-            else:  # the values (chunk c of every row, then chunk c + 1), then the scales, then the zeros
-                per_row = [_interleave(t.reshape(t.shape[0], k // 32, -1, 1)) for t in parts[1:]]
-                chunks.append(torch.cat([_interleave(values.reshape(-1, k // 32, 8, 4))] + per_row, dim=-1))
-        return cls(fmt, group, half_scales, torch.cat(chunks), n, k)
+            values = data if qtype == Q.F16 else data.to(torch.float32)
+            values = torch.cat([values, values.new_zeros(pad, k)])
+            chunks.append(_interleave(values.reshape(-1, k // 32, 32, 1)))  # value k of the 16 rows, then k + 1
+        fmt = NATIVE_FORMATS.get(qtype, cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32)
+        return cls(fmt, 32, False, torch.cat(chunks), n, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded)."""
@@ -245,7 +205,7 @@ class CpuExperts:
     @classmethod
     def from_qtensors(cls, parts: list[QTensor]) -> CpuExperts:
         """Pack stacked experts ``[E, rows, K]`` (the parts' rows of each expert joined: gate then up), one expert
-        at a time; FMT_Q8 with float16 scales where every scale is a float16 value, else float32."""
+        at a time."""
         num_experts = parts[0].shape[0]
 
         def expert(e: int) -> QTensor:
@@ -254,18 +214,12 @@ class CpuExperts:
             joined = data[0] if len(data) == 1 else torch.cat(data, dim=0)
             return QTensor(joined, parts[0].qtype, (rows, parts[0].shape[2]), parts[0].name)
 
-        half = parts[0].qtype in Q8_TYPES
-        while True:  # one layer's experts at a time into one buffer (no second copy of them at load)
-            try:
-                first = CpuWeight._pack(expert(0), half_scales=half)
-                blocks = first.blocks.new_empty((num_experts, *first.blocks.shape))
-                blocks[0] = first.blocks
-                for e in range(1, num_experts):
-                    blocks[e] = CpuWeight._pack(expert(e), half_scales=half).blocks
-                break
-            except _NotHalf:
-                half = False
-        return cls(first.fmt, first.group, half, blocks)
+        first = CpuWeight.from_qtensor(expert(0))  # one layer's experts into one buffer (no second copy at load)
+        blocks = first.blocks.new_empty((num_experts, *first.blocks.shape))
+        blocks[0] = first.blocks
+        for e in range(1, num_experts):
+            blocks[e] = CpuWeight.from_qtensor(expert(e)).blocks
+        return cls(first.fmt, first.group, first.half_scales, blocks)
 
 
 def packable_experts(parts: list[QTensor]) -> bool:

@@ -44,6 +44,12 @@ def test_native_fields_are_the_gguf_quants_and_scales(qtype) -> None:
     """The values and fields the native formats hold rebuild gguf's values exactly, by each type's formula."""
     weight, reference = weight_and_reference(qtype)
     values, fields = native_fields(weight.data, qtype)
+    if qtype == Q.MXFP4:  # E2M1 codes (sign bit 3; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6) times 2^(e - 127)
+        magnitude = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)[(values & 7).long()]
+        e2m1 = torch.where(values >= 8, -magnitude, magnitude).reshape(ROWS, -1)
+        scale = torch.ldexp(torch.ones(1, dtype=torch.float64), fields[0].double() - 127)
+        assert torch.equal((e2m1 * scale.repeat_interleave(32, -1).reshape(ROWS, -1)).float(), reference)
+        return
     q = values.to(torch.int32)
     if qtype == Q.Q8_0:
         q = values.view(torch.int8).to(torch.int32)
@@ -64,13 +70,11 @@ def test_native_fields_are_the_gguf_quants_and_scales(qtype) -> None:
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 def test_packed_bytes_are_the_gguf_bytes(qtype) -> None:
-    """Bytes a weight: the file's for the legacy types and Q6_K, within 3% for Q4_K/Q5_K (their 6-bit scales
-    held as bytes); MXFP4 as 8-bit values."""
+    """Bytes a weight: the file's for the legacy types, Q6_K and MXFP4, within 3% for Q4_K/Q5_K (their 6-bit
+    scales held as bytes)."""
     weight, _ = weight_and_reference(qtype, rows=64)
     per_weight = CpuWeight.from_qtensor(weight).nbytes / (64 * COLS)
-    if qtype == Q.MXFP4:
-        assert per_weight == 1.125
-    elif qtype in (Q.Q4_K, Q.Q5_K):
+    if qtype in (Q.Q4_K, Q.Q5_K):
         assert GGUF_MATRIX_BYTES[qtype] < per_weight < 1.03 * GGUF_MATRIX_BYTES[qtype]
     else:
         assert per_weight == GGUF_MATRIX_BYTES[qtype]
@@ -107,7 +111,7 @@ def test_matmul_is_the_dot_product_with_the_rounded_input(qtype) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4, Q.F16], ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
     """Each output row is bitwise the same computed alone or among 1 to 300 rows, on 1 thread or 2."""
     weight, _ = weight_and_reference(qtype, rows=96, cols=256)
@@ -135,20 +139,21 @@ def test_packing_in_row_chunks_matches_one_chunk(monkeypatch) -> None:
 
 
 @needs_kernels
-def test_scales_float16_cannot_hold_stay_float32() -> None:
-    """FMT_Q8 (MXFP4): a scale float16 cannot hold keeps the scales float32, still exact."""
-    weight, reference = weight_and_reference(Q.MXFP4, rows=16, cols=64)
+def test_mxfp4_exponents_at_their_ends_read_back_exactly() -> None:
+    """MXFP4's E8M0 exponent bytes 0 and 1 (subnormal scales), 2, 127 and 254-255 (the largest): the packed rows
+    read back as gguf's values, bit for bit, and a matmul by the small ones stays exact."""
+    weight, _ = weight_and_reference(Q.MXFP4, rows=16, cols=64)
     raw = weight.data.clone()
-    raw[3, 0] = 128 + 20  # scale 2^20 / 2, beyond float16
-    weight = QTensor(raw, Q.MXFP4, (16, 64))
-    packed = CpuWeight.from_qtensor(weight)
-    assert not packed.half_scales and CpuWeight.from_qtensor(weight_and_reference(Q.MXFP4)[0]).half_scales
-    got = cpu_native.embedding(packed.fmt, packed.group, False, packed.blocks, 16, torch.arange(16),
+    for row, e in enumerate((0, 1, 2, 127, 254, 255, 0, 1, 2, 3, 120, 130, 200, 60, 1, 0)):
+        raw[row, 0] = e  # the first block's exponent byte of each row
+    with np.errstate(over="ignore"):  # exponent 255 times the largest values: inf, in gguf's float32 as in ours
+        reference = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.MXFP4).astype(np.float32).reshape(16, 64))
+    packed = CpuWeight.from_qtensor(QTensor(raw, Q.MXFP4, (16, 64)))
+    got = cpu_native.embedding(packed.fmt, packed.group, packed.half_scales, packed.blocks, 16, torch.arange(16),
                                torch.empty(16, 64))
-    assert torch.equal(got, weight.dequantize())
-
-
-def test_what_has_a_cpu_format() -> None:
-    assert packable(weight_and_reference(Q.Q4_K)[0])
-    assert not packable(QTensor(torch.randn(24, 48), Q.F32, (24, 48)))  # rows not whole groups of 32
-    assert not packable(QTensor(torch.randn(48), Q.F32, (48,)))
+    assert torch.equal(got, reference)
+    small = [0, 1, 2, 6, 7, 8, 9, 14, 15]  # rows with no scale near float32's top
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    want = rounded_input(x).double() @ reference[small].double().T
+    size = rounded_input(x).double().abs() @ reference[small].double().abs().T
+    assert ((packed.matmul(x)[:, small].double() - want).abs() / size.clamp(min=1e-300)).max() < 1e-6
