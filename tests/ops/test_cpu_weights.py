@@ -157,3 +157,9 @@ def test_mxfp4_exponents_at_their_ends_read_back_exactly() -> None:
     want = rounded_input(x).double() @ reference[small].double().T
     size = rounded_input(x).double().abs() @ reference[small].double().abs().T
     assert ((packed.matmul(x)[:, small].double() - want).abs() / size.clamp(min=1e-300)).max() < 1e-6
+
+
+def test_what_has_a_cpu_format() -> None:
+    assert packable(weight_and_reference(Q.Q4_K)[0])
+    assert not packable(QTensor(torch.randn(24, 48), Q.F32, (24, 48)))  # rows not whole groups of 32
+    assert not packable(QTensor(torch.randn(48), Q.F32, (48,)))
