@@ -23,12 +23,11 @@ it). The 16 rows' values of each 32 come in chunks of 4 (chunk c of every row, t
 - 4, 5, 6 bits (Q4_0, Q4_1, Q4_K, MXFP4; Q5_0, Q5_1, Q5_K; Q6_K): 256 bytes of nibbles (byte k of a row: value k in
   the low nibble, value k + 16 in the high one), then 1 or 2 bit planes of 64 bytes (see unpack_values); MXFP4's
   nibbles are its E2M1 codes, read through a 16-entry table (mxfp4_u);
-- 8 bits: 32 bytes a row (Q8_0: its signed quants; FMT_Q8: unsigned values);
+- 8 bits (Q8_0): 32 bytes a row, its signed quants;
 - F16: 32 float16, F32: 32 float, value k of the 16 rows then value k + 1.
 Then each type's own fields, 16 rows a field: Q4_0, Q5_0, Q8_0: d (float16); Q4_1, Q5_1: d, m; MXFP4: its E8M0
 exponent byte; after the 8 value sections of a K-quant unit, Q4_K and Q5_K: sc [8][16] and mn [8][16] (the 6-bit
-sub-scales as bytes), d, dmin (float16); Q6_K: sc [16][16] (int8), d. FMT_Q8 (no GGUF type uses it now): 32 / group
-scales, then as many zeros (float16 with half_scales, else float). A value is (u + offset) * scale + zero: the
+sub-scales as bytes), d, dmin (float16); Q6_K: sc [16][16] (int8), d. A value is (u + offset) * scale + zero: the
 K-quants' scale d * sc and zero -dmin * mn, MXFP4's 2^(e - 128), exact in float32 as in gguf's dequantizers; each
 format reads as many bytes as the GGUF blocks hold (Q4_K, Q5_K: 2-3% more, their 6-bit sub-scales held as bytes).
 */
@@ -83,14 +82,6 @@ static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_N
 static inline vf vf_ldexp(vf a, vf n) { return _mm512_scalef_ps(a, n); } /* a * 2^n, n integral */
 static inline vf vf_i8(const int8_t *q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))); }
 static inline vf vf_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-/* 32 4-bit values: every value of the group is one of 16, q * s + z, looked up from a table */
-static inline void vf_q4(const uint8_t *q, float s, float z, vf *lo, vf *hi) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                   _mm512_set1_ps(s), _mm512_set1_ps(z));
-    *lo = _mm512_permutexvar_ps(b, table); /* vpermps reads the low 4 bits of each index */
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-}
 /* the lane sums of a, b, c, d by the tree (i + 8), (i + 4), (i + 2), (i + 1) */
 static inline void vf_reduce4(vf a, vf b, vf c, vf d, float *out) {
     __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
@@ -145,16 +136,6 @@ static inline vf vf_i8(const int8_t *q) {
 static inline vf vf_f16(const uint16_t *p) {
     return mk(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
 }
-static inline void vf_q4(const uint8_t *q, float s, float z, vf *lo, vf *hi) {
-    __m128i b = _mm_loadu_si128((const __m128i *)q);
-    __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    __m256i m = _mm256_set1_epi32(15);
-    __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
-    *lo = mk(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), sv, zv),
-             _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m)), sv, zv));
-    *hi = mk(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), sv, zv),
-             _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), sv, zv));
-}
 static inline float hsum1(vf v) {
     __m256 s = _mm256_add_ps(v.a, v.b);                                     /* i + 8 */
     __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)); /* i + 4 */
@@ -192,12 +173,6 @@ static inline vf vf_round(vf a) GL_LANES(nearbyintf(a.v[i]))
 static inline vf vf_ldexp(vf a, vf n) GL_LANES(ldexpf(a.v[i], (int)n.v[i]))
 static inline vf vf_i8(const int8_t *q) GL_LANES((float)q[i])
 static inline vf vf_f16(const uint16_t *p) GL_LANES(half_bits_to_float(p[i]))
-static inline void vf_q4(const uint8_t *q, float s, float z, vf *lo, vf *hi) {
-    for (int i = 0; i < 16; i++) {
-        lo->v[i] = fmaf((float)(q[i] & 15), s, z);
-        hi->v[i] = fmaf((float)(q[i] >> 4), s, z);
-    }
-}
 static inline float hsum1(vf a) {
     float t[8];
     for (int i = 0; i < 8; i++) t[i] = a.v[i] + a.v[i + 8];
@@ -292,18 +267,17 @@ static inline vf vf_e8m0_half(const uint8_t *e) {
 
 #define GL_MAX_HEAD_DIM 256 /* attention: D a multiple of 16, at most this */
 
-/* Quantized formats (see the top of the file): FMT_Q8 holds unsigned bytes with a scale and a zero per 16 or 32
-   values (MXFP4); the others hold each GGUF type at its own width: 4-bit low nibbles, then (5 and 6 bits) bit
-   planes, then the type's own scale fields. */
+/* Quantized formats (see the top of the file): each GGUF type at its own width, 4-bit low nibbles, then (5 and 6
+   bits) bit planes, then the type's own scale fields. */
 enum {
-    FMT_Q8 = 1, FMT_F16 = 2, FMT_F32 = 3,
+    FMT_F16 = 2, FMT_F32 = 3,
     FMT_Q4_0 = 4, FMT_Q4_1 = 5, FMT_Q5_0 = 6, FMT_Q5_1 = 7, FMT_Q8_0 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11,
     FMT_MXFP4 = 12
 };
 
 #define MT 8 /* rows of x per tile: a block's weights are unpacked once per tile */
 
-static inline int fmt_quantized(int fmt) { return fmt == FMT_Q8 || fmt >= FMT_Q4_0; }
+static inline int fmt_quantized(int fmt) { return fmt >= FMT_Q4_0; }
 /* K-quants: a unit is 16 rows x 256 values (8 sub-blocks of 32, then the super-block's fields) */
 static inline int fmt_super(int fmt) { return fmt >= FMT_Q4_K && fmt <= FMT_Q6_K; }
 static inline int fmt_bits(int fmt) {
@@ -330,15 +304,14 @@ static inline int fmt_offset(int fmt) {
 static const uint8_t mxfp4_u[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 /* whether values have an added zero (a minimum) besides the scale */
 static inline int fmt_has_zero(int fmt) {
-    return fmt == FMT_Q8 || fmt == FMT_Q4_1 || fmt == FMT_Q5_1 || fmt == FMT_Q4_K || fmt == FMT_Q5_K;
+    return fmt == FMT_Q4_1 || fmt == FMT_Q5_1 || fmt == FMT_Q4_K || fmt == FMT_Q5_K;
 }
 /* scales per 32 values */
-static inline int fmt_sets(int fmt, int group) { return fmt == FMT_Q6_K || (fmt == FMT_Q8 && group == 16) ? 2 : 1; }
+static inline int fmt_sets(int fmt) { return fmt == FMT_Q6_K ? 2 : 1; }
 
 /* bytes of one unit: 16 rows x 32 values (256 for the K-quants), see the layout at the top of the file */
-int64_t gl_unit_bytes(int fmt, int group, int half_scales) {
+static int64_t unit_bytes(int fmt) {
     if (fmt == FMT_F16 || fmt == FMT_F32) return 16 * 32 * (fmt == FMT_F16 ? 2 : 4);
-    if (fmt == FMT_Q8) return 512 + 2 * (32 / group) * 16 * (half_scales ? 2 : 4);
     if (fmt == FMT_MXFP4) return fmt_vbytes(fmt) + 16; /* the 16 rows' E8M0 exponent bytes */
     if (!fmt_super(fmt)) return fmt_vbytes(fmt) + 32 * (1 + fmt_has_zero(fmt));
     return 8 * fmt_vbytes(fmt) + (fmt == FMT_Q6_K ? 256 + 32 : 256 + 64);
@@ -351,9 +324,8 @@ int64_t gl_unit_bytes(int fmt, int group, int half_scales) {
 static inline void unpack_values(int fmt, const uint8_t *v, uint8_t out[8][64]) {
     int planes = fmt_planes(fmt);
     if (fmt_bits(fmt) == 8) {
-        uint8_t flip = fmt == FMT_Q8_0 ? 0x80 : 0;
         for (int c = 0; c < 8; c++)
-            for (int k = 0; k < 64; k++) out[c][k] = v[64 * c + k] ^ flip;
+            for (int k = 0; k < 64; k++) out[c][k] = v[64 * c + k] ^ 0x80; /* Q8_0's q as u = q + 128 */
         return;
     }
     for (int c = 0; c < 8; c++)
@@ -371,15 +343,10 @@ static inline void unpack_values(int fmt, const uint8_t *v, uint8_t out[8][64]) 
 
 /* The 16 rows' scale and zero (zero: 0 for the types without one) of set t of sub-block j of the unit at b;
    the K-quants' d * sc and dmin * mn are exact in float32, as in gguf's dequantizers */
-static inline void unit_scales(int fmt, int sets, int half, const uint8_t *b, int j, int t, vf *scale, vf *zero) {
+static inline void unit_scales(int fmt, const uint8_t *b, int j, int t, vf *scale, vf *zero) {
     int vbytes = fmt_vbytes(fmt);
     *zero = vf_zero();
-    if (fmt == FMT_Q8) {
-        int sbytes = 16 * (half ? 2 : 4);
-        const uint8_t *s = b + vbytes + t * sbytes, *z = b + vbytes + (sets + t) * sbytes;
-        *scale = half ? vf_f16((const uint16_t *)s) : vf_load((const float *)s);
-        *zero = half ? vf_f16((const uint16_t *)z) : vf_load((const float *)z);
-    } else if (fmt == FMT_MXFP4) { /* one E8M0 exponent byte a row */
+    if (fmt == FMT_MXFP4) { /* one E8M0 exponent byte a row */
         *scale = vf_e8m0_half(b + vbytes);
     } else if (!fmt_super(fmt)) { /* d, then m */
         *scale = vf_f16((const uint16_t *)(b + vbytes));
@@ -415,7 +382,7 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
             for (int c = 0; c < 8; c++) w->c[c] = _mm512_shuffle_epi8(lut, w->c[c]);
         }
     } else if (fmt_bits(fmt) == 8) {
-        __m512i flip = _mm512_set1_epi8(fmt == FMT_Q8_0 ? (char)0x80 : 0);
+        __m512i flip = _mm512_set1_epi8((char)0x80); /* Q8_0's q as u = q + 128 */
         for (int c = 0; c < 8; c++) w->c[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(b + 64 * c)), flip);
     } else { /* nibbles plus bit planes: bit p of a byte's word (rows 0-7, then rows 8-15) masks in 16 << p */
         int planes = fmt_planes(fmt);
@@ -476,7 +443,7 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
                 w->c[4 + j][r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
             }
     } else if (bits == 8) {
-        __m128i flip = _mm_set1_epi8(fmt == FMT_Q8_0 ? (char)0x80 : 0);
+        __m128i flip = _mm_set1_epi8((char)0x80); /* Q8_0's q as u = q + 128 */
         for (int c = 0; c < 8; c++)
             for (int g = 0; g < 4; g++)
                 w->c[c][g] = _mm256_cvtepu8_epi16(
@@ -562,14 +529,13 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
 #endif
 
 typedef struct {
-    int fmt, group, half_scales;
+    int fmt;
     int64_t K, G, block_bytes; /* G: units a row (K / 32, or K / 256 for the K-quants), block_bytes: a unit's */
     const uint8_t *data;       /* [N / 16][G][block_bytes] */
 } weight_t;
 
-static inline weight_t weight_of(int fmt, int group, int half_scales, int64_t K, const uint8_t *data) {
-    weight_t w = {fmt, group, half_scales, K, K / (fmt_super(fmt) ? 256 : 32), gl_unit_bytes(fmt, group, half_scales),
-                  data};
+static inline weight_t weight_of(int fmt, int64_t K, const uint8_t *data) {
+    weight_t w = {fmt, K, K / (fmt_super(fmt) ? 256 : 32), unit_bytes(fmt), data};
     return w;
 }
 
@@ -630,7 +596,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, cons
             wg_load(fmt, b + j * vbytes, &u);
             for (int t = 0; t < sets; t++) {
                 vf scale, zero;
-                unit_scales(fmt, sets, w->half_scales, b, j, t, &scale, &zero);
+                unit_scales(fmt, b, j, t, &scale, &zero);
                 for (int i = 0; i < mt; i++) {
                     int64_t m = m0 + i;
                     float d = xq->d[m * G + g];
@@ -685,8 +651,6 @@ static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, c
                      int64_t rb1, float *y, int64_t ldy) {                                                           \
         mm_blocks(fmt, sets, w, x, ldx, xq, M, rb0, rb1, y, ldy);                                                    \
     }
-GL_BLOCKS(mm_q8, FMT_Q8, 1)
-GL_BLOCKS(mm_q8_g16, FMT_Q8, 2)
 GL_BLOCKS(mm_f16, FMT_F16, 1)
 GL_BLOCKS(mm_f32, FMT_F32, 1)
 GL_BLOCKS(mm_q4_0, FMT_Q4_0, 1)
@@ -702,9 +666,8 @@ GL_BLOCKS(mm_mxfp4, FMT_MXFP4, 1)
 typedef void (*blocks_fn)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t,
                           float *, int64_t);
 
-static blocks_fn blocks_for(int fmt, int group) {
+static blocks_fn blocks_for(int fmt) {
     switch (fmt) {
-    case FMT_Q8: return group == 16 ? mm_q8_g16 : mm_q8;
     case FMT_F16: return mm_f16;
     case FMT_Q4_0: return mm_q4_0;
     case FMT_Q4_1: return mm_q4_1;
@@ -726,9 +689,9 @@ int64_t gl_matmul_bytes_read(void) { return matmul_bytes; }
 
 /* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32; of 256 for the
    K-quants) in format `fmt` laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
-int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, int64_t K, int64_t ldx,
+int gl_matmul(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx,
               const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
-    weight_t w = weight_of(fmt, group, half_scales, K, data);
+    weight_t w = weight_of(fmt, K, data);
     xquant_t xq = {NULL, NULL, NULL, NULL};
     if (fmt_quantized(fmt)) {
         int64_t G = K / 32;
@@ -739,7 +702,7 @@ int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, in
         xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
         quantize_rows(x, ldx, M, K, &xq, threads);
     }
-    blocks_fn run = blocks_for(fmt, group);
+    blocks_fn run = blocks_for(fmt);
     int64_t blocks = N / 16;
     matmul_bytes += blocks * w.G * w.block_bytes;
     if (blocks < 4 * threads && M < MT) threads = 1;
@@ -753,10 +716,10 @@ int gl_matmul(int fmt, int group, int half_scales, const float *x, int64_t M, in
 
 /* out [T, K] = rows ids[0 .. T - 1] of W (format `fmt`, blocks as for gl_matmul), each value (u + offset) * scale +
    zero in one rounding, as gguf dequantizes it. Returns 0, or -1 when an id is outside [0, N). */
-int gl_embedding(int fmt, int group, int half_scales, const uint8_t *data, int64_t N, int64_t K, const int64_t *ids,
+int gl_embedding(int fmt, const uint8_t *data, int64_t N, int64_t K, const int64_t *ids,
                  int64_t T, float *out) {
-    weight_t w = weight_of(fmt, group, half_scales, K, data);
-    int sub = fmt_super(fmt) ? 8 : 1, sets = fmt_sets(fmt, group), vbytes = fmt_vbytes(fmt);
+    weight_t w = weight_of(fmt, K, data);
+    int sub = fmt_super(fmt) ? 8 : 1, sets = fmt_sets(fmt), vbytes = fmt_vbytes(fmt);
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -1;
     for (int64_t t = 0; t < T; t++) {
@@ -776,7 +739,7 @@ int gl_embedding(int fmt, int group, int half_scales, const uint8_t *data, int64
             float sc[2][16], zr[2][16];
             for (int s = 0; s < sets; s++) {
                 vf scale, zero;
-                unit_scales(fmt, sets, half_scales, b, j, s, &scale, &zero);
+                unit_scales(fmt, b, j, s, &scale, &zero);
                 vf_store(sc[s], scale);
                 vf_store(zr[s], zero);
             }
@@ -1392,7 +1355,7 @@ static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
    threads in any order: an output element's arithmetic is the same whichever thread computes it. */
 static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *xq, const int64_t *start,
                            const int64_t *active, int64_t n_active, float *y, int64_t ldy, int threads) {
-    blocks_fn run = blocks_for(ex->w.fmt, ex->w.group);
+    blocks_fn run = blocks_for(ex->w.fmt);
     int64_t K = ex->w.K, blocks = ex->N / 16, chunk = 8, per = (blocks + chunk - 1) / chunk;
     int64_t units = n_active * per;
     if (units < 2) threads = 1;
@@ -1430,13 +1393,13 @@ static int64_t moe_bytes; /* expert weight bytes gl_moe has read, for benchmarks
 /* the expert weight bytes gl_moe has read so far (every block of each active expert's two matrices) */
 int64_t gl_moe_bytes_read(void) { return moe_bytes; }
 
-int gl_moe(int fmt1, int group1, int half1, const uint8_t *w1, int64_t stride1, int64_t N1, const float *b1,
-           int fmt2, int group2, int half2, const uint8_t *w2, int64_t stride2, int64_t N2, const float *b2,
+int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float *b1,
+           int fmt2, const uint8_t *w2, int64_t stride2, int64_t N2, const float *b2,
            const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *wts, int64_t k,
            int64_t E, int act, float alpha, float limit, float *out, int threads) {
     int64_t P = T * k;
-    experts_t ex1 = {weight_of(fmt1, group1, half1, H, w1), stride1, N1};
-    experts_t ex2 = {weight_of(fmt2, group2, half2, I, w2), stride2, N2};
+    experts_t ex1 = {weight_of(fmt1, H, w1), stride1, N1};
+    experts_t ex2 = {weight_of(fmt2, I, w2), stride2, N2};
     int64_t *start = moe_scratch(0, sizeof(int64_t) * (3 * E + 2 + 2 * P));
     if (!start) return -1;
     int64_t *fill = start + E + 1, *active = fill + E, *pair = active + E, *row = pair + P;

@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger("gpullama")
 
 SOURCE = Path(__file__).with_suffix(".c")
-FMT_Q8, FMT_F16, FMT_F32 = 1, 2, 3
+FMT_F16, FMT_F32 = 2, 3
 FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1, FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 4, 5, 6, 7, 8, 9, 10, 11
 FMT_MXFP4 = 12
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
@@ -42,7 +42,7 @@ KV_DTYPES = {torch.float32: KV_F32, torch.float16: KV_F16, torch.uint8: KV_Q8}
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "gl_matmul": [_I32, _I32, _I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
+    "gl_matmul": [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
     "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
     "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32, _P, _P,
                           _I32],
@@ -53,9 +53,9 @@ _SIGNATURES = {
                      _I32],
     "gl_attention_sinks": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32,
                            _P, _P, _I32],
-    "gl_embedding": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I64, _P],
+    "gl_embedding": [_I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
-    "gl_moe": [_I32, _I32, _I32, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _I64, _I64, _P,
+    "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
                _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32],
 }
 _RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe")
@@ -156,11 +156,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def matmul(fmt: int, group: int, half_scales: bool, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def matmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 16, units, unit bytes]`` uint8
-    (units of 32 values, of 256 for the K-quants; FMT_Q8: scales float16 with `half_scales`, else float32); `out`
-    may be a column slice of a wider matrix."""
-    if _lib.gl_matmul(fmt, group, half_scales, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
+    (units of 32 values, of 256 for the K-quants); `out` may be a column slice of a wider matrix."""
+    if _lib.gl_matmul(fmt, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
                       16 * blocks.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads()):
         raise MemoryError(f"no memory for the int8 copy of a {tuple(x.shape)} matmul input")
     return out
@@ -249,31 +248,30 @@ def attention_sinks(
     return out
 
 
-def embedding(fmt: int, group: int, half_scales: bool, blocks: torch.Tensor, n_rows: int, ids: torch.Tensor,
-              out: torch.Tensor) -> torch.Tensor:
+def embedding(fmt: int, blocks: torch.Tensor, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64, each in [0, n_rows)) of a matrix in the blocks of `matmul`, dequantized exactly: `out`
     ``[T, K]``."""
-    if _lib.gl_embedding(fmt, group, half_scales, blocks.data_ptr(), n_rows, out.shape[1], ids.data_ptr(),
+    if _lib.gl_embedding(fmt, blocks.data_ptr(), n_rows, out.shape[1], ids.data_ptr(),
                          ids.shape[0], out.data_ptr()):
         raise ValueError(f"token id out of range [0, {n_rows})")
     return out
 
 
 def moe(
-    gate_up: tuple[int, int, bool, torch.Tensor], gate_up_bias: torch.Tensor | None,
-    down: tuple[int, int, bool, torch.Tensor], down_bias: torch.Tensor | None,
+    gate_up: tuple[int, torch.Tensor], gate_up_bias: torch.Tensor | None,
+    down: tuple[int, torch.Tensor], down_bias: torch.Tensor | None,
     x: torch.Tensor, intermediate: int, ids: torch.Tensor, weights: torch.Tensor, act: int, alpha: float,
     limit: float, out: torch.Tensor,
 ) -> torch.Tensor:
     """A MoE block: ``out [T, H]`` = for each row t, the sum over j (in order) of ``weights[t, j]`` times expert
-    ``ids[t, j]`` (int64 ``[T, k]``) applied to ``x[t]``. `gate_up` and `down` are (fmt, group, half_scales,
+    ``ids[t, j]`` (int64 ``[T, k]``) applied to ``x[t]``. `gate_up` and `down` are (fmt,
     blocks ``[E, N / 16, K / 32, block bytes]``) as `matmul` reads them: expert e's gate rows 0 .. I-1 and up rows
     I .. 2I-1 (`intermediate` = I) of K = H values, its down rows of I values; biases float32 ``[E, 2I]`` and
     ``[E, H]`` or None; `act` ACT_SILU or ACT_SWIGLU_OAI (with `alpha`, `limit`)."""
-    (f1, g1, h1, w1), (f2, g2, h2, w2) = gate_up, down
+    (f1, w1), (f2, w2) = gate_up, down
     t, k = ids.shape
-    status = _lib.gl_moe(f1, g1, h1, w1.data_ptr(), w1[0].numel(), 16 * w1.shape[1], _ptr(gate_up_bias),
-                         f2, g2, h2, w2.data_ptr(), w2[0].numel(), 16 * w2.shape[1], _ptr(down_bias),
+    status = _lib.gl_moe(f1, w1.data_ptr(), w1[0].numel(), 16 * w1.shape[1], _ptr(gate_up_bias),
+                         f2, w2.data_ptr(), w2[0].numel(), 16 * w2.shape[1], _ptr(down_bias),
                          x.data_ptr(), t, x.shape[1], intermediate, ids.data_ptr(), weights.data_ptr(), k,
                          w1.shape[0], act, alpha, limit, out.data_ptr(), torch.get_num_threads())
     if status == -2:

@@ -109,8 +109,7 @@ class CpuOps(TorchOps):
             return super().embedding(ids, table, scale)
         out = torch.empty(ids.shape[0], table.in_features)
         ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
-        rows = cpu_native.embedding(table.fmt, table.group, table.half_scales, table.blocks, table.out_features, ids,
-                                    out)
+        rows = cpu_native.embedding(table.fmt, table.blocks, table.out_features, ids, out)
         return rows.mul_(scale) if scale != 1.0 else rows
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -136,8 +136,6 @@ class CpuWeight:
     """One matrix in a `cpu_native` weight format; `matmul` computes ``x @ W.T``."""
 
     fmt: int  # cpu_native.FMT_*
-    group: int  # values per scale of cpu_native's FMT_Q8 (no GGUF type is packed in it now): 32
-    half_scales: bool  # FMT_Q8's scales as float16: False
     blocks: torch.Tensor  # uint8 [N padded to 16 / 16, units, unit bytes]
     out_features: int
     in_features: int
@@ -163,12 +161,12 @@ class CpuWeight:
             values = torch.cat([values, values.new_zeros(pad, k)])
             chunks.append(_interleave(values.reshape(-1, k // 32, 32, 1)))  # value k of the 16 rows, then k + 1
         fmt = NATIVE_FORMATS.get(qtype, cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32)
-        return cls(fmt, 32, False, torch.cat(chunks), n, k)
+        return cls(fmt, torch.cat(chunks), n, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded)."""
         out = x.new_empty(x.shape[0], 16 * self.blocks.shape[0])
-        cpu_native.matmul(self.fmt, self.group, self.half_scales, x, self.blocks, out)
+        cpu_native.matmul(self.fmt, x, self.blocks, out)
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
 
@@ -188,8 +186,6 @@ class CpuExperts:
     ``blocks [E, N padded to 16 / 16, units, unit bytes]``, as `cpu_native.moe` reads them."""
 
     fmt: int
-    group: int
-    half_scales: bool
     blocks: torch.Tensor
 
     @property
@@ -198,9 +194,9 @@ class CpuExperts:
         return self.blocks.nbytes
 
     @property
-    def operand(self) -> tuple[int, int, bool, torch.Tensor]:
-        """(fmt, group, half_scales, blocks), as `cpu_native.moe` takes them."""
-        return self.fmt, self.group, self.half_scales, self.blocks
+    def operand(self) -> tuple[int, torch.Tensor]:
+        """(fmt, blocks), as `cpu_native.moe` takes them."""
+        return self.fmt, self.blocks
 
     @classmethod
     def from_qtensors(cls, parts: list[QTensor]) -> CpuExperts:
@@ -219,7 +215,7 @@ class CpuExperts:
         blocks[0] = first.blocks
         for e in range(1, num_experts):
             blocks[e] = CpuWeight.from_qtensor(expert(e)).blocks
-        return cls(first.fmt, first.group, first.half_scales, blocks)
+        return cls(first.fmt, blocks)
 
 
 def packable_experts(parts: list[QTensor]) -> bool:

@@ -87,12 +87,10 @@ def test_packed_rows_read_back_exactly(qtype) -> None:
     weight, reference = weight_and_reference(qtype)
     packed = CpuWeight.from_qtensor(weight)
     ids = torch.tensor([0, 39, 17, 16, 15, 3])
-    got = cpu_native.embedding(packed.fmt, packed.group, packed.half_scales, packed.blocks, ROWS, ids,
-                               torch.empty(len(ids), COLS))
+    got = cpu_native.embedding(packed.fmt, packed.blocks, ROWS, ids, torch.empty(len(ids), COLS))
     assert torch.equal(got, reference[ids])
     with pytest.raises(ValueError, match="out of range"):
-        cpu_native.embedding(packed.fmt, packed.group, packed.half_scales, packed.blocks, ROWS, torch.tensor([ROWS]),
-                             torch.empty(1, COLS))
+        cpu_native.embedding(packed.fmt, packed.blocks, ROWS, torch.tensor([ROWS]), torch.empty(1, COLS))
 
 
 @needs_kernels
@@ -149,8 +147,7 @@ def test_mxfp4_exponents_at_their_ends_read_back_exactly() -> None:
     with np.errstate(over="ignore"):  # exponent 255 times the largest values: inf, in gguf's float32 as in ours
         reference = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.MXFP4).astype(np.float32).reshape(16, 64))
     packed = CpuWeight.from_qtensor(QTensor(raw, Q.MXFP4, (16, 64)))
-    got = cpu_native.embedding(packed.fmt, packed.group, packed.half_scales, packed.blocks, 16, torch.arange(16),
-                               torch.empty(16, 64))
+    got = cpu_native.embedding(packed.fmt, packed.blocks, 16, torch.arange(16), torch.empty(16, 64))
     assert torch.equal(got, reference)
     small = [0, 1, 2, 6, 7, 8, 9, 14, 15]  # rows with no scale near float32's top
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
