@@ -80,16 +80,7 @@ def decode_weight_bytes(path: str) -> int:
     embedding table, and the table in full when it is also the output head (no ``output.weight``)."""
     from gpullama.gguf_file import model_size, read_header
 
-    header = read_header(path)
-    size = model_size(header).active_bytes
-    if not any(t.name == "output.weight" for t in header.tensors):
-        import gguf
-
-        table = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
-        if table is not None:
-            block, type_size = gguf.GGML_QUANT_SIZES[table.qtype]
-            size += math.prod(table.shape) // block * type_size
-    return size
+    return model_size(read_header(path)).active_bytes
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:

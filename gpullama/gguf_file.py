@@ -204,13 +204,15 @@ class ModelSize:
     active_parameters: int  # with each MoE layer's unused experts left out (all of them in a dense model)
     expert_parameters: int
     bytes: int  # of every tensor, as stored
-    active_bytes: int  # read for one token: all but the unused experts and the embedding table (one row of it)
+    active_bytes: int  # read for one token: all but the unused experts, one embedding row, and the table in full
+    # where it is also the output head (no output.weight)
 
 
 def model_size(header: GGUFHeader) -> ModelSize:
     """Parameters and bytes of a model, and those one token uses (``num_experts_used`` of ``num_experts`` experts)."""
     c = header.config
     share = c.num_experts_used / c.num_experts if c.is_moe else 1.0
+    tied = not any(t.name == "output.weight" for t in header.tensors)  # the embedding table is the output head too
     params = active = experts = nbytes = active_bytes = 0
     for t in header.tensors:
         count = 1
@@ -225,7 +227,10 @@ def model_size(header: GGUFHeader) -> ModelSize:
             active_bytes += round(stored * share)
         else:
             active += count
-            active_bytes += stored // t.shape[0] if t.name == "token_embd.weight" else stored
+            if t.name == "token_embd.weight":  # one row looked up; the whole table again where it is the head
+                active_bytes += stored // t.shape[0] + (stored if tied else 0)
+            else:
+                active_bytes += stored
     return ModelSize(params, active, experts, nbytes, active_bytes)
 
 

@@ -115,3 +115,20 @@ def test_smollm2_fast_path_batch_equals_solo(fast_default_llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine = make_engine(fast_default_llm, max_num_seqs=8, max_num_batched_tokens=16)
     assert_same_outputs(run_requests(engine, prompts, params), solo_runs(fast_default_llm, prompts, params))
+
+
+@pytest.mark.parametrize("arch, weight_type", [("llama", "Q4_K"), ("qwen2", "Q8_0")])
+def test_bytes_a_token_reads_are_the_files(arch, weight_type, tiny_model, fast_llm) -> None:
+    """`model_size().active_bytes` (what `gpullama info` prints as read a token) against the weight bytes the fast
+    path's kernels count over a generation: the matrices and the whole output head (the embedding table itself in
+    the tied tiny qwen2, llama's own output.weight), within 5% (Q4_K's sub-scales held as bytes, the norms)."""
+    from gpullama.gguf_file import model_size, read_header
+
+    model = tiny_model(arch, weight_type)
+    header = read_header(str(model.path))
+    assert any(t.name == "output.weight" for t in header.tensors) == (arch == "llama")
+    llm = fast_llm(model.path)
+    before = cpu_native.matmul_bytes_read()
+    llm.generate([[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    per_forward = (cpu_native.matmul_bytes_read() - before) / 8  # a 1-token prompt, then 7 decode steps
+    assert 0.95 < model_size(header).active_bytes / per_forward < 1.05
