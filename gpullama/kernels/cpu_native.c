@@ -220,10 +220,12 @@ static inline vf vf_tanh(vf x) {
 }
 
 
-/* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory) */
+/* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory); each kernel keeps to
+   its own slots: the matmul's one, the attention's 4 (attn_scratch), the MoE block's 8 (moe_scratch) */
+enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_SLOTS = 13 };
 static void *scratch(int which, size_t bytes) {
-    static _Thread_local void *buf[2];
-    static _Thread_local size_t size[2];
+    static _Thread_local void *buf[SCRATCH_SLOTS];
+    static _Thread_local size_t size[SCRATCH_SLOTS];
     if (size[which] < bytes) {
         free(buf[which]);
         buf[which] = malloc(bytes);
@@ -696,7 +698,7 @@ int gl_matmul(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx,
     if (fmt_quantized(fmt)) {
         int64_t G = K / 32;
         size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * G;
-        uint8_t *buf = scratch(0, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * G);
+        uint8_t *buf = scratch(SCRATCH_MATMUL, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * G);
         if (!buf) return -1;
         xq.hi = (int8_t *)buf, xq.lo = (int8_t *)(buf + qbytes);
         xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
@@ -952,16 +954,7 @@ void gl_soft_cap(float *x, int64_t T, int64_t n, int64_t ldx, float scale, float
 
 /* a buffer of at least `bytes` for the attention, kept between calls (NULL when out of memory): slot 0 per thread
    inside the parallel region, slots 1-3 of the calling thread */
-static void *attn_scratch(int which, size_t bytes) {
-    static _Thread_local void *buf[4];
-    static _Thread_local size_t size[4];
-    if (size[which] < bytes) {
-        free(buf[which]);
-        buf[which] = malloc(bytes);
-        size[which] = buf[which] ? bytes : 0;
-    }
-    return buf[which];
-}
+static void *attn_scratch(int which, size_t bytes) { return scratch(SCRATCH_ATTN + which, bytes); }
 
 /* 16 keys' dim d (k: a block's kv head, transposed, keys from o) as floats */
 static inline __attribute__((always_inline)) vf k_load(int kvt, const uint8_t *k, int64_t bs, int64_t d, int64_t o) {
@@ -1323,16 +1316,7 @@ int gl_attention(int kvt, const float *q, int64_t ldq, const void *k_cache, cons
 
 /* a buffer of at least `bytes` for the MoE kernel, kept between calls (NULL when out of memory); the caller's
    thread only */
-static void *moe_scratch(int which, size_t bytes) {
-    static _Thread_local void *buf[8];
-    static _Thread_local size_t size[8];
-    if (size[which] < bytes) {
-        free(buf[which]);
-        buf[which] = malloc(bytes);
-        size[which] = buf[which] ? bytes : 0;
-    }
-    return buf[which];
-}
+static void *moe_scratch(int which, size_t bytes) { return scratch(SCRATCH_MOE + which, bytes); }
 
 enum { ACT_SILU = 0, ACT_SWIGLU_OAI = 1 };
 
