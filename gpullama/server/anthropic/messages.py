@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +21,7 @@ from starlette.responses import Response
 
 from gpullama.chat.model_format import chat_format
 
-from ..body import JSONResponse, off_loop_if_large, parse_json, read_request_body
+from ..body import JSONResponse, off_loop_if_large, parse_json, read_and_prepare, read_request_body
 from ..chat_output import ChatOutputShaper
 from ..chat_plan import ChatPlan, plan_chat, render_plan, render_planned_chat
 from ..errors import ANTHROPIC, APIError, internal_error
@@ -170,11 +169,7 @@ def _prepare(request: Request, state: ServerState, raw: bytes) -> tuple[Messages
 
 async def create_message(request: Request) -> Response:
     """``POST /v1/messages``."""
-    arrival = time.perf_counter()
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    req, plan, prompt, ids = await off_loop_if_large(len(raw), _prepare, request, state, raw)
+    arrival, state, (req, plan, prompt, ids) = await read_and_prepare(request, _prepare, request)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     gen = await start_generation(request, state, [Job(0, ids, sampling_params(req.options), request_id=mid)], arrival)
     if gen is None:

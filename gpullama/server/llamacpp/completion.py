@@ -19,13 +19,13 @@ from starlette.responses import Response
 
 from gpullama.outputs import StreamDelta, TokenLogprob
 
-from ..body import JSONResponse, off_loop_if_large, parse_json, read_request_body
+from ..body import JSONResponse, parse_json, read_and_prepare
 from ..errors import APIError, internal_error
 from ..fields import bad, object_body, str_field
 from ..generation import Generation, Job, start_generation
 from ..infill import fim_prompt_ids
 from ..sampling import sampling_params
-from ..state import ServerState, check_model, require_ready, server_state
+from ..state import ServerState, check_model
 from ..streaming import ClientDisconnected, StreamResponse, event, unless_disconnected
 from .request import NAMES, NativeRequest, finite, input_extra, parse_native, tokenize_pieces
 
@@ -250,22 +250,14 @@ def _prepare_infill(state: ServerState, raw: bytes) -> tuple[NativeRequest, list
 
 async def completion(request: Request) -> Response:
     """``POST /completion``."""
-    arrival = time.perf_counter()
     request.state.field_names = NAMES
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    req, prompt_ids = await off_loop_if_large(len(raw), _prepare_completion, state, raw)
+    arrival, state, (req, prompt_ids) = await read_and_prepare(request, _prepare_completion)
     return await _serve(request, state, req, prompt_ids, arrival)
 
 
 async def infill(request: Request) -> Response:
     """``POST /infill``: the FIM prompt of ``input_extra``, ``input_prefix``, ``prompt`` and ``input_suffix``
     (`gpullama.fim`), completed as ``/completion`` does; it stops at the FIM pad, repo and file-separator tokens."""
-    arrival = time.perf_counter()
     request.state.field_names = NAMES
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    req, prompt_ids = await off_loop_if_large(len(raw), _prepare_infill, state, raw)
+    arrival, state, (req, prompt_ids) = await read_and_prepare(request, _prepare_infill)
     return await _serve(request, state, req, prompt_ids, arrival, state.llm.tokenizer.fim.stop_ids)

@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from gpullama.chat.model_format import chat_format
 
-from ..body import JSONResponse, off_loop_if_large, parse_json, read_request_body
+from ..body import JSONResponse, parse_json, read_and_prepare
 from ..chat_output import ChatOutputShaper
 from ..chat_plan import ChatPlan, plan_chat, render_planned_chat, response_format_spec
 from ..errors import OLLAMA, APIError, FieldNames, internal_error
@@ -28,7 +28,7 @@ from ..fields import bad, bool_field, object_body, str_field
 from ..generation import Generation, Job, start_generation
 from ..infill import fim_prompt_ids
 from ..sampling import SamplingOptions, sampling_params
-from ..state import ServerState, require_ready, server_state
+from ..state import ServerState
 from ..streaming import NDJSON_MEDIA_TYPE, ClientDisconnected, StreamResponse, ndjson_line, unless_disconnected
 from .request import GENERATE_NAMES, NAMES, chat_messages, check_model_name, now_iso, options, response_format, think
 
@@ -185,11 +185,7 @@ def _prepare_chat(request: Request, state: ServerState, raw: bytes):
 
 async def chat(request: Request) -> Response:
     """``POST /api/chat``."""
-    arrival = time.perf_counter()
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    opts, plan, text, ids, stream = await off_loop_if_large(len(raw), _prepare_chat, request, state, raw)
+    arrival, state, (opts, plan, text, ids, stream) = await read_and_prepare(request, _prepare_chat, request)
     return await _answer(request, state, ids, opts, plan, text, True, stream, NAMES, arrival)
 
 
@@ -225,11 +221,7 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
 
 async def generate(request: Request) -> Response:
     """``POST /api/generate``; an empty prompt only loads the model (done at once, as Ollama answers it)."""
-    arrival = time.perf_counter()
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    opts, plan, text, ids, stream, empty = await off_loop_if_large(len(raw), _prepare_generate, request, state, raw)
+    arrival, state, (opts, plan, text, ids, stream, empty) = await read_and_prepare(request, _prepare_generate, request)
     if empty:
         return JSONResponse({"model": state.model_name, "created_at": now_iso(), "response": "", "done": True,
                              "done_reason": "load"})

@@ -3,7 +3,6 @@ as n choices and answered as a ``chat.completion`` or its chunks (`choices`)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,14 +13,14 @@ from gpullama.chat.messages import check_messages
 from gpullama.chat.model_format import chat_format
 from gpullama.sampling_params import SamplingParams
 
-from ..body import off_loop_if_large, parse_json, read_request_body
+from ..body import parse_json, read_and_prepare
 from ..chat_output import ChatOutputShaper
 from ..chat_plan import ChatPlan, plan_chat, render_planned_chat
 from ..errors import FieldNames
 from ..fields import admitted, bad, bool_field, int_field, kind
 from ..generation import Job
 from ..sampling import SamplingOptions, sampling_options, sampling_params
-from ..state import ServerState, check_model, require_ready, server_state
+from ..state import ServerState, check_model
 from .choices import Answer, RequestHead, new_id, parse_head, serve_choices
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -135,12 +134,8 @@ def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan,
 
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
-    arrival = time.perf_counter()
     request.state.field_names = NAMES
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    req, plan, text, ids = await off_loop_if_large(len(raw), prepare_chat, state, raw)
+    arrival, state, (req, plan, text, ids) = await read_and_prepare(request, prepare_chat)
     request.state.field_names = req.names
     jobs = [Job(i, ids, sampling_params(req.options, seed_offset=i)) for i in range(req.n)]
     shaper = ChatOutputShaper(plan, text)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,14 +12,14 @@ from starlette.responses import Response
 from gpullama.engine.admission import check_count
 from gpullama.sampling_params import SamplingParams
 
-from ..body import off_loop_if_large, parse_json, read_request_body
+from ..body import parse_json, read_and_prepare
 from ..chat_plan import response_format_spec
 from ..errors import CHAT_NAMES, FieldNames
 from ..fields import admitted, bad, bool_field, int_field, str_field
 from ..generation import Job
 from ..infill import fim_prompt_ids
 from ..sampling import MAX_N, SamplingOptions, check_choices, sampling_options, sampling_params
-from ..state import ServerState, check_model, require_ready, server_state
+from ..state import ServerState, check_model
 from .choices import Answer, new_id, parse_head, serve_choices
 
 NAMES = CHAT_NAMES
@@ -112,12 +111,8 @@ def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionReques
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
-    arrival = time.perf_counter()
     request.state.field_names = NAMES
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    req, prompt_ids = await off_loop_if_large(len(raw), prepare_completion, state, raw)
+    arrival, state, (req, prompt_ids) = await read_and_prepare(request, prepare_completion)
     request.state.field_names = req.names
     jobs: list[Job] = []
     texts: list[str | None] = []

@@ -4,7 +4,6 @@ litellm call): one vector per input, pooled as the model says, L2-normalised; ``
 from __future__ import annotations
 
 import base64
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,11 +13,11 @@ from starlette.responses import Response
 
 from gpullama.pooling_params import PoolingParams
 
-from ..body import JSONResponse, off_loop_if_large, parse_json, read_request_body
+from ..body import JSONResponse, parse_json, read_and_prepare
 from ..embedding import run_embeddings
 from ..errors import FieldNames
 from ..fields import bad, int_field, kind, object_body, str_field
-from ..state import ServerState, check_model, require_ready, server_state
+from ..state import ServerState, check_model
 from ..streaming import ClientDisconnected
 from .choices import new_id
 
@@ -96,12 +95,8 @@ def encode_vector(vector: list[float], encoding: str) -> list[float] | str:
 
 async def create_embeddings(request: Request) -> Response:
     """``POST /v1/embeddings``."""
-    arrival = time.perf_counter()
     request.state.field_names = NAMES
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    req, ids = await off_loop_if_large(len(raw), _prepare, state, raw)
+    arrival, state, (req, ids) = await read_and_prepare(request, _prepare)
     try:
         done = await run_embeddings(request, state, ids, PoolingParams(dimensions=req.dimensions), new_id("embd"),
                                     arrival)
