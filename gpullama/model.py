@@ -165,6 +165,10 @@ class Decoder:
         self.vocab_rows = embedding.shape[0]
         self.scale = c.attention_scale or c.head_dim**-0.5
         del self._tensors
+        # the backend's one-call form of the layer loop (`ops.layer_stack`), built for the first pool it sees; off:
+        # the loop below, one op at a time
+        self.native_stack = True
+        self._stack: tuple[tuple, object] | None = None
 
     def _moe_weights(self, p: str, get, dense, fused) -> MoeWeights:
         """Layer `p`'s router, experts (``ffn_{gate,up,down}_exps``, or a fused ``ffn_gate_up_exps``, with their
@@ -267,13 +271,42 @@ class Decoder:
         """`forward`, and the final hidden states (after the output norm) of `meta.pool_indices`, summed into
         `meta.num_pools` rows by `meta.pool_segments` (float32 ``[num_pools, H]``; None without such rows)."""
         c, ops, tp = self.config, self.ops, self.tp
-        t = token_ids.shape[0]
+        rs = c.residual_scale
+        hidden = self._embed(token_ids)
+        stack = self._layer_stack(k_caches, v_caches) if self.native_stack else None
+        if stack is not None:
+            hidden, residual = stack(hidden, meta)
+        else:
+            hidden, residual = self._layers(hidden, meta, k_caches, v_caches)
+        rows = meta.logits_indices
+        pooled = None
+        if meta.pool_indices is not None:  # the embedding rows share the output norm with the sampling rows
+            both = torch.cat([rows, meta.pool_indices])
+            x, _ = ops.rms_norm(hidden[both], self.output_norm, c.rms_eps, residual[both], rs)
+            states = x[rows.shape[0]:].float()
+            pooled = torch.zeros(meta.num_pools, states.shape[1], dtype=torch.float32, device=states.device)
+            pooled.index_add_(0, meta.pool_segments, states)
+            x = x[: rows.shape[0]]
+        else:
+            x, _ = ops.rms_norm(hidden[rows], self.output_norm, c.rms_eps, residual[rows], rs)
+        logits = ops.linear(x, self.output)
+        if c.logit_scale != 1.0 or c.final_softcap:  # elementwise: the same on each rank's slice as on the whole
+            logits = ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
+        # rank 0 gets every rank's vocabulary slice, less the padding of the last one (one rank: `logits` itself)
+        return tp.gather_last_dim(logits.float())[:, : self.vocab_size], pooled
+
+    def _layers(
+        self, hidden: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over the embeddings `hidden`, one op at a time: (the last layer's output, the residual
+        stream before it)."""
+        c, ops, tp = self.config, self.ops, self.tp
+        t = hidden.shape[0]
         q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         rs = c.residual_scale
         act = ops.gelu_tanh_mul if c.activation == "gelu_tanh" else ops.silu_mul
         # rotary rows of each further rope table, once per step (the first one's come with `meta`)
         metas = [meta] + [ops.prepare_rope(meta, table) for table in self.rope_tables[1:]]
-        hidden = self._embed(token_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
@@ -301,22 +334,15 @@ class Decoder:
                 hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
             if layer.post_ffn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
-        rows = meta.logits_indices
-        pooled = None
-        if meta.pool_indices is not None:  # the embedding rows share the output norm with the sampling rows
-            both = torch.cat([rows, meta.pool_indices])
-            x, _ = ops.rms_norm(hidden[both], self.output_norm, c.rms_eps, residual[both], rs)
-            states = x[rows.shape[0]:].float()
-            pooled = torch.zeros(meta.num_pools, states.shape[1], dtype=torch.float32, device=states.device)
-            pooled.index_add_(0, meta.pool_segments, states)
-            x = x[: rows.shape[0]]
-        else:
-            x, _ = ops.rms_norm(hidden[rows], self.output_norm, c.rms_eps, residual[rows], rs)
-        logits = ops.linear(x, self.output)
-        if c.logit_scale != 1.0 or c.final_softcap:  # elementwise: the same on each rank's slice as on the whole
-            logits = ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
-        # rank 0 gets every rank's vocabulary slice, less the padding of the last one (one rank: `logits` itself)
-        return tp.gather_last_dim(logits.float())[:, : self.vocab_size], pooled
+        return hidden, residual
+
+    def _layer_stack(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        """`ops.layer_stack` over this pool (None: the backend has none, or it does not take this model), built
+        once per pool."""
+        key = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (k_caches[0], v_caches[0])) + (len(k_caches),)
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, self.ops.layer_stack(self, k_caches, v_caches))
+        return self._stack[1]
 
     def _moe(self, x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
         """The MoE block of ``x [T, H]``: route, run the chosen experts, add the gated shared expert."""

@@ -221,8 +221,9 @@ static inline vf vf_tanh(vf x) {
 
 
 /* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory); each kernel keeps to
-   its own slots: the matmul's one, the attention's 4 (attn_scratch), the MoE block's 8 (moe_scratch) */
-enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_SLOTS = 13 };
+   its own slots: the matmul's one, the attention's 4 (attn_scratch), the MoE block's 8 (moe_scratch), the
+   decoder stack's 6 (stack_scratch) */
+enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_STACK = 13, SCRATCH_SLOTS = 19 };
 static void *scratch(int which, size_t bytes) {
     static _Thread_local void *buf[SCRATCH_SLOTS];
     static _Thread_local size_t size[SCRATCH_SLOTS];
@@ -1472,6 +1473,193 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
             vf_store_n(o + i, acc, n);
         }
     }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+   the decoder stack: every layer of a step in one call
+   ------------------------------------------------------------------------------------------------------------ */
+
+/* One matrix of the stack as gl_matmul reads it: format, blocks, n rows (a multiple of 16) of k values. */
+typedef struct {
+    int64_t fmt;
+    const uint8_t *data;
+    int64_t n, k;
+} gl_mat_t;
+
+/* One decoder layer's weights and KV pool (NULL pointers: absent). A dense layer has n_gate_up parts of its gate|up
+   matrix (1 or 2, 2I rows in all) and down; a MoE layer (n_gate_up 0) the router and the experts as gl_moe takes
+   them. */
+typedef struct {
+    const float *attn_norm, *ffn_norm, *post_attn_norm, *post_ffn_norm, *q_norm, *k_norm;
+    int64_t n_qkv;
+    gl_mat_t qkv[3];
+    const float *qkv_bias;
+    gl_mat_t o;
+    const float *o_bias;
+    const float *cos_sin; /* [positions, rot_dim] */
+    int64_t rot_dim;
+    void *k_cache, *v_cache;
+    int64_t window;
+    const float *sinks;
+    int64_t inter; /* I: the dense MLP's intermediate size, or the experts' */
+    int64_t n_gate_up;
+    gl_mat_t gate_up[2], down;
+    gl_mat_t router;
+    const float *router_bias;
+    int64_t fmt1, stride1, n1, fmt2, stride2, n2;
+    const uint8_t *w1, *w2;
+    const float *b1, *b2;
+} gl_layer_t;
+
+/* What every layer shares: widths (H hidden, Hq and Hk heads of D), the pool's format and block size, the MLP activation (0 SwiGLU, 1 GeGLU), the experts' (E of them, top_k
+   a token, gating 0: top k of the softmax, renormalized when norm_topk; 1: softmax of the top k logits; their
+   weights times expert_scale; expert_act ACT_* with alpha, limit), eps, the attention scale and soft cap. */
+typedef struct {
+    int64_t n_layers, H, Hq, Hk, D, kvt, block_size, act;
+    int64_t E, top_k, gating, norm_topk, expert_act;
+    float eps, scale, softcap, expert_scale, alpha, limit;
+} gl_model_t;
+
+static void *stack_scratch(int which, size_t bytes) { return scratch(SCRATCH_STACK + which, bytes); }
+
+/* y [T, ldy] (first n columns) += bias [n] */
+static void add_bias(float *y, int64_t T, int64_t n, int64_t ldy, const float *bias) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < n; j++) y[t * ldy + j] += bias[j];
+}
+
+/* each row's top k (first index on ties) of logits [T, E] (row stride ld, rows rewritten), as
+   gpullama.ops.experts.route: ids [T, k], wts [T, k] */
+static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t k, int64_t gating, int64_t norm,
+                       float scale, int64_t *ids, float *wts) {
+    for (int64_t t = 0; t < T; t++) {
+        float *l = logits + t * ld;
+        if (gating == 0) { /* softmax over all experts, then the top k */
+            float m = l[0], s = 0.0f;
+            for (int64_t e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
+            for (int64_t e = 0; e < E; e++) l[e] = expf(l[e] - m), s += l[e];
+            for (int64_t e = 0; e < E; e++) l[e] /= s;
+        }
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= ids[t * k + i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            ids[t * k + j] = best, wts[t * k + j] = l[best];
+        }
+        float *w = wts + t * k;
+        if (gating == 1) { /* softmax of the chosen logits (the first is their largest) */
+            float s = 0.0f, m = w[0];
+            for (int64_t j = 0; j < k; j++) w[j] = expf(w[j] - m), s += w[j];
+            for (int64_t j = 0; j < k; j++) w[j] /= s;
+        } else if (norm) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < k; j++) s += w[j];
+            for (int64_t j = 0; j < k; j++) w[j] /= s;
+        }
+        if (scale != 1.0f)
+            for (int64_t j = 0; j < k; j++) w[j] *= scale;
+    }
+}
+
+/* x [T, K] (row stride ldx) @ the parts' rows, side by side in y [T, ldy] */
+static int mat_parts(const gl_mat_t *parts, int64_t n_parts, const float *x, int64_t T, int64_t ldx, float *y,
+                     int64_t ldy, int threads) {
+    for (int64_t i = 0, off = 0; i < n_parts; off += parts[i].n, i++)
+        if (gl_matmul((int)parts[i].fmt, x, T, parts[i].k, ldx, parts[i].data, parts[i].n, y + off, ldy, threads))
+            return -1;
+    return 0;
+}
+
+static float *free_buffer(float *const bufs[3], const float *a, const float *b) {
+    for (int i = 0; i < 3; i++)
+        if (bufs[i] != a && bufs[i] != b) return bufs[i];
+    return NULL;
+}
+
+/* Every decoder layer of a step, as gpullama.model.Decoder.forward_pooled's loop runs them one op at a time (the
+   same kernels in the same order, so the same bits; a MoE layer's routing in route_rows): hidden [T, H] (the
+   embeddings) in, the last layer's output in hidden and the residual stream in residual (their sum is what the
+   output norm reads). The step's metadata as gl_rope_and_cache and gl_attention take it. Returns 0, -1 when out of
+   memory. */
+int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *hidden, float *residual,
+               const int64_t *positions, const int64_t *slots, int64_t B, const int32_t *query_start,
+               const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, int threads) {
+    int64_t H = m->H, D = m->D, qs = m->Hq * D, kvs = m->Hk * D, W = 0, G = 0;
+    size_t A = 0;
+    for (int64_t i = 0; i < m->n_layers; i++) {
+        const gl_layer_t *l = layers + i;
+        int64_t w = 0, g = l->n_gate_up ? 2 * l->inter : l->router.n;
+        size_t a = l->n_gate_up ? sizeof(float) * T * l->inter : (sizeof(int64_t) + sizeof(float)) * T * m->top_k;
+        for (int64_t p = 0; p < l->n_qkv; p++) w += l->qkv[p].n;
+        W = w > W ? w : W, G = g > G ? g : G, A = a > A ? a : A;
+    }
+    float *hbuf = stack_scratch(0, sizeof(float) * 3 * T * H), *x = stack_scratch(1, sizeof(float) * T * H);
+    float *qkv = stack_scratch(2, sizeof(float) * T * W), *attn = stack_scratch(3, sizeof(float) * T * qs);
+    float *gu = stack_scratch(4, sizeof(float) * T * G);
+    float *act = stack_scratch(5, A);
+    if (!hbuf || !x || !qkv || !attn || !gu || !act) return -1;
+    float *const bufs[3] = {hbuf, hbuf + T * H, hbuf + 2 * T * H};
+    float *hid = bufs[0], *res = NULL;
+    memcpy(hid, hidden, sizeof(float) * T * H);
+    for (int64_t i = 0; i < m->n_layers; i++) {
+        const gl_layer_t *l = layers + i;
+        gl_rms_norm(hid, res, l->attn_norm, m->eps, T, H, x, threads);
+        res = hid;
+        int64_t w = 0;
+        for (int64_t p = 0; p < l->n_qkv; p++) w += l->qkv[p].n;
+        if (mat_parts(l->qkv, l->n_qkv, x, T, H, qkv, w, threads)) return -1;
+        if (l->qkv_bias) add_bias(qkv, T, qs + 2 * kvs, w, l->qkv_bias);
+        if (l->q_norm)
+            for (int64_t t = 0; t < T; t++) {
+                gl_rms_norm(qkv + t * w, NULL, l->q_norm, m->eps, m->Hq, D, qkv + t * w, 1);
+                gl_rms_norm(qkv + t * w + qs, NULL, l->k_norm, m->eps, m->Hk, D, qkv + t * w + qs, 1);
+            }
+        gl_rope_and_cache(qkv, w, qkv + qs, w, qkv + qs + kvs, w, T, m->Hq, m->Hk, D, l->rot_dim, l->cos_sin,
+                          positions, slots, m->block_size, (int)m->kvt, l->k_cache, l->v_cache, threads);
+        if (gl_attention_sinks((int)m->kvt, qkv, w, l->k_cache, l->v_cache, m->block_size, m->Hq, m->Hk, D, B,
+                               query_start, seq_lens, block_tables, ldb, m->scale, l->window, m->softcap, l->sinks,
+                               attn, threads))
+            return -1;
+        hid = free_buffer(bufs, res, NULL);
+        if (gl_matmul((int)l->o.fmt, attn, T, qs, qs, l->o.data, l->o.n, hid, H, threads)) return -1;
+        if (l->o_bias) add_bias(hid, T, H, H, l->o_bias);
+        if (l->post_attn_norm) {
+            float *y = free_buffer(bufs, res, hid);
+            gl_rms_norm(hid, NULL, l->post_attn_norm, m->eps, T, H, y, threads);
+            hid = y;
+        }
+        gl_rms_norm(hid, res, l->ffn_norm, m->eps, T, H, x, threads);
+        res = hid;
+        hid = free_buffer(bufs, res, NULL);
+        if (l->n_gate_up) {
+            int64_t I = l->inter;
+            if (mat_parts(l->gate_up, l->n_gate_up, x, T, H, gu, 2 * I, threads)) return -1;
+            if (m->act == 1) gl_gelu_tanh_mul(gu, T, I, act, threads);
+            else gl_silu_mul(gu, T, I, act, threads);
+            if (gl_matmul((int)l->down.fmt, act, T, I, I, l->down.data, l->down.n, hid, H, threads)) return -1;
+        } else {
+            int64_t *ids = (int64_t *)act;
+            float *wts = (float *)(ids + T * m->top_k);
+            if (gl_matmul((int)l->router.fmt, x, T, H, H, l->router.data, l->router.n, gu, l->router.n, threads))
+                return -1;
+            if (l->router_bias) add_bias(gu, T, m->E, l->router.n, l->router_bias);
+            route_rows(gu, l->router.n, T, m->E, m->top_k, m->gating, m->norm_topk, m->expert_scale, ids, wts);
+            if (gl_moe((int)l->fmt1, l->w1, l->stride1, l->n1, l->b1, (int)l->fmt2, l->w2, l->stride2, l->n2, l->b2,
+                       x, T, H, l->inter, ids, wts, m->top_k, m->E, (int)m->expert_act, m->alpha, m->limit, hid, threads))
+                return -1;
+        }
+        if (l->post_ffn_norm) {
+            float *y = free_buffer(bufs, res, hid);
+            gl_rms_norm(hid, NULL, l->post_ffn_norm, m->eps, T, H, y, threads);
+            hid = y;
+        }
+    }
+    memcpy(hidden, hid, sizeof(float) * T * H);
+    memcpy(residual, res, sizeof(float) * T * H);
     return 0;
 }
 

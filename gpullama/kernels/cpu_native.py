@@ -57,10 +57,54 @@ _SIGNATURES = {
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
     "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
                _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32],
+    "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I32],
 }
-_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe")
+_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder")
 ACT_SILU, ACT_SWIGLU_OAI = 0, 1
 """Expert activations of `moe`: SwiGLU, and gpt-oss's clamped SwiGLU."""
+
+
+
+class Mat(ctypes.Structure):
+    """A matrix as `matmul` reads it (``gl_mat_t``): format, blocks, rows (a multiple of 16), values a row."""
+
+    _fields_ = [("fmt", _I64), ("data", _P), ("n", _I64), ("k", _I64)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer of `decoder` (``gl_layer_t`` in `cpu_native.c`, which says what each field holds)."""
+
+    _fields_ = [
+        *[(name, _P) for name in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm")],
+        ("n_qkv", _I64), ("qkv", Mat * 3), ("qkv_bias", _P), ("o", Mat), ("o_bias", _P), ("cos_sin", _P),
+        ("rot_dim", _I64), ("k_cache", _P), ("v_cache", _P), ("window", _I64), ("sinks", _P), ("inter", _I64),
+        ("n_gate_up", _I64), ("gate_up", Mat * 2), ("down", Mat), ("router", Mat), ("router_bias", _P),
+        *[(name, _I64) for name in ("fmt1", "stride1", "n1", "fmt2", "stride2", "n2")],
+        ("w1", _P), ("w2", _P), ("b1", _P), ("b2", _P),
+    ]
+
+
+class ModelParams(ctypes.Structure):
+    """What `decoder`'s layers share (``gl_model_t``)."""
+
+    _fields_ = [
+        *[(name, _I64) for name in ("n_layers", "H", "Hq", "Hk", "D", "kvt", "block_size", "act", "E", "top_k",
+                                    "gating", "norm_topk", "expert_act")],
+        *[(name, _F32) for name in ("eps", "scale", "softcap", "expert_scale", "alpha", "limit")],
+    ]
+
+
+def decoder(
+    model: ModelParams, layers: ctypes.Array, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+    slots: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+) -> None:
+    """Every layer of a step in one call: `hidden` ``[T, H]`` (the embeddings) in; the last layer's output in
+    `hidden`, the residual stream in `residual` out. The metadata as `rope_and_cache` and `attention` take it."""
+    if _lib.gl_decoder(ctypes.byref(model), layers, hidden.shape[0], hidden.data_ptr(), residual.data_ptr(),
+                       positions.data_ptr(), slots.data_ptr(), seq_lens.shape[0], query_start.data_ptr(),
+                       seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), torch.get_num_threads()):
+        raise MemoryError(f"no memory for a decoder step of {hidden.shape[0]} tokens")
+
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -11,9 +11,12 @@ their largest magnitude), so logits differ from the exact float32 path by about 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gpullama.kernels import cpu_native
+from gpullama.ops.cpu_stack import NativeStack
 from gpullama.ops.cpu_weights import CpuExperts, CpuWeight, packable, packable_experts
 from gpullama.ops.experts import Experts
 from gpullama.ops.metadata import BatchMetadata
@@ -86,6 +89,10 @@ class CpuOps(TorchOps):
         return cpu_native.moe(experts.gate_up.operand, experts.gate_up_bias, experts.down.operand, experts.down_bias,
                               x.contiguous(), experts.intermediate_size, ids.contiguous(),
                               weights.float().contiguous(), act, experts.alpha, experts.limit, out)
+
+    def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> Any:
+        """The decoder's layers as one C call a step (`NativeStack`), or None where it does not take them."""
+        return NativeStack.build(decoder, k_caches, v_caches)
 
     def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor | CpuWeight:
         """The table in its CPU weight format (rows are dequantized exactly)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,11 @@ class TorchOps:
     def prepare_rope(self, meta: BatchMetadata, cos_sin: torch.Tensor) -> BatchMetadata:
         """`meta` with the rotary rows of another rope table (Gemma 3's sliding layers), once per step."""
         return dataclasses.replace(meta, **dict(zip(("rope_cos", "rope_sin"), rope_rows(cos_sin, meta.positions))))
+
+    def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> Any:
+        """A callable that runs all of `decoder`'s layers over a step's embeddings in one go, ``(hidden, meta) ->
+        (last layer's output, residual stream)``, or None: the decoder's layer loop runs the ops one at a time."""
+        return None
 
     # -- ops -------------------------------------------------------------------------------------
     def embedding(self, ids: torch.Tensor, table: QTensor | torch.Tensor, scale: float = 1.0) -> torch.Tensor:
