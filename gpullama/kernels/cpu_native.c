@@ -1336,23 +1336,32 @@ static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
 }
 
 /* y [P, ldy] = rows of x [P, K] (as floats and, for the quantized formats, quantized) against each active expert:
-   rows start[e] .. start[e + 1] - 1 use expert e. Work items are (expert, 8 blocks of 16 rows), taken by the
-   threads in any order: an output element's arithmetic is the same whichever thread computes it. */
+   rows start[e] .. start[e + 1] - 1 use expert e. The active experts' blocks of 16 weight rows, in order, are cut
+   into one contiguous run a thread (each block costed at its rows plus MT, for reading it), so that each thread
+   streams through whole stretches of weights as gl_matmul's threads do; an output element's arithmetic is the same
+   whichever thread computes it. */
 static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *xq, const int64_t *start,
                            const int64_t *active, int64_t n_active, float *y, int64_t ldy, int threads) {
     blocks_fn run = blocks_for(ex->w.fmt);
-    int64_t K = ex->w.K, blocks = ex->N / 16, chunk = 8, per = (blocks + chunk - 1) / chunk;
-    int64_t units = n_active * per;
-    if (units < 2) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; u++) {
-        int64_t e = active[u / per], c = u % per, r0 = start[e], M = start[e + 1] - r0;
-        weight_t w = ex->w;
-        w.data = ex->w.data + e * ex->stride;
-        xquant_t q = {NULL, NULL, NULL, NULL};
-        if (xq->hi) q = xq_rows(xq, r0, K);
-        int64_t b1 = (c + 1) * chunk < blocks ? (c + 1) * chunk : blocks;
-        run(&w, x + r0 * K, K, &q, M, c * chunk, b1, y + r0 * ldy, ldy);
+    int64_t K = ex->w.K, blocks = ex->N / 16, total = 0;
+    for (int64_t a = 0; a < n_active; a++) total += blocks * (start[active[a] + 1] - start[active[a]] + MT);
+    if (n_active * blocks < 2) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t lo = total * t / nt, hi = total * (t + 1) / nt, at = 0; /* this thread's blocks start in [lo, hi) */
+        for (int64_t a = 0; a < n_active && at < hi; a++) {
+            int64_t e = active[a], r0 = start[e], M = start[e + 1] - r0, c = M + MT;
+            int64_t b0 = lo > at ? (lo - at + c - 1) / c : 0, b1 = (hi - at + c - 1) / c;
+            b0 = b0 < blocks ? b0 : blocks, b1 = b1 < blocks ? b1 : blocks;
+            at += blocks * c;
+            if (b0 >= b1) continue;
+            weight_t w = ex->w;
+            w.data = ex->w.data + e * ex->stride;
+            xquant_t q = {NULL, NULL, NULL, NULL};
+            if (xq->hi) q = xq_rows(xq, r0, K);
+            run(&w, x + r0 * K, K, &q, M, b0, b1, y + r0 * ldy, ldy);
+        }
     }
 }
 
