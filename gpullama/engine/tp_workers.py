@@ -513,6 +513,7 @@ def run_headless(spec: WorkerSpec, world_size: int, rdzv: Rendezvous) -> None:
             process.join(timeout=STOP_TIMEOUT_S)
         workers.shutdown()
         leader.close()
+        tp.leave()  # gloo's threads end here, not in the interpreter's teardown (which can abort the process)
     log.info("tensor parallel: node 0 stopped the group; node %d exits", node)
 
 
