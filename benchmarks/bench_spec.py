@@ -1,7 +1,7 @@
 """n-gram speculative decoding against plain decoding at batch 1: tokens/s, acceptance, identical greedy output.
 
     python benchmarks/bench_spec.py --model smollm2-135m --threads 2 --rounds 2 \\
-        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'
 
 One model load (the CPU fast path for a quantized file), two engines over it: plain, and with the speculative
 config. Each task is a chat: editing code it was given, extracting JSON from a document, summarising with quotes,

@@ -80,7 +80,7 @@ class SpeculativeConfig:
     proposes the (up to) `num_speculative_tokens` tokens that followed them there; one forward checks them all."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 2  # of 1-4, the fastest on code edits and JSON (docs/performance.md)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
 
@@ -109,7 +109,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object such as "
-                             f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r}')
+                             f'{{"method": "ngram", "num_speculative_tokens": 2}}, got {value!r}')
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - fields)
         if unknown:
@@ -173,7 +173,7 @@ class EngineArgs:
         short="-tp", type=positive_int)
     speculative_config: Any = _arg(
         None, "speculative decoding without a draft model, as a JSON object (vLLM's): "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        '\'{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
         "drafts the tokens that followed the last n-gram's earlier occurrence in the prompt or output, and checks "
         "them in one forward; greedy output is unchanged, sampled output keeps its distribution (default: off)",
         type=speculative_config_arg)
