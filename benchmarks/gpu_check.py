@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpullama.model import Decoder  # noqa: E402
 from gpullama.ops import TorchOps  # noqa: E402
 from gpullama.ops.triton_ops import TritonOps  # noqa: E402
-from tests.kernels.random_model import (  # noqa: E402
+from tests.kernel_tests.random_model import (  # noqa: E402
     batch_metadata,
     gpt_oss_like_config,
     llama_1b_config,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for one NVIDIA Hopper GPU (torch + triton preinstalled, no network), about 5 minutes in all:
-#   tests  pytest tests/kernels compiled on CUDA (the interpreter tests plus the `gpu`-marked real shapes)
+#   tests  pytest tests/kernel_tests compiled on CUDA (the interpreter tests plus the `gpu`-marked real shapes)
 #   check  benchmarks/gpu_check.py: logits of TritonOps vs TorchOps, decode step timings (eager, graphs, torch)
 #   serve  a random Llama-3.2-1B-shaped Q4_K GGUF (benchmarks/make_random_llama.py, written on the CPU while the
 #          steps above run), gpullama-serve on it (CUDA, graphs on) and bench_server.py at 1 and 64 streaming
@@ -105,9 +105,9 @@ if [[ ",$steps," == *,tests,* ]]; then
     if [ "$device" = cuda ]; then marks=(-m "gpu or not gpu"); else marks=(); fi
     xdist=()
     if [ "$device" = cuda ] && "$PYTHON" -c 'import xdist' 2>/dev/null; then xdist=(-n 8); fi  # compiles in parallel
-    say "== pytest tests/kernels on $device ${xdist[*]}"
-    timeout "${TEST_SECONDS:-100}" "$PYTHON" -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels \
-        "${xdist[@]}" tests/kernels "${marks[@]}" >>"$LOG" 2>&1
+    say "== pytest tests/kernel_tests on $device ${xdist[*]}"
+    timeout "${TEST_SECONDS:-100}" "$PYTHON" -m pytest -q -p no:cacheprovider --confcutdir=tests/kernel_tests \
+        "${xdist[@]}" tests/kernel_tests "${marks[@]}" >>"$LOG" 2>&1
     rc_tests=$?
     tail -n 1 "$LOG"
 fi

@@ -5,7 +5,7 @@
 Llama-3.2-1B's architecture as llama.cpp writes it: 16 layers, hidden 2048, 32 query / 8 kv heads of 64, FFN 8192,
 vocab 128256, tied embeddings (no output.weight), Llama 3 rope scaling (rope_freqs.weight), context 131072. Every
 matrix is random valid blocks of `--type`, with f16 scales giving weights a spread near 0.02 as in a trained model
-(`tests/kernels/random_model.SCALE_FIELDS`), so activations stay finite. The tokenizer is a small trained
+(`tests/kernel_tests/random_model.SCALE_FIELDS`), so activations stay finite. The tokenizer is a small trained
 Llama 3-style byte-level BPE (`tests/fixtures/vocabs.py`) padded with plain word tokens up to the vocab size, so
 every id the random model emits decodes to text. The weights are noise, so the text is too: a file for timing.
 ``--shape smollm2-135m-tp`` has SmolLM2-135M's matrix shapes with heads that 2 tensor-parallel ranks divide
@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.vocabs import vocab_metadata, write_metadata  # noqa: E402
-from tests.kernels.random_model import SCALE_FIELDS  # noqa: E402
+from tests.kernel_tests.random_model import SCALE_FIELDS  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"q4_k": Q.Q4_K, "q8_0": Q.Q8_0, "q6_k": Q.Q6_K, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}

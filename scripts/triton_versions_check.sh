@@ -3,7 +3,7 @@
 # The device runs torch 2.11.0+cu130 / triton 3.6.0; PyPI's only linux torch 2.11 wheels are CUDA builds of
 # several GB, so the scratch venv pairs triton 3.6.0 with the CPU wheel of torch 2.13.0 (the one `make` uses).
 # Not part of `make test`. Usage:
-#   scripts/triton_versions_check.sh [pytest args]       (default: tests/kernels)
+#   scripts/triton_versions_check.sh [pytest args]       (default: tests/kernel_tests)
 # Env: VENV (default /work/venv-triton36, else ../venv-triton36), TRITON_VERSION (3.6.0), TORCH_VERSION (2.13.0),
 #      PYTHON (python3) to create it.
 set -euo pipefail
@@ -28,5 +28,5 @@ PY
     echo "torch $TORCH_VERSION triton $TRITON_VERSION $(md5sum < pyproject.toml)" > "$STAMP"
 fi
 "$VENV/bin/python" -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')"
-[ $# -eq 0 ] && set -- tests/kernels
+[ $# -eq 0 ] && set -- tests/kernel_tests
 PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

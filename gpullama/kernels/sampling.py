@@ -10,7 +10,7 @@ Grid ``(B,)``: one program per row of ``[B, V]`` logits walks the vocab in BLOCK
 4. one pass that draws the first token whose running sum of kept e exceeds ``uniform * total``.
 Ties at a threshold are all kept. The caller gives per-row parameters and per-row uniforms in [0, 1), so a
 batch samples with one launch and the result is reproducible. Its reference, by sorting, is in the tests
-(`tests/kernels/sampling_reference.py`); `TorchOps.sample` is the CPU path.
+(`tests/kernel_tests/sampling_reference.py`); `TorchOps.sample` is the CPU path.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ def test_torch_sample_matches_the_float64_reference(nucleus: bool, greedy_row: b
     """TorchOps.sample (the CPU path) draws the same tokens as the Triton kernel's sorting float64 reference, for
     random mixes of greedy and filtered rows and the same uniforms; also for batches with no top-p row (no sort)
     and with no greedy row."""
-    from tests.kernels.sampling_reference import sample_reference
+    from tests.kernel_tests.sampling_reference import sample_reference
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):

@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from gpullama.kernels import cpu_native
 from gpullama.ops import TorchOps, rope_cos_sin
-from tests.kernels.test_cpu_native import gen, metadata, transposed
+from tests.kernel_tests.test_cpu_native import gen, metadata, transposed
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
 

@@ -9,7 +9,7 @@ import torch
 from gpullama.model import Decoder
 from gpullama.ops import TorchOps
 from gpullama.ops.triton_ops import TritonOps
-from tests.kernels.random_model import (
+from tests.kernel_tests.random_model import (
     batch_metadata,
     gemma_like_config,
     gpt_oss_like_config,

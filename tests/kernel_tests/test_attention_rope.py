@@ -8,7 +8,7 @@ import torch
 from gpullama.kernels.attention import paged_attention
 from gpullama.ops import TorchOps, rope_cos_sin
 from gpullama.ops.triton_ops import TritonOps
-from tests.kernels.batches import make_batch, meta_to
+from tests.kernel_tests.batches import make_batch, meta_to
 
 CPU = torch.device("cpu")
 

@@ -25,6 +25,6 @@ def test_kernels_compile_for_sm90():
     """A fresh process (compiled mode, no interpreter) builds each kernel once for sm_90."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    result = subprocess.run([sys.executable, "-m", "tests.kernels.compile_hopper"], cwd=REPO, env=env,
+    result = subprocess.run([sys.executable, "-m", "tests.kernel_tests.compile_hopper"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

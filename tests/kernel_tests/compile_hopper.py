@@ -1,7 +1,7 @@
 """Compile the kernels for Hopper (sm_90) without a GPU, through Triton's bundled ptxas.
 
 The interpreter runs kernels as numpy and accepts code the compiler rejects; this catches those failures on a
-CPU-only machine. Run as ``python -m tests.kernels.compile_hopper [--all]`` (without TRITON_INTERPRET): the
+CPU-only machine. Run as ``python -m tests.kernel_tests.compile_hopper [--all]`` (without TRITON_INTERPRET): the
 default set covers every kernel once, ``--all`` every weight format and compute dtype.
 """
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpullama.kernels.sampling import sample
-from tests.kernels.sampling_reference import sample_reference
+from tests.kernel_tests.sampling_reference import sample_reference
 
 
 def _params(b: int, seed: int) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ from gpullama.ops import TorchOps
 from gpullama.ops.triton_ops import TritonOps
 from gpullama.quants import QTensor
 from tests.fixtures.quant_blocks import random_blocks
-from tests.kernels.batches import make_batch, meta_to
-from tests.kernels.sampling_reference import sample_reference
+from tests.kernel_tests.batches import make_batch, meta_to
+from tests.kernel_tests.sampling_reference import sample_reference
 
 Q = gguf.GGMLQuantizationType
 CUDA = torch.device("cuda")
@@ -71,7 +71,7 @@ def test_decode_attention_long_context_bf16():
 def test_triton_ops_decode_step_captures_in_a_cuda_graph():
     """A TritonOps decode step (rope + paged write + attention + matmul) replays from a CUDA graph unchanged."""
     from gpullama.model import Decoder
-    from tests.kernels.random_model import batch_metadata, random_tensors, tiny_config
+    from tests.kernel_tests.random_model import batch_metadata, random_tensors, tiny_config
 
     config = tiny_config(num_layers=2, vocab_size=1000)
     decoder = Decoder(config, random_tensors(config, Q.Q4_K, CUDA), TritonOps(CUDA, torch.bfloat16), max_positions=64)

@@ -10,8 +10,8 @@ import torch
 from gpullama.engine.decode_graphs import DecodeGraphs
 from gpullama.model import Decoder
 from gpullama.ops.triton_ops import TritonOps
-from tests.kernels.capture_rules import CaptureRuleError, capture_rules
-from tests.kernels.random_model import batch_metadata, gpt_oss_like_config, random_tensors, tiny_config
+from tests.kernel_tests.capture_rules import CaptureRuleError, capture_rules
+from tests.kernel_tests.random_model import batch_metadata, gpt_oss_like_config, random_tensors, tiny_config
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 8
