@@ -25,6 +25,9 @@ class Terminal:
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a session leader whose controlling terminal is the pty
+            # as a shell starts a foreground program: SIGINT at its default, whatever this process inherited (a
+            # background job starts with it ignored, and Python then leaves Ctrl-C ignored in the child too)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(sys.executable, [sys.executable, "-m", "gpullama.cli", *args], {**os.environ, **(env or {})})
         self.output = ""
 
@@ -50,6 +53,23 @@ class Terminal:
 
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
+
+    def settle_at_prompt(self, timeout: float = WAIT_S) -> None:
+        """Wait until the child's main thread sleeps waiting for input, as it is by the time a person types. Seeing the
+        prompt is not enough for a Ctrl-C: readline writes it with SIGINT blocked, and a signal that arrives then
+        reaches the main thread only after it has gone back to waiting for a key (CPython's readline loop waits with
+        no timeout), so the key typed at once would be lost."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.pid}/wchan") as f:
+                wchan = f.read()
+            if "poll" in wchan or "select" in wchan:
+                return
+            if wchan == "0":  # a kernel that hides where tasks sleep: give it what a person's reaction takes
+                time.sleep(0.5)
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"not waiting for input after {timeout}s; output:\n{self.output[-3000:]}")
 
     def wait(self, timeout: float = 30) -> int:
         """The exit status once the process ends (draining its output meanwhile)."""
@@ -181,6 +201,7 @@ def test_loading_shows_each_step_at_a_terminal_and_ctrl_c_at_the_prompt_leaves(t
     for step in ("loading ", "reading ", "preparing 2 layers of weights", "reserving the KV cache", "loaded "):
         assert step in shown, (step, shown)
     assert shown.index("reading ") < shown.index("preparing ") < shown.index("reserving ") < shown.index("loaded ")
+    term.settle_at_prompt()
     term.type("\x03")  # Ctrl-C at an empty prompt: leave, with a newline, status 0
     assert term.wait() == 0
     assert term.output.startswith("\r\n") or term.output.startswith("^C\r\n"), repr(term.output)
