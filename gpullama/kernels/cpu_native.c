@@ -10,7 +10,7 @@ Vectors are 16 float lanes (`vf`): AVX-512, AVX2 (two halves) or plain C, picked
 arithmetic and the reduction tree are the same on all three.
 
 Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
-rounded to integers Q = round(x / d), d = max |x| / 32258, held as 254 hi + lo (two int8); per group and weight
+rounded to integers Q = round(x / d), d = max |x| / 32258, held as 256 hi + lo (two int8); per group and weight
 row the integer dot product of Q with the values u + offset (u unsigned, the offset the type's: -8 for Q4_0, -16
 for Q5_0, -32 for Q6_K, -128 for Q8_0's bytes read as q + 128) is exact in int32 (AVX512-VNNI, AVX2 or plain C),
 and y accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of
@@ -223,7 +223,7 @@ static inline vf vf_tanh(vf x) {
 /* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory); each kernel keeps to
    its own slots: the matmul's one, the attention's 4 (attn_scratch), the MoE block's 8 (moe_scratch), the
    decoder stack's 6 (stack_scratch) */
-enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_STACK = 13, SCRATCH_SLOTS = 19 };
+enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_STACK = 13, SCRATCH_UNPACK = 19, SCRATCH_SLOTS = 20 };
 static void *scratch(int which, size_t bytes) {
     static _Thread_local void *buf[SCRATCH_SLOTS];
     static _Thread_local size_t size[SCRATCH_SLOTS];
@@ -367,7 +367,7 @@ static inline void unit_scales(int fmt, const uint8_t *b, int j, int t, vf *scal
 
 /* The 16 rows x 32 unsigned values of one value section, unpacked: chunk c holds, per row (lane), values
    4c .. 4c + 3. wg_dot(w, hi, lo, c0, c1, bias): the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the
-   values Q = 254 hi + lo (hi, lo int8, values 4 c0 .. 4 c1 - 1), plus bias, as floats; exact in int32. */
+   values Q = 256 hi + lo (hi, lo int8, values 4 c0 .. 4 c1 - 1), plus bias, as floats; exact in int32. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #undef GL_ISA
 #define GL_ISA "avx512-vnni"
@@ -414,14 +414,39 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
         a = _mm512_dpbusd_epi32(a, w->c[c], _mm512_set1_epi32(h4));
         b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
     }
-    __m512i r = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(a, 8), _mm512_slli_epi32(a, 1)), b); /* 254a+b */
+    __m512i r = _mm512_add_epi32(_mm512_slli_epi32(a, 8), b); /* 256a+b */
     return _mm512_cvtepi32_ps(_mm512_add_epi32(r, _mm512_set1_epi32(bias)));
+}
+/* wg_dot for n (at most WG_ROWS) rows of x at once: their 2 n accumulators are independent chains, so the
+   dot products overlap (one row's two chains are latency-bound: 8 dependent vpdpbusd each) */
+#define WG_ROWS 4
+static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
+                                                          const int8_t *const *lo, int c0, int c1,
+                                                          const int32_t *bias, vf *out) {
+    __m512i a[WG_ROWS], b[WG_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < n; r++) a[r] = _mm512_setzero_si512(), b[r] = _mm512_set1_epi32(bias[r]);
+#pragma GCC unroll 8
+    for (int c = c0; c < c1; c++)
+#pragma GCC unroll 4
+        for (int r = 0; r < n; r++) {
+            int32_t h4, l4;
+            memcpy(&h4, hi[r] + 4 * c, 4);
+            memcpy(&l4, lo[r] + 4 * c, 4);
+            a[r] = _mm512_dpbusd_epi32(a[r], w->c[c], _mm512_set1_epi32(h4));
+            b[r] = _mm512_dpbusd_epi32(b[r], w->c[c], _mm512_set1_epi32(l4));
+        }
+#pragma GCC unroll 4
+    for (int r = 0; r < n; r++) {
+        __m512i v = _mm512_add_epi32(_mm512_slli_epi32(a[r], 8), b[r]);
+        out[r] = _mm512_cvtepi32_ps(v);
+    }
 }
 #elif defined(__AVX2__)
 /* AVX2. 4-bit values: each chunk's 16 rows x 4 nibbles as bytes, 8 rows a register; vpmaddubsw multiplies them by
-   hi and by lo (int8) into int16 pair sums (at most 8 chunks x 2 x 15 x 127: no overflow), vpmaddwd by 1 adds a
-   row's pairs, and the row's dot is 254 sum(w hi) + sum(w lo). Wider values: each chunk's values widened to int16,
-   4 rows a register, times the whole integers Q = 254 hi + lo (an int16) with vpmaddwd. Both give the exact int32
+   hi and by lo (int8) into int16 pair sums (at most 8 chunks x 2 x 15 x 128: no overflow), vpmaddwd by 1 adds a
+   row's pairs, and the row's dot is 256 sum(w hi) + sum(w lo). Wider values: each chunk's values widened to int16,
+   4 rows a register, times the whole integers Q = 256 hi + lo (an int16) with vpmaddwd. Both give the exact int32
    sums of the plain C path, so the same results bit for bit. */
 typedef struct { __m256i c[8][4]; int q4; } wg;
 /* 32 bytes: `value` where bit i of the little-endian word at p is set, else 0 */
@@ -490,19 +515,18 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
             sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(w->c[c][1], lb));
         }
         __m256i ones = _mm256_set1_epi16(1), h0 = _mm256_madd_epi16(sh0, ones), h1 = _mm256_madd_epi16(sh1, ones);
-        r0 = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h0, 8), _mm256_slli_epi32(h0, 1)), /* 254 h */
+        r0 = _mm256_add_epi32(_mm256_slli_epi32(h0, 8), /* 256 h */
                               _mm256_madd_epi16(sl0, ones));
-        r1 = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h1, 8), _mm256_slli_epi32(h1, 1)),
+        r1 = _mm256_add_epi32(_mm256_slli_epi32(h1, 8),
                               _mm256_madd_epi16(sl1, ones));
     } else {
         __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                           _mm256_setzero_si256()};
-        __m128i k254 = _mm_set1_epi16(254);
         for (int c = c0; c < c1; c++) {
             int32_t h4, l4;
             memcpy(&h4, hi + 4 * c, 4);
             memcpy(&l4, lo + 4 * c, 4);
-            __m128i q = _mm_add_epi16(_mm_mullo_epi16(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(h4)), k254),
+            __m128i q = _mm_add_epi16(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(h4)), 8),
                                       _mm_cvtepi8_epi16(_mm_cvtsi32_si128(l4)));
             __m256i qb = _mm256_set1_epi64x(_mm_cvtsi128_si64(q)); /* Q of the 4 values, for each of 4 rows */
             for (int g = 0; g < 4; g++) acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(w->c[c][g], qb));
@@ -524,10 +548,19 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
     for (int c = c0; c < c1; c++)
         for (int r = 0; r < 16; r++)
             for (int i = 0; i < 4; i++)
-                acc[r] += (int32_t)w->c[c][4 * r + i] * (254 * (int32_t)hi[4 * c + i] + (int32_t)lo[4 * c + i]);
+                acc[r] += (int32_t)w->c[c][4 * r + i] * (256 * (int32_t)hi[4 * c + i] + (int32_t)lo[4 * c + i]);
     float f[16];
     for (int r = 0; r < 16; r++) f[r] = (float)(acc[r] + bias);
     return vf_load(f);
+}
+#endif
+
+#ifndef WG_ROWS
+#define WG_ROWS 4
+static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
+                                                          const int8_t *const *lo, int c0, int c1,
+                                                          const int32_t *bias, vf *out) {
+    for (int r = 0; r < n; r++) out[r] = wg_dot(w, hi[r], lo[r], c0, c1, bias[r]);
 }
 #endif
 
@@ -544,35 +577,79 @@ static inline weight_t weight_of(int fmt, int64_t K, const uint8_t *data) {
 
 /* The activations of a quantized matmul: each row's groups of 32 values rounded to integers Q = round(x / d),
    d = max |x| / 32258, so |Q| <= 32258 (x to 1 part in 64516 of the group's largest value); Q is held as
-   254 hi + lo with hi, lo int8 (for the 8-bit dot products); s is the sum of Q over each half group. */
+   256 hi + lo with hi, lo int8 (for the 8-bit dot products); s is the sum of Q over each half group. The rows come
+   in tiles of MT: group g of row m is record xq_rec(m, G, g), so the records of a tile's rows lie side by side group
+   after group and a tile's dot products address them at constant offsets (it spared the matmul a tangle of
+   per-row pointers); rows past the last of a tile's are never read. */
 typedef struct {
-    int8_t *hi, *lo; /* [M][K] */
-    float *d;        /* [M][K / 32] */
-    int32_t *s;      /* [M][2 K / 32] */
+    int8_t *q;  /* [tiles][G][MT][64]: a record's hi [32], then its lo [32] */
+    float *d;   /* [tiles][G][MT] */
+    int32_t *s; /* [tiles][G][MT][2] */
 } xquant_t;
 
-#define Q_MAX 32258 /* 254 * 127 */
+#define Q_MAX 32258 /* the largest |Q| (254 * 127): |hi| <= 126 */
 
-static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, int threads) {
+static inline int64_t xq_rec(int64_t m, int64_t G, int64_t g) { return ((m / MT) * G + g) * MT + m % MT; }
+/* M rows rounded up to whole tiles */
+static inline int64_t xq_pad(int64_t M) { return (M + MT - 1) / MT * MT; }
+/* the bytes of Mp rows (whole tiles) of K values, and the xquant_t over such a buffer */
+static inline size_t xq_bytes(int64_t Mp, int64_t K) { return (size_t)(Mp * (K / 32)) * (64 + 4 + 8); }
+static inline xquant_t xq_over(uint8_t *buf, int64_t Mp, int64_t K) {
+    size_t n = (size_t)(Mp * (K / 32));
+    xquant_t q = {(int8_t *)buf, (float *)(buf + 64 * n), (int32_t *)(buf + 68 * n)};
+    return q;
+}
+/* the rows from r (a multiple of MT) of q */
+static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
+    int64_t n = r * (K / 32);
+    xquant_t o = {q->q + 64 * n, q->d + n, q->s + 2 * n};
+    return o;
+}
+
+/* Row m of x [M, ldx] quantized into row dest[m] of xq (dest NULL: row m). */
+static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, const int64_t *dest,
+                          int threads) {
     int64_t G = K / 32;
 #pragma omp parallel for num_threads(threads) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             const float *v = x + m * ldx + 32 * g;
-            float amax = 0.0f;
-            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+            int64_t rec = xq_rec(dest ? dest[m] : m, G, g);
+            int8_t *hi = xq->q + 64 * rec, *lo = hi + 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            /* the plain C below, 16 values a register: the same integers (max, a product and a rounding to
+               nearest even are exact lane by lane; integer sums in any order) */
+            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             float d = amax / (float)Q_MAX, id = amax > 0.0f ? (float)Q_MAX / amax : 0.0f;
-            int8_t *hi = xq->hi + m * K + 32 * g, *lo = xq->lo + m * K + 32 * g;
+            __m512i lim = _mm512_set1_epi32(Q_MAX), q[2];
+            q[0] = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+            q[1] = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+            for (int i = 0; i < 2; i++) {
+                q[i] = _mm512_max_epi32(_mm512_min_epi32(q[i], lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+                __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q[i], _mm512_set1_epi32(128)), 8);
+                _mm_storeu_si128((__m128i *)(hi + 16 * i), _mm512_cvtepi32_epi8(h));
+                _mm_storeu_si128((__m128i *)(lo + 16 * i), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q[i], _mm512_slli_epi32(h, 8))));
+            }
+            int32_t s0 = _mm512_reduce_add_epi32(q[0]), s1 = _mm512_reduce_add_epi32(q[1]);
+#else
+            float amax = 0.0f;
+            for (int k = 0; k < 32; k++) {
+                float a = fabsf(v[k]);
+                amax = a > amax ? a : amax; /* fmaxf, without its call */
+            }
+            float d = amax / (float)Q_MAX, id = amax > 0.0f ? (float)Q_MAX / amax : 0.0f;
             int32_t s0 = 0, s1 = 0;
             for (int k = 0; k < 32; k++) {
                 int32_t q = (int32_t)nearbyintf(v[k] * id);
                 q = q > Q_MAX ? Q_MAX : q < -Q_MAX ? -Q_MAX : q;
-                int32_t h = q >= 0 ? (q + 127) / 254 : -((127 - q) / 254); /* |q - 254 h| <= 127 */
-                hi[k] = (int8_t)h, lo[k] = (int8_t)(q - 254 * h);
+                int32_t h = (q + 128) >> 8; /* floor((q + 128) / 256): -128 <= q - 256 h <= 127, |h| <= 126 */
+                hi[k] = (int8_t)h, lo[k] = (int8_t)(q - 256 * h);
                 if (k < 16) s0 += q; else s1 += q;
             }
-            xq->d[m * G + g] = d;
-            xq->s[m * 2 * G + 2 * g] = s0, xq->s[m * 2 * G + 2 * g + 1] = s1;
+#endif
+            xq->d[rec] = d;
+            xq->s[2 * rec] = s0, xq->s[2 * rec + 1] = s1;
         }
 }
 
@@ -580,8 +657,20 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
    integer dot products dot = sum (u + offset) Q, then y += (scale * d) * dot + (zero * d) * sum(Q), one group after
    another. fmt, sets (scales per 32 values) and mt are constants at every call, so the loops unroll into
    registers. */
+/* a group's weights unpacked, with its scales and zeros as floats */
+typedef struct {
+    wg u;
+    vf scale[2], zero[2];
+} wgs_t;
+
+static inline __attribute__((always_inline)) void unpack_group(int fmt, int sets, const uint8_t *b, int j, wgs_t *o) {
+    wg_load(fmt, b + j * fmt_vbytes(fmt), &o->u);
+    for (int t = 0; t < sets; t++) unit_scales(fmt, b, j, t, &o->scale[t], &o->zero[t]);
+}
+
 static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, const weight_t *w, const xquant_t *xq,
-                                                         int64_t m0, int mt, int64_t rb, float *y, int64_t ldy) {
+                                                         int64_t m0, int mt, int64_t rb, float *y, int64_t ldy,
+                                                         const wgs_t *pre) {
     int64_t K = w->K, G = K / 32;
     int sub = fmt_super(fmt) ? 8 : 1, vbytes = fmt_vbytes(fmt), chunks = 8 / sets, offset = fmt_offset(fmt);
     const uint8_t *b = w->data + rb * w->G * w->block_bytes;
@@ -595,22 +684,44 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, cons
                lines at once (36 for Q4_K) stalled the loads behind them. Into L2 (prefetcht1), not L1: an L1
                prefetch holds one of the core's few L1 miss buffers until its line arrives: one core's Q4_K stream
                went from 9.0 to 11.6 GB/s with this on a Xeon VM (docs/performance.md) */
-            for (int64_t l = j * w->block_bytes / sub; l < (j + 1) * w->block_bytes / sub; l += 64)
-                __builtin_prefetch(b + 8192 + l, 0, 2);
+            const wg *up;
             wg u;
-            wg_load(fmt, b + j * vbytes, &u);
+            if (pre) {
+                up = &pre[g].u;
+            } else {
+                for (int64_t l = j * w->block_bytes / sub; l < (j + 1) * w->block_bytes / sub; l += 64)
+                    __builtin_prefetch(b + 8192 + l, 0, 2);
+                wg_load(fmt, b + j * vbytes, &u);
+                up = &u;
+            }
+#pragma GCC unroll 2
             for (int t = 0; t < sets; t++) {
                 vf scale, zero;
-                unit_scales(fmt, b, j, t, &scale, &zero);
-                for (int i = 0; i < mt; i++) {
-                    int64_t m = m0 + i;
-                    float d = xq->d[m * G + g];
-                    const int32_t *s = xq->s + m * 2 * G + 2 * g;
-                    int32_t sum = sets == 1 ? s[0] + s[1] : s[t];
-                    vf dot = wg_dot(&u, xq->hi + m * K + 32 * g, xq->lo + m * K + 32 * g, t * chunks,
-                                    (t + 1) * chunks, offset * sum);
-                    acc[i] = vf_fma(dot, vf_mul(scale, vf_set1(d)), acc[i]);
-                    if (fmt_has_zero(fmt)) acc[i] = vf_fma(zero, vf_set1(d * (float)sum), acc[i]);
+                if (pre) scale = pre[g].scale[t], zero = pre[g].zero[t];
+                else unit_scales(fmt, b, j, t, &scale, &zero);
+#pragma GCC unroll 8
+                for (int i0 = 0; i0 < mt; i0 += WG_ROWS) {
+                    int n = mt - i0 < WG_ROWS ? mt - i0 : WG_ROWS;
+                    const int8_t *hi[WG_ROWS], *lo[WG_ROWS];
+                    int32_t sum[WG_ROWS], bias[WG_ROWS];
+                    float d[WG_ROWS];
+                    vf dot[WG_ROWS];
+#pragma GCC unroll 4
+                    for (int r = 0; r < n; r++) {
+                        int64_t rec = xq_rec(m0 + i0 + r, G, g);
+                        const int32_t *s = xq->s + 2 * rec;
+                        d[r] = xq->d[rec];
+                        sum[r] = sets == 1 ? s[0] + s[1] : s[t];
+                        bias[r] = offset * sum[r];
+                        hi[r] = xq->q + 64 * rec, lo[r] = hi[r] + 32;
+                    }
+                    wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, dot);
+#pragma GCC unroll 4
+                    for (int r = 0; r < n; r++) {
+                        vf *ac = &acc[i0 + r];
+                        *ac = vf_fma(dot[r], vf_mul(scale, vf_set1(d[r])), *ac);
+                        if (fmt_has_zero(fmt)) *ac = vf_fma(zero, vf_set1(d[r] * (float)sum[r]), *ac);
+                    }
                 }
             }
         }
@@ -633,10 +744,10 @@ static inline __attribute__((always_inline)) void mm_dense(int fmt, const weight
 /* one tile of mt rows of x (mt a constant after the switch) */
 static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, const weight_t *w, const float *x,
                                                           int64_t ldx, const xquant_t *xq, int64_t m0, int mt,
-                                                          int64_t rb, float *y, int64_t ldy) {
+                                                          int64_t rb, float *y, int64_t ldy, const wgs_t *pre) {
 #define GL_TILE(n)                                                                                                   \
     case n:                                                                                                          \
-        if (fmt_quantized(fmt)) mm_int(fmt, sets, w, xq, m0, n, rb, y, ldy);                                         \
+        if (fmt_quantized(fmt)) mm_int(fmt, sets, w, xq, m0, n, rb, y, ldy, pre);                                    \
         else mm_dense(fmt, w, x, ldx, m0, n, rb, y, ldy);                                                            \
         break;
     switch (mt) { GL_TILE(1) GL_TILE(2) GL_TILE(3) GL_TILE(4) GL_TILE(5) GL_TILE(6) GL_TILE(7) GL_TILE(8) }
@@ -647,8 +758,21 @@ static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, con
 static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, const weight_t *w, const float *x,
                                                             int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,
                                                             int64_t rb1, float *y, int64_t ldy) {
-    for (int64_t rb = rb0; rb < rb1; rb++)
-        for (int64_t m = 0; m < M; m += MT) mm_tile(fmt, sets, w, x, ldx, xq, m, M - m < MT ? (int)(M - m) : MT, rb, y, ldy);
+    wgs_t *pre = NULL;
+    if (fmt_quantized(fmt) && M > MT) { /* more than one tile: unpack each block's weights once, for all tiles */
+        uint8_t *p = scratch(SCRATCH_UNPACK, sizeof(wgs_t) * (w->K / 32) + 64);
+        if (p) pre = (wgs_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    }
+    int sub = fmt_super(fmt) ? 8 : 1;
+    for (int64_t rb = rb0; rb < rb1; rb++) {
+        if (pre) {
+            const uint8_t *b = w->data + rb * w->G * w->block_bytes;
+            for (int64_t unit = 0; unit < w->G; unit++, b += w->block_bytes)
+                for (int j = 0; j < sub; j++) unpack_group(fmt, sets, b, j, &pre[unit * sub + j]);
+        }
+        for (int64_t m = 0; m < M; m += MT)
+            mm_tile(fmt, sets, w, x, ldx, xq, m, M - m < MT ? (int)(M - m) : MT, rb, y, ldy, pre);
+    }
 }
 
 #define GL_BLOCKS(name, fmt, sets)                                                                                  \
@@ -692,21 +816,22 @@ static int64_t matmul_bytes; /* weight bytes gl_matmul has read, for benchmarks 
 /* the weight bytes gl_matmul has read so far (every block of each matrix, once per call) */
 int64_t gl_matmul_bytes_read(void) { return matmul_bytes; }
 
-/* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32; of 256 for the
-   K-quants) in format `fmt` laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
-int gl_matmul(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx,
-              const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
+/* x quantized for the quantized formats into the matmul's scratch (xq->q NULL for the float ones); -1: no memory */
+static int matmul_quantize(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, xquant_t *xq, int threads) {
+    xquant_t none = {NULL, NULL, NULL};
+    *xq = none;
+    if (!fmt_quantized(fmt)) return 0;
+    uint8_t *buf = scratch(SCRATCH_MATMUL, xq_bytes(xq_pad(M), K));
+    if (!buf) return -1;
+    *xq = xq_over(buf, xq_pad(M), K);
+    quantize_rows(x, ldx, M, K, xq, NULL, threads);
+    return 0;
+}
+
+/* gl_matmul with x already quantized (xq: matmul_quantize's, for fmt) */
+static void matmul_quantized(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const xquant_t *xq,
+                             const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
     weight_t w = weight_of(fmt, K, data);
-    xquant_t xq = {NULL, NULL, NULL, NULL};
-    if (fmt_quantized(fmt)) {
-        int64_t G = K / 32;
-        size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * G;
-        uint8_t *buf = scratch(SCRATCH_MATMUL, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * G);
-        if (!buf) return -1;
-        xq.hi = (int8_t *)buf, xq.lo = (int8_t *)(buf + qbytes);
-        xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
-        quantize_rows(x, ldx, M, K, &xq, threads);
-    }
     blocks_fn run = blocks_for(fmt);
     int64_t blocks = N / 16;
     matmul_bytes += blocks * w.G * w.block_bytes;
@@ -714,8 +839,17 @@ int gl_matmul(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx,
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        run(&w, x, ldx, &xq, M, blocks * t / nt, blocks * (t + 1) / nt, y, ldy);
+        run(&w, x, ldx, xq, M, blocks * t / nt, blocks * (t + 1) / nt, y, ldy);
     }
+}
+
+/* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32; of 256 for the
+   K-quants) in format `fmt` laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
+int gl_matmul(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx,
+              const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
+    xquant_t xq;
+    if (matmul_quantize(fmt, x, M, K, ldx, &xq, threads)) return -1;
+    matmul_quantized(fmt, x, M, K, ldx, &xq, data, N, y, ldy, threads);
     return 0;
 }
 
@@ -1330,20 +1464,14 @@ typedef struct {
     int64_t stride, N;
 } experts_t;
 
-/* xquant_t of rows r .. of q */
-static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
-    int64_t G = K / 32;
-    xquant_t o = {q->hi + r * K, q->lo + r * K, q->d + r * G, q->s + r * 2 * G};
-    return o;
-}
-
 /* y [P, ldy] = rows of x [P, K] (as floats and, for the quantized formats, quantized) against each active expert:
    rows start[e] .. start[e + 1] - 1 use expert e. The active experts' blocks of 16 weight rows, in order, are cut
    into one contiguous run a thread (each block costed at its rows plus MT, for reading it), so that each thread
    streams through whole stretches of weights as gl_matmul's threads do; an output element's arithmetic is the same
    whichever thread computes it. */
 static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *xq, const int64_t *start,
-                           const int64_t *active, int64_t n_active, float *y, int64_t ldy, int threads) {
+                           const int64_t *pstart, const int64_t *active, int64_t n_active, float *y, int64_t ldy,
+                           int threads) {
     blocks_fn run = blocks_for(ex->w.fmt);
     int64_t K = ex->w.K, blocks = ex->N / 16, total = 0;
     for (int64_t a = 0; a < n_active; a++) total += blocks * (start[active[a] + 1] - start[active[a]] + MT);
@@ -1360,21 +1488,21 @@ static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *
             if (b0 >= b1) continue;
             weight_t w = ex->w;
             w.data = ex->w.data + e * ex->stride;
-            xquant_t q = {NULL, NULL, NULL, NULL};
-            if (xq->hi) q = xq_rows(xq, r0, K);
+            xquant_t q = {NULL, NULL, NULL};
+            if (xq->q) q = xq_rows(xq, pstart[e], K);
             run(&w, x + r0 * K, K, &q, M, b0, b1, y + r0 * ldy, ldy);
         }
     }
 }
 
-/* quantize rows as quantize_rows does, into buffers `which`, `which + 1` of the MoE scratch */
-static int moe_quantize(const float *x, int64_t M, int64_t K, xquant_t *xq, int which, int threads) {
-    size_t qbytes = (size_t)(M * K + 63) & ~(size_t)63, dbytes = sizeof(float) * M * (K / 32);
-    uint8_t *buf = moe_scratch(which, 2 * qbytes + dbytes + sizeof(int32_t) * M * 2 * (K / 32));
+/* rows of x [M, K] quantized as quantize_rows does (row m into row dest[m] of Mp), into buffer `which` of the MoE
+   scratch */
+static int moe_quantize(const float *x, int64_t M, int64_t Mp, int64_t K, const int64_t *dest, xquant_t *xq,
+                        int which, int threads) {
+    uint8_t *buf = moe_scratch(which, xq_bytes(Mp, K));
     if (!buf) return -1;
-    xq->hi = (int8_t *)buf, xq->lo = (int8_t *)(buf + qbytes);
-    xq->d = (float *)(buf + 2 * qbytes), xq->s = (int32_t *)(buf + 2 * qbytes + dbytes);
-    quantize_rows(x, K, M, K, xq, threads);
+    *xq = xq_over(buf, Mp, K);
+    quantize_rows(x, K, M, K, xq, dest, threads);
     return 0;
 }
 
@@ -1396,9 +1524,10 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
     int64_t P = T * k;
     experts_t ex1 = {weight_of(fmt1, H, w1), stride1, N1};
     experts_t ex2 = {weight_of(fmt2, I, w2), stride2, N2};
-    int64_t *start = moe_scratch(0, sizeof(int64_t) * (3 * E + 2 + 2 * P));
+    int64_t *start = moe_scratch(0, sizeof(int64_t) * (4 * E + 3 + 3 * P));
     if (!start) return -1;
     int64_t *fill = start + E + 1, *active = fill + E, *pair = active + E, *row = pair + P;
+    int64_t *pstart = row + P, *prow = pstart + E + 1; /* quantized rows: each expert's from a whole tile */
     /* counting sort of the pairs p = t * k + j by expert: pair[r] is the pair at row r, row[p] its row */
     memset(start, 0, sizeof(int64_t) * (E + 1));
     for (int64_t p = 0; p < P; p++) {
@@ -1412,6 +1541,12 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
         fill[e] = start[e];
     }
     for (int64_t p = 0; p < P; p++) pair[fill[ids[p]]] = p, row[p] = fill[ids[p]]++;
+    pstart[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        pstart[e + 1] = pstart[e] + xq_pad(start[e + 1] - start[e]);
+        for (int64_t r = start[e]; r < start[e + 1]; r++) prow[r] = pstart[e] + r - start[e];
+    }
+    int64_t Pp = pstart[E];
 
     moe_bytes += n_active * (stride1 + stride2);
     int quant1 = fmt_quantized(fmt1), quant2 = fmt_quantized(fmt2);
@@ -1419,29 +1554,27 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
     float *y1 = moe_scratch(2, sizeof(float) * P * N1);
     float *y2 = moe_scratch(3, sizeof(float) * P * N2);
     if (!xs || !y1 || !y2) return -1;
-    xquant_t xq = {NULL, NULL, NULL, NULL};
+    xquant_t xq = {NULL, NULL, NULL};
     if (quant1) { /* quantize each token once, then gather its rows (identical to quantizing the gathered rows) */
         xquant_t tq;
-        if (moe_quantize(x, T, H, &tq, 4, threads)) return -1;
-        size_t qbytes = (size_t)(P * H + 63) & ~(size_t)63, dbytes = sizeof(float) * P * (H / 32);
-        uint8_t *buf = moe_scratch(5, 2 * qbytes + dbytes + sizeof(int32_t) * P * 2 * (H / 32));
+        if (moe_quantize(x, T, xq_pad(T), H, NULL, &tq, 4, threads)) return -1;
+        uint8_t *buf = moe_scratch(5, xq_bytes(Pp, H));
         if (!buf) return -1;
-        xq.hi = (int8_t *)buf, xq.lo = (int8_t *)(buf + qbytes);
-        xq.d = (float *)(buf + 2 * qbytes), xq.s = (int32_t *)(buf + 2 * qbytes + dbytes);
+        xq = xq_over(buf, Pp, H);
         int64_t G = H / 32;
 #pragma omp parallel for num_threads(threads) if (P * H >= 65536)
-        for (int64_t r = 0; r < P; r++) {
-            int64_t t = pair[r] / k;
-            memcpy(xq.hi + r * H, tq.hi + t * H, H);
-            memcpy(xq.lo + r * H, tq.lo + t * H, H);
-            memcpy(xq.d + r * G, tq.d + t * G, sizeof(float) * G);
-            memcpy(xq.s + r * 2 * G, tq.s + t * 2 * G, sizeof(int32_t) * 2 * G);
-        }
+        for (int64_t r = 0; r < P; r++)
+            for (int64_t g = 0; g < G; g++) {
+                int64_t from = xq_rec(pair[r] / k, G, g), to = xq_rec(prow[r], G, g);
+                memcpy(xq.q + 64 * to, tq.q + 64 * from, 64);
+                xq.d[to] = tq.d[from];
+                xq.s[2 * to] = tq.s[2 * from], xq.s[2 * to + 1] = tq.s[2 * from + 1];
+            }
     } else {
 #pragma omp parallel for num_threads(threads) if (P * H >= 65536)
         for (int64_t r = 0; r < P; r++) memcpy(xs + r * H, x + (pair[r] / k) * H, sizeof(float) * H);
     }
-    experts_matmul(&ex1, xs, &xq, start, active, n_active, y1, N1, threads);
+    experts_matmul(&ex1, xs, &xq, start, pstart, active, n_active, y1, N1, threads);
 
     /* bias and activation: xs [P, I] */
 #pragma omp parallel for num_threads(threads) if (P * I >= 65536)
@@ -1464,9 +1597,9 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
             vf_store_n(h + i, vf_mul(s, uv), n);
         }
     }
-    xquant_t hq = {NULL, NULL, NULL, NULL};
-    if (quant2 && moe_quantize(xs, P, I, &hq, 6, threads)) return -1;
-    experts_matmul(&ex2, xs, &hq, start, active, n_active, y2, N2, threads);
+    xquant_t hq = {NULL, NULL, NULL};
+    if (quant2 && moe_quantize(xs, P, Pp, I, prow, &hq, 6, threads)) return -1;
+    experts_matmul(&ex2, xs, &hq, start, pstart, active, n_active, y2, N2, threads);
 
     /* out[t] = sum over j in order of wts[t, j] * (y2 + b2) */
 #pragma omp parallel for num_threads(threads) if (T * H * k >= 65536)
@@ -1579,9 +1712,12 @@ static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t 
 /* x [T, K] (row stride ldx) @ the parts' rows, side by side in y [T, ldy] */
 static int mat_parts(const gl_mat_t *parts, int64_t n_parts, const float *x, int64_t T, int64_t ldx, float *y,
                      int64_t ldy, int threads) {
-    for (int64_t i = 0, off = 0; i < n_parts; off += parts[i].n, i++)
-        if (gl_matmul((int)parts[i].fmt, x, T, parts[i].k, ldx, parts[i].data, parts[i].n, y + off, ldy, threads))
-            return -1;
+    xquant_t xq = {NULL, NULL, NULL}; /* x quantized once for all the quantized parts (the same K) */
+    for (int64_t i = 0, off = 0; i < n_parts; off += parts[i].n, i++) {
+        int fmt = (int)parts[i].fmt;
+        if (fmt_quantized(fmt) && !xq.q && matmul_quantize(fmt, x, T, parts[i].k, ldx, &xq, threads)) return -1;
+        matmul_quantized(fmt, x, T, parts[i].k, ldx, &xq, parts[i].data, parts[i].n, y + off, ldy, threads);
+    }
     return 0;
 }
 
