@@ -50,9 +50,16 @@ class PpTg:
         """`n` random token ids, new each call."""
         return torch.randint(self._low, self.llm.config.vocab_size, (n,), generator=self._tokens).tolist()
 
+    def _settle(self, depth: int) -> None:
+        """The depth's context into the prefix cache, untimed (llama-bench fills its -d context before timing too):
+        the tests between two at this depth may have evicted some of its blocks, whose recompute would count."""
+        if depth:
+            self.llm.generate([self.context[:depth]], SamplingParams(max_tokens=1, temperature=0))
+
     def pp(self, n: int, depth: int = 0) -> float:
         """Seconds to prefill `n` prompt tokens (and sample one) after `depth` tokens of context."""
         prompt = self.context[:depth] + self._fresh(n)
+        self._settle(depth)
         start = time.perf_counter()
         self.llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
         return time.perf_counter() - start
@@ -60,6 +67,7 @@ class PpTg:
     def tg(self, n: int, depth: int = 0) -> float:
         """Seconds to generate `n` tokens after a one-token prompt that follows `depth` tokens of context."""
         prompt = self.context[:depth] + self.prompt[:1]
+        self._settle(depth)
         start = time.perf_counter()
         self.llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - start

@@ -117,7 +117,8 @@ def test_batch_equals_solo(moe_llm, arch: str, weight_type: str, dtype: str) -> 
 @needs_kernels
 def test_fast_moe_kernel_matches_the_reference_and_ignores_the_batch(tiny_model) -> None:
     """The C MoE block against `TorchOps.moe` on the same (dequantized) experts, for every active-expert pattern
-    of a batch (tokens sharing experts, an expert with many rows); each row bit-identical alone."""
+    of a batch (tokens sharing experts, an expert with more rows than one tile of the matmul's 8); each row
+    bit-identical alone."""
     model = read_gguf(tiny_model("gpt-oss", "MXFP4").path)
     p = "blk.1."
     gate_up = [model.tensors[p + "ffn_gate_exps.weight"], model.tensors[p + "ffn_up_exps.weight"]]
@@ -129,14 +130,14 @@ def test_fast_moe_kernel_matches_the_reference_and_ignores_the_batch(tiny_model)
     for activation in ("swiglu_oai", "silu"):
         experts = [ops.prepare_experts(gate_up, down, *biases, activation=activation) for ops in (fast, exact)]
         gen = torch.Generator().manual_seed(3)
-        x = torch.randn(9, down.shape[1], generator=gen)
-        ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:EXPERTS_USED] for _ in range(9)])
-        ids[:5, 0] = 3  # expert 3 serves five rows
-        weights = torch.rand(9, EXPERTS_USED, generator=gen)
+        x = torch.randn(20, down.shape[1], generator=gen)
+        ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:EXPERTS_USED] for _ in range(20)])
+        ids[:11, 0] = 3  # expert 3 serves at least eleven rows
+        weights = torch.rand(20, EXPERTS_USED, generator=gen)
         got = fast.moe(x, ids, weights, experts[0])
         want = exact.moe(x, ids, weights, experts[1])
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3, activation
-        for t in (0, 4, 8):
+        for t in (0, 4, 10, 19):
             alone = fast.moe(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts[0])
             assert torch.equal(alone[0], got[t]), f"{activation}: row {t} differs alone"
 
