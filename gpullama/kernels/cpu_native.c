@@ -221,7 +221,7 @@ static inline vf vf_tanh(vf x) {
 
 
 /* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory); each kernel keeps to
-   its own slots: the matmul's one, the attention's 4 (attn_scratch), the MoE block's 8 (moe_scratch), the
+   its own slots: the matmul's two (its quantized x, its unpacked weights), the attention's 4 (attn_scratch), the MoE block's 8 (moe_scratch), the
    decoder stack's 6 (stack_scratch) */
 enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_STACK = 13, SCRATCH_UNPACK = 19, SCRATCH_SLOTS = 20 };
 static void *scratch(int which, size_t bytes) {
@@ -366,8 +366,11 @@ static inline void unit_scales(int fmt, const uint8_t *b, int j, int t, vf *scal
 }
 
 /* The 16 rows x 32 unsigned values of one value section, unpacked: chunk c holds, per row (lane), values
-   4c .. 4c + 3. wg_dot(w, hi, lo, c0, c1, bias): the 16 rows' integer dot products of chunks c0 .. c1 - 1 with the
-   values Q = 256 hi + lo (hi, lo int8, values 4 c0 .. 4 c1 - 1), plus bias, as floats; exact in int32. */
+   4c .. 4c + 3. wg_dots(w, n, hi, lo, c0, c1, bias, out): for each of n rows of x (n <= WG_ROWS), the 16 weight
+   rows' integer dot products of chunks c0 .. c1 - 1 with the values Q = 256 hi[r] + lo[r] (int8, values
+   4 c0 .. 4 c1 - 1), plus bias[r], as floats in out[r]; exact in int32. AVX-512 computes the n rows together; AVX2
+   and plain C define wg_dot for one row, and wg_dots loops over it. */
+#define WG_ROWS 4
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #undef GL_ISA
 #define GL_ISA "avx512-vnni"
@@ -405,21 +408,9 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
         }
     }
 }
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias) {
-    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-    for (int c = c0; c < c1; c++) {
-        int32_t h4, l4;
-        memcpy(&h4, hi + 4 * c, 4);
-        memcpy(&l4, lo + 4 * c, 4);
-        a = _mm512_dpbusd_epi32(a, w->c[c], _mm512_set1_epi32(h4));
-        b = _mm512_dpbusd_epi32(b, w->c[c], _mm512_set1_epi32(l4));
-    }
-    __m512i r = _mm512_add_epi32(_mm512_slli_epi32(a, 8), b); /* 256a+b */
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(r, _mm512_set1_epi32(bias)));
-}
-/* wg_dot for n (at most WG_ROWS) rows of x at once: their 2 n accumulators are independent chains, so the
-   dot products overlap (one row's two chains are latency-bound: 8 dependent vpdpbusd each) */
-#define WG_ROWS 4
+/* the n rows' 2 n accumulators (hi, and lo started at the bias) are independent chains, so the dot products
+   overlap (one row's two chains alone are latency-bound: 8 dependent vpdpbusd each) */
+#define GL_WG_DOTS
 static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
                                                           const int8_t *const *lo, int c0, int c1,
                                                           const int32_t *bias, vf *out) {
@@ -438,8 +429,7 @@ static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, co
         }
 #pragma GCC unroll 4
     for (int r = 0; r < n; r++) {
-        __m512i v = _mm512_add_epi32(_mm512_slli_epi32(a[r], 8), b[r]);
-        out[r] = _mm512_cvtepi32_ps(v);
+        out[r] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a[r], 8), b[r])); /* 256 a + b */
     }
 }
 #elif defined(__AVX2__)
@@ -555,8 +545,7 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
 }
 #endif
 
-#ifndef WG_ROWS
-#define WG_ROWS 4
+#ifndef GL_WG_DOTS
 static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
                                                           const int8_t *const *lo, int c0, int c1,
                                                           const int32_t *bias, vf *out) {
@@ -653,10 +642,6 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
         }
 }
 
-/* rows m0 .. m0 + mt - 1 of y against the 16 weight rows of block `rb` (quantized formats): per 32 values, exact
-   integer dot products dot = sum (u + offset) Q, then y += (scale * d) * dot + (zero * d) * sum(Q), one group after
-   another. fmt, sets (scales per 32 values) and mt are constants at every call, so the loops unroll into
-   registers. */
 /* a group's weights unpacked, with its scales and zeros as floats */
 typedef struct {
     wg u;
@@ -668,6 +653,10 @@ static inline __attribute__((always_inline)) void unpack_group(int fmt, int sets
     for (int t = 0; t < sets; t++) unit_scales(fmt, b, j, t, &o->scale[t], &o->zero[t]);
 }
 
+/* rows m0 .. m0 + mt - 1 of y against the 16 weight rows of block `rb` (quantized formats): per 32 values, exact
+   integer dot products dot = sum (u + offset) Q, then y += (scale * d) * dot + (zero * d) * sum(Q), one group after
+   another. fmt, sets (scales per 32 values) and mt are constants at every call, so the loops unroll into
+   registers. pre (NULL: unpack here): the block's groups already unpacked (mm_blocks, for more than one tile). */
 static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, const weight_t *w, const xquant_t *xq,
                                                          int64_t m0, int mt, int64_t rb, float *y, int64_t ldy,
                                                          const wgs_t *pre) {
