@@ -18,12 +18,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .anthropic.messages import count_tokens, create_message
-from .body import JSONResponse
-from .errors import CHAT_NAMES, APIError, style_for_path
-from .health import health, metrics
+from .http.body import JSONResponse
+from .http.errors import CHAT_NAMES, APIError, style_for_path
+from .http.middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .llamacpp import completion as llamacpp_completion
 from .llamacpp import props as llamacpp_props
-from .middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .ollama import chat as ollama_chat
 from .ollama import embed as ollama_embed
 from .ollama import models as ollama_models
@@ -33,7 +32,8 @@ from .openai.embeddings import create_embeddings
 from .openai.models import get_model, list_models
 from .openai.responses.serving import create_response
 from .state import ServerConfig, ServerState
-from .tokenization import detokenize, tokenize, version
+from .vllm.health import health, metrics
+from .vllm.tokenization import detokenize, tokenize, version
 
 log = logging.getLogger("gpullama.server")
 

@@ -18,8 +18,8 @@ from gpullama.engine.args import EngineArgs, positive_int
 from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
 
-from .connection import head_timeout_protocol
 from .engine_log import DEFAULT_INTERVAL_S
+from .http.connection import head_timeout_protocol
 from .state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,

@@ -20,8 +20,8 @@ from gpullama.engine.errors import EngineStopped
 from gpullama.engine.kv_events import KVEventsConfig
 
 from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
-from .errors import APIError
-from .metrics import ServerMetrics
+from .http.errors import APIError
+from .http.metrics import ServerMetrics
 
 log = logging.getLogger("gpullama.server")
 

@@ -11,9 +11,9 @@ import pytest
 from gpullama.chat.formats.harmony import HarmonyParser, is_harmony_template
 from gpullama.chat.model_format import chat_format
 from gpullama.chat.output import accumulate_chat
-from gpullama.server.chat_output import ChatOutputShaper
-from gpullama.server.chat_plan import plan_chat
-from gpullama.server.errors import APIError
+from gpullama.server.http.errors import APIError
+from gpullama.server.pipeline.chat_output import ChatOutputShaper
+from gpullama.server.pipeline.chat_plan import plan_chat
 from gpullama.tokenizer import Tokenizer
 from tests.chat.test_tool_parsers import TOOLS
 from tests.fixtures.vocabs import HARMONY_TEMPLATE, vocab_metadata

@@ -20,8 +20,8 @@ from pydantic import TypeAdapter
 from gpullama.chat.model_format import ChatFormat
 from gpullama.server.anthropic.messages import ContentBlocks, stop_reason
 from gpullama.server.anthropic.request import parse_messages_body
-from gpullama.server.chat_output import ChatOutputShaper
-from gpullama.server.chat_plan import plan_chat
+from gpullama.server.pipeline.chat_output import ChatOutputShaper
+from gpullama.server.pipeline.chat_plan import plan_chat
 from tests.server.helpers import API_KEY
 from tests.server.test_chat_output import THINK_AND_CALL
 

@@ -12,10 +12,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from gpullama.chat.model_format import ChatFormat, chat_format
 from gpullama.chat_template import ChatTemplate
-from gpullama.server.chat_output import ChatOutputShaper
-from gpullama.server.chat_plan import plan_chat
-from gpullama.server.errors import APIError
+from gpullama.server.http.errors import APIError
 from gpullama.server.openai.choices import ChunkBuilder, chat_completion
+from gpullama.server.pipeline.chat_output import ChatOutputShaper
+from gpullama.server.pipeline.chat_plan import plan_chat
 from gpullama.structured import StructuredOutput
 from gpullama.tokenizer import Tokenizer
 from tests.chat.test_tool_parsers import (

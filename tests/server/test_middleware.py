@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from gpullama.server.middleware import RequestIdMiddleware
+from gpullama.server.http.middleware import RequestIdMiddleware
 
 
 async def _boom(request):

@@ -15,9 +15,9 @@ import pytest
 from ollama._types import ChatResponse
 
 from gpullama.chat.model_format import ChatFormat
-from gpullama.server.chat_output import ChatOutputShaper
-from gpullama.server.chat_plan import plan_chat
 from gpullama.server.ollama.chat import OllamaAnswer
+from gpullama.server.pipeline.chat_output import ChatOutputShaper
+from gpullama.server.pipeline.chat_plan import plan_chat
 from tests.chat.test_tool_parsers import QWEN_CODER_FENCED
 from tests.server.helpers import API_KEY
 from tests.server.test_chat_output import THINK_AND_CALL

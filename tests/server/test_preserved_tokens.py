@@ -13,12 +13,12 @@ import pytest
 
 from gpullama.engine.detokenizer import Detokenizer
 from gpullama.engine.sequence import Sequence
-from gpullama.server.chat_output import ChatOutputShaper
 from gpullama.server.openai.chat import prepare_chat
 from gpullama.server.openai.responses.items import OutputItems
 from gpullama.server.openai.responses.request import parse_responses
 from gpullama.server.openai.responses.serving import prepare
-from gpullama.server.sampling import sampling_params
+from gpullama.server.pipeline.chat_output import ChatOutputShaper
+from gpullama.server.pipeline.sampling import sampling_params
 from gpullama.tokenizer import Tokenizer
 from tests.chat.test_tool_parsers import TOOLS
 from tests.fixtures.vocabs import vocab_metadata

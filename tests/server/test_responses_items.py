@@ -15,12 +15,12 @@ from openai.types import responses as types
 
 from gpullama.chat.model_format import ChatFormat
 from gpullama.chat_template import ChatTemplate
-from gpullama.server.chat_output import ChatOutputShaper
-from gpullama.server.chat_plan import plan_chat
-from gpullama.server.errors import APIError
+from gpullama.server.http.errors import APIError
 from gpullama.server.openai.responses.items import OutputItems
 from gpullama.server.openai.responses.request import NAMES, parse_responses
 from gpullama.server.openai.responses.serving import ResponseObject
+from gpullama.server.pipeline.chat_output import ChatOutputShaper
+from gpullama.server.pipeline.chat_plan import plan_chat
 from tests.chat.test_tool_parsers import CONVERSATION, QWEN25_TOOLS_TEMPLATE, TOOLS
 from tests.server.test_chat_output import HERMES_REASONING, THINK_AND_CALL
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpullama.engine.admission import RequestError
-from gpullama.server.sampling import MAX_N, check_choices
+from gpullama.server.pipeline.sampling import MAX_N, check_choices
 
 
 def _refused(param: str, fn, *args) -> None:

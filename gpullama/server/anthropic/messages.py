@@ -21,14 +21,15 @@ from starlette.responses import Response
 
 from gpullama.chat.model_format import chat_format
 
-from ..body import JSONResponse, off_loop_if_large, parse_json, read_and_prepare, read_request_body
-from ..chat_output import ChatOutputShaper
-from ..chat_plan import ChatPlan, plan_chat, render_plan, render_planned_chat
-from ..errors import ANTHROPIC, APIError, internal_error
-from ..generation import Generation, Job, start_generation
-from ..sampling import sampling_params
+from ..http.body import JSONResponse, off_loop_if_large, parse_json
+from ..http.errors import ANTHROPIC, APIError, internal_error
+from ..http.streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
+from ..pipeline.chat_output import ChatOutputShaper
+from ..pipeline.chat_plan import ChatPlan, plan_chat, render_plan, render_planned_chat
+from ..pipeline.generation import Generation, Job, start_generation
+from ..pipeline.intake import read_and_prepare, read_request_body
+from ..pipeline.sampling import sampling_params
 from ..state import ServerState, check_model, require_ready, server_state
-from ..streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
 from .request import NAMES, MessagesRequest, parse_messages_body
 
 log = logging.getLogger("gpullama.server")

@@ -12,9 +12,9 @@ from typing import Any
 
 from gpullama.chat.messages import MAX_MESSAGES
 
-from ..errors import FieldNames
-from ..fields import bad, bool_field, int_field, kind, num_field, object_body, str_field
-from ..sampling import SamplingOptions, seed_field, stop_strings
+from ..http.errors import FieldNames
+from ..http.fields import bad, bool_field, int_field, kind, num_field, object_body, str_field
+from ..pipeline.sampling import SamplingOptions, seed_field, stop_strings
 
 NAMES = FieldNames(
     fields=(("prompt", "messages"), ("stop", "stop_sequences"), ("chat_template_kwargs", "thinking")),

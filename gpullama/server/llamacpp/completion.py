@@ -19,14 +19,15 @@ from starlette.responses import Response
 
 from gpullama.outputs import StreamDelta, TokenLogprob
 
-from ..body import JSONResponse, parse_json, read_and_prepare
-from ..errors import APIError, internal_error
-from ..fields import bad, object_body, str_field
-from ..generation import Generation, Job, start_generation
-from ..infill import fim_prompt_ids
-from ..sampling import sampling_params
+from ..http.body import JSONResponse, parse_json
+from ..http.errors import APIError, internal_error
+from ..http.fields import bad, object_body, str_field
+from ..http.streaming import ClientDisconnected, StreamResponse, event, unless_disconnected
+from ..pipeline.generation import Generation, Job, start_generation
+from ..pipeline.infill import fim_prompt_ids
+from ..pipeline.intake import read_and_prepare
+from ..pipeline.sampling import sampling_params
 from ..state import ServerState, check_model
-from ..streaming import ClientDisconnected, StreamResponse, event, unless_disconnected
 from .request import NAMES, NativeRequest, finite, input_extra, parse_native, tokenize_pieces
 
 log = logging.getLogger("gpullama.server")

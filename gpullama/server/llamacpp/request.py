@@ -12,10 +12,10 @@ from gpullama.engine.admission import MAX_LOGIT_BIAS, check_count
 from gpullama.fim import ExtraChunk
 from gpullama.sampling_params import SamplingParams
 
-from ..chat_plan import response_format_spec
-from ..errors import CHAT_NAMES, FieldNames
-from ..fields import admitted, bad, bool_field, int_field, kind, num_field, object_body, str_field
-from ..sampling import MAX_N, SamplingOptions, check_choices, seed_field, stop_strings
+from ..http.errors import CHAT_NAMES, FieldNames
+from ..http.fields import admitted, bad, bool_field, int_field, kind, num_field, object_body, str_field
+from ..pipeline.chat_plan import response_format_spec
+from ..pipeline.sampling import MAX_N, SamplingOptions, check_choices, seed_field, stop_strings
 
 NAMES: FieldNames = CHAT_NAMES.but(max_tokens="n_predict", repetition_penalty="repeat_penalty",
                                    logprobs="n_probs", n="n_cmpl")

@@ -20,16 +20,17 @@ from starlette.responses import Response
 
 from gpullama.chat.model_format import chat_format
 
-from ..body import JSONResponse, parse_json, read_and_prepare
-from ..chat_output import ChatOutputShaper
-from ..chat_plan import ChatPlan, plan_chat, render_planned_chat, response_format_spec
-from ..errors import OLLAMA, APIError, FieldNames, internal_error
-from ..fields import bad, bool_field, object_body, str_field
-from ..generation import Generation, Job, start_generation
-from ..infill import fim_prompt_ids
-from ..sampling import SamplingOptions, sampling_params
+from ..http.body import JSONResponse, parse_json
+from ..http.errors import OLLAMA, APIError, FieldNames, internal_error
+from ..http.fields import bad, bool_field, object_body, str_field
+from ..http.streaming import NDJSON_MEDIA_TYPE, ClientDisconnected, StreamResponse, ndjson_line, unless_disconnected
+from ..pipeline.chat_output import ChatOutputShaper
+from ..pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat, response_format_spec
+from ..pipeline.generation import Generation, Job, start_generation
+from ..pipeline.infill import fim_prompt_ids
+from ..pipeline.intake import read_and_prepare
+from ..pipeline.sampling import SamplingOptions, sampling_params
 from ..state import ServerState
-from ..streaming import NDJSON_MEDIA_TYPE, ClientDisconnected, StreamResponse, ndjson_line, unless_disconnected
 from .request import GENERATE_NAMES, NAMES, chat_messages, check_model_name, now_iso, options, response_format, think
 
 log = logging.getLogger("gpullama.server")

@@ -11,12 +11,13 @@ from starlette.responses import Response
 
 from gpullama.pooling_params import PoolingParams
 
-from ..body import JSONResponse, read_json
-from ..embedding import run_embeddings
-from ..errors import FieldNames
-from ..fields import bad, int_field, kind, object_body
+from ..http.body import JSONResponse
+from ..http.errors import FieldNames
+from ..http.fields import bad, int_field, kind, object_body
+from ..http.streaming import ClientDisconnected
+from ..pipeline.embedding import run_embeddings
+from ..pipeline.intake import read_json
 from ..state import require_ready, server_state
-from ..streaming import ClientDisconnected
 from .request import check_model_name
 
 NAMES = FieldNames(fields=(("prompt", "input"),))

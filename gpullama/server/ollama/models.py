@@ -14,8 +14,9 @@ from starlette.responses import PlainTextResponse, Response
 
 from gpullama import __version__
 
-from ..body import JSONResponse, read_json
-from ..fields import object_body
+from ..http.body import JSONResponse
+from ..http.fields import object_body
+from ..pipeline.intake import read_json
 from ..state import ServerState, require_ready, server_state
 from .request import check_model_name
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from gpullama.chat.messages import MAX_MESSAGES
 
-from ..errors import APIError, FieldNames
-from ..fields import bad, kind
-from ..sampling import SamplingOptions, stop_strings
+from ..http.errors import APIError, FieldNames
+from ..http.fields import bad, kind
+from ..pipeline.sampling import SamplingOptions, stop_strings
 from ..state import ServerState
 
 NAMES = FieldNames(

@@ -13,13 +13,14 @@ from gpullama.chat.messages import check_messages
 from gpullama.chat.model_format import chat_format
 from gpullama.sampling_params import SamplingParams
 
-from ..body import parse_json, read_and_prepare
-from ..chat_output import ChatOutputShaper
-from ..chat_plan import ChatPlan, plan_chat, render_planned_chat
-from ..errors import FieldNames
-from ..fields import admitted, bad, bool_field, int_field, kind
-from ..generation import Job
-from ..sampling import SamplingOptions, sampling_options, sampling_params
+from ..http.body import parse_json
+from ..http.errors import FieldNames
+from ..http.fields import admitted, bad, bool_field, int_field, kind
+from ..pipeline.chat_output import ChatOutputShaper
+from ..pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
+from ..pipeline.generation import Job
+from ..pipeline.intake import read_and_prepare
+from ..pipeline.sampling import SamplingOptions, sampling_options, sampling_params
 from ..state import ServerState, check_model
 from .choices import Answer, RequestHead, new_id, parse_head, serve_choices
 

@@ -15,14 +15,14 @@ from starlette.responses import Response
 
 from gpullama.outputs import TokenLogprob
 
-from ..body import JSONResponse
-from ..chat_output import ChatOutputShaper
-from ..errors import APIError, FieldNames, internal_error
-from ..fields import admitted, bool_field, int_field, object_body, str_field
-from ..generation import Generation, Job, start_generation
-from ..sampling import check_choices
+from ..http.body import JSONResponse
+from ..http.errors import APIError, FieldNames, internal_error
+from ..http.fields import admitted, bool_field, int_field, object_body, str_field
+from ..http.streaming import DONE, ClientDisconnected, StreamResponse, event, unless_disconnected
+from ..pipeline.chat_output import ChatOutputShaper
+from ..pipeline.generation import Generation, Job, start_generation
+from ..pipeline.sampling import check_choices
 from ..state import BUILD_INFO, ServerState
-from ..streaming import DONE, ClientDisconnected, StreamResponse, event, unless_disconnected
 
 log = logging.getLogger("gpullama.server")
 

@@ -12,13 +12,14 @@ from starlette.responses import Response
 from gpullama.engine.admission import check_count
 from gpullama.sampling_params import SamplingParams
 
-from ..body import parse_json, read_and_prepare
-from ..chat_plan import response_format_spec
-from ..errors import CHAT_NAMES, FieldNames
-from ..fields import admitted, bad, bool_field, int_field, str_field
-from ..generation import Job
-from ..infill import fim_prompt_ids
-from ..sampling import MAX_N, SamplingOptions, check_choices, sampling_options, sampling_params
+from ..http.body import parse_json
+from ..http.errors import CHAT_NAMES, FieldNames
+from ..http.fields import admitted, bad, bool_field, int_field, str_field
+from ..pipeline.chat_plan import response_format_spec
+from ..pipeline.generation import Job
+from ..pipeline.infill import fim_prompt_ids
+from ..pipeline.intake import read_and_prepare
+from ..pipeline.sampling import MAX_N, SamplingOptions, check_choices, sampling_options, sampling_params
 from ..state import ServerState, check_model
 from .choices import Answer, new_id, parse_head, serve_choices
 

@@ -13,12 +13,13 @@ from starlette.responses import Response
 
 from gpullama.pooling_params import PoolingParams
 
-from ..body import JSONResponse, parse_json, read_and_prepare
-from ..embedding import run_embeddings
-from ..errors import FieldNames
-from ..fields import bad, int_field, kind, object_body, str_field
+from ..http.body import JSONResponse, parse_json
+from ..http.errors import FieldNames
+from ..http.fields import bad, int_field, kind, object_body, str_field
+from ..http.streaming import ClientDisconnected
+from ..pipeline.embedding import run_embeddings
+from ..pipeline.intake import read_and_prepare
 from ..state import ServerState, check_model
-from ..streaming import ClientDisconnected
 from .choices import new_id
 
 MAX_INPUTS = 2048  # inputs per request, as the OpenAI API allows

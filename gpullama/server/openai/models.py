@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..body import JSONResponse
+from ..http.body import JSONResponse
 from ..state import ServerState, check_model, require_ready, server_state
 
 

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ...chat_output import ChatOutputShaper
+from ...pipeline.chat_output import ChatOutputShaper
 
 Event = tuple[str, dict[str, Any]]  # (event type, its fields besides type and sequence_number)
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from gpullama.chat.messages import MAX_MESSAGES
 
-from ...errors import APIError, FieldNames
-from ...fields import bad as _bad
-from ...fields import kind as _kind
-from ...sampling import SamplingOptions, sampling_options
+from ...http.errors import APIError, FieldNames
+from ...http.fields import bad as _bad
+from ...http.fields import kind as _kind
+from ...pipeline.sampling import SamplingOptions, sampling_options
 from ..chat import CHAT_ROLES
 
 # message items' roles (tool results arrive as function_call_output items)

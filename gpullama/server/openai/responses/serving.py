@@ -21,14 +21,15 @@ from starlette.responses import Response
 
 from gpullama.chat.model_format import chat_format
 
-from ...body import JSONResponse, off_loop_if_long, read_json
-from ...chat_output import ChatOutputShaper
-from ...chat_plan import ChatPlan, plan_chat, render_planned_chat
-from ...errors import APIError
-from ...generation import Generation, Job, start_generation
-from ...sampling import sampling_params
+from ...http.body import JSONResponse, off_loop_if_long
+from ...http.errors import APIError
+from ...http.streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
+from ...pipeline.chat_output import ChatOutputShaper
+from ...pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
+from ...pipeline.generation import Generation, Job, start_generation
+from ...pipeline.intake import read_json
+from ...pipeline.sampling import sampling_params
 from ...state import check_model, require_ready, server_state
-from ...streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
 from .items import Event, OutputItems
 from .request import NAMES, ResponsesRequest, parse_responses
 

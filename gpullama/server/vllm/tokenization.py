@@ -12,11 +12,12 @@ from starlette.responses import Response
 from gpullama import __version__
 from gpullama.chat.model_format import chat_format
 
-from .body import JSONResponse, off_loop_if_long, read_json
-from .chat_plan import plan_chat, render_chat
-from .errors import APIError
-from .openai.chat import parse_messages
-from .state import check_model, require_ready, server_state
+from ..http.body import JSONResponse, off_loop_if_long
+from ..http.errors import APIError
+from ..openai.chat import parse_messages
+from ..pipeline.chat_plan import plan_chat, render_chat
+from ..pipeline.intake import read_json
+from ..state import check_model, require_ready, server_state
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

@@ -11,8 +11,8 @@ from typing import Any
 from gpullama.engine.admission import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_TOKEN_IDS, RequestError, check_count
 from gpullama.sampling_params import SamplingParams
 
-from .errors import APIError
-from .fields import admitted, bad, bool_field, int_field, kind, num_field
+from ..http.errors import APIError
+from ..http.fields import admitted, bad, bool_field, int_field, kind, num_field
 
 MAX_N = 16  # choices per request (n, or n times the number of prompts)
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpullama.fim import ExtraChunk, infill_prompt
 
-from .fields import bad
+from ..http.fields import bad
 
 
 def fim_prompt_ids(tokenizer: Any, n_ctx: int, prefix: str, suffix: str, extra: Sequence[ExtraChunk] = (),

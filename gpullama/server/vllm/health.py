@@ -5,9 +5,9 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .body import JSONResponse
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .state import server_state
+from ..http.body import JSONResponse
+from ..http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..state import server_state
 
 
 async def health(request: Request) -> Response:

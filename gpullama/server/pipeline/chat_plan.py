@@ -19,7 +19,7 @@ from gpullama.chat.model_format import ChatFormat
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.tools import parse_tool, tool_call_grammar
 
-from .errors import APIError
+from ..http.errors import APIError
 
 TOOL_CHOICES = ("none", "auto", "required")
 # names the render itself passes; chat_template_kwargs may not replace them

@@ -1,10 +1,9 @@
 """Request bodies and JSON answers: the orjson response, the JSON body reader with its type, size and time limits,
-and moving long work off the event loop."""
+and moving long work off the event loop (the server's configured limits are applied in `pipeline.intake`)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import anyio
@@ -13,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .errors import APIError
-from .state import ServerState, require_ready, server_state
 
 THREAD_TOKENIZE_CHARS = 8192  # longer inputs are tokenized off the event loop
 # Bodies past this many bytes are parsed, validated, rendered and tokenized off the event loop: every one of those
@@ -77,28 +75,6 @@ def parse_json(raw: bytes) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from exc
-
-
-async def read_request_body(request: Request) -> bytes:
-    """`read_body` with the server's configured size and time limits."""
-    config = server_state(request).config
-    return await read_body(request, config.max_body_bytes, config.body_timeout)
-
-
-async def read_json(request: Request) -> Any:
-    """The request body parsed as JSON (off the event loop when large); see `read_body` for the refusals."""
-    raw = await read_request_body(request)
-    return await off_loop_if_large(len(raw), parse_json, raw)
-
-
-async def read_and_prepare(request: Request, prepare, *args) -> tuple[float, ServerState, Any]:
-    """How every generating endpoint starts: (its arrival time, the server state, ``prepare(*args, state, raw)`` for
-    the body read under the limits, run off the event loop when the body is large); 503 until the model is loaded."""
-    arrival = time.perf_counter()
-    state = server_state(request)
-    require_ready(state)
-    raw = await read_request_body(request)
-    return arrival, state, await off_loop_if_large(len(raw), prepare, *args, state, raw)
 
 
 async def off_loop_if_long(size: int, fn, *args, **kwargs):

@@ -18,12 +18,12 @@ from gpullama.outputs import StreamDelta
 from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
-from .errors import APIError, internal_error
-from .metrics import ServerMetrics
-from .middleware import request_id
-from .request_log import current_request
-from .state import ServerState
-from .streaming import ClientDisconnected, unless_disconnected
+from ..http.errors import APIError, internal_error
+from ..http.metrics import ServerMetrics
+from ..http.middleware import request_id
+from ..http.request_log import current_request
+from ..http.streaming import ClientDisconnected, unless_disconnected
+from ..state import ServerState
 
 log = logging.getLogger("gpullama.server")
 

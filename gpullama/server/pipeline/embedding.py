@@ -9,9 +9,9 @@ from starlette.requests import Request
 
 from gpullama.pooling_params import PoolingParams
 
+from ..http.streaming import unless_disconnected
+from ..state import ServerState
 from .generation import Job, start_generation
-from .state import ServerState
-from .streaming import unless_disconnected
 
 
 async def run_embeddings(request: Request, state: ServerState, inputs: list[list[int]], pooling: PoolingParams,
