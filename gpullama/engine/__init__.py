@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpullama.engine.admission import RequestError
+    from gpullama.checks import RequestError
     from gpullama.engine.args import EngineArgs, EngineConfig
     from gpullama.engine.async_engine import AsyncEngine
     from gpullama.engine.errors import EngineError, EngineStopped
@@ -23,7 +23,7 @@ _EXPORTS = {
     "EngineArgs": "gpullama.engine.args",
     "EngineConfig": "gpullama.engine.args",
     "LLMEngine": "gpullama.engine.llm_engine",
-    "RequestError": "gpullama.engine.admission",
+    "RequestError": "gpullama.checks",
 }
 __all__ = [
     "AsyncEngine",

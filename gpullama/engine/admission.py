@@ -10,26 +10,14 @@ one bad request is answered on its own and never reaches a step that other reque
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from gpullama.checks import RequestError, check_count, kind
 from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 MAX_STOP = 4  # stop strings, as the OpenAI API allows
 MAX_STOP_TOKEN_IDS = 1024  # extra stop token ids (vLLM's field; no OpenAI cap exists)
 MAX_LOGIT_BIAS = 300  # logit_bias entries, as the OpenAI API allows
-
-
-class RequestError(ValueError):
-    """A request the engine can never run; `param` names the request field at fault (as OpenAI's errors do).
-    `n_prompt_tokens` and `n_ctx` are set when the request does not fit the context."""
-
-    def __init__(self, message: str, param: str | None = None, n_prompt_tokens: int | None = None,
-                 n_ctx: int | None = None):
-        super().__init__(message)
-        self.param = param
-        self.n_prompt_tokens = n_prompt_tokens
-        self.n_ctx = n_ctx
 
 
 @dataclass(frozen=True)
@@ -43,16 +31,6 @@ class AdmissionLimits:
     pooling_type: str = "last"  # the model's pooling (ModelConfig.pooling_type)
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def check_count(name: str, count: int, limit: int) -> None:
-    """Refuse a list field holding more than `limit` items (checked before its items are looked at)."""
-    if count > limit:
-        raise RequestError(f"'{name}' holds {count} items; at most {limit} are allowed", name)
-
-
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     """Every sampling field's type and range, the list caps, and every token id within the vocabulary.
     A `top_k` of the vocabulary size or more keeps every token, the same as 0 (the sampler treats it so)."""
@@ -60,7 +38,7 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         params.validate()
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
-        raise RequestError(str(exc).replace("SamplingParams.", "", 1), name) from None
+        raise RequestError(str(exc).replace(f"SamplingParams.{name}", f"'{name}'", 1), name) from None
     check_count("stop", len(params.stop), MAX_STOP)
     check_count("stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS)
     check_count("logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS)
@@ -77,7 +55,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
     """Validate a request against the model and the engine; returns its resolved max_tokens (the rest of the
     context when `params.max_tokens` is None). Raises RequestError naming the field, the limit and both numbers."""
     if not isinstance(prompt_token_ids, list):
-        raise RequestError(f"the prompt must be a list of token ids, got {_kind(prompt_token_ids)}", "prompt")
+        raise RequestError(f"the prompt must be a list of token ids, got {kind(prompt_token_ids)}", "prompt")
     n = len(prompt_token_ids)
     limit = limits.max_model_len
     vocab = limits.vocab_size
@@ -113,7 +91,7 @@ def check_embedding_request(prompt_token_ids: list[int], pooling: PoolingParams,
     pool (nothing is generated, so the whole context is the prompt's), pooling options within the model's size, and
     a model that pools (not a reranker). Raises RequestError naming the field."""
     if not isinstance(prompt_token_ids, list):
-        raise RequestError(f"the input must be a list of token ids, got {_kind(prompt_token_ids)}", "prompt")
+        raise RequestError(f"the input must be a list of token ids, got {kind(prompt_token_ids)}", "prompt")
     n, limit, vocab = len(prompt_token_ids), limits.max_model_len, limits.vocab_size
     if n == 0:
         raise RequestError("the input is empty: it needs at least one token", "prompt")
@@ -133,4 +111,4 @@ def check_embedding_request(prompt_token_ids: list[int], pooling: PoolingParams,
         pooling.validate(limits.hidden_size or None)
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0].removeprefix("PoolingParams.")
-        raise RequestError(str(exc).replace("PoolingParams.", "", 1), name) from None
+        raise RequestError(str(exc).replace(f"PoolingParams.{name}", f"'{name}'", 1), name) from None
