@@ -17,9 +17,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gpullama.checks import RequestError
+
 from .anthropic.messages import count_tokens, create_message
 from .http.body import JSONResponse
-from .http.errors import CHAT_NAMES, APIError, style_for_path
+from .http.errors import CHAT_NAMES, APIError, request_error, style_for_path
 from .http.middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .llamacpp import completion as llamacpp_completion
 from .llamacpp import props as llamacpp_props
@@ -92,6 +94,13 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return error_response(request, exc)
 
 
+async def _request_error(request: Request, exc: Exception) -> Response:
+    """A RequestError raised by any layer below while the request was read (a message list, a count, a choice):
+    the 400 naming its field."""
+    assert isinstance(exc, RequestError)
+    return error_response(request, request_error(exc))
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -147,7 +156,8 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> Starle
         routes=routes(),
         middleware=_middleware(config, state),
         # unexpected exceptions are answered by RequestIdMiddleware (a 500 with only the request id)
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone},
+        exception_handlers={APIError: _api_error, RequestError: _request_error, HTTPException: _http_error,
+                            ClientDisconnect: _client_gone},
         lifespan=lifespan,
     )
     app.state.server = state

@@ -29,10 +29,6 @@ def _refused(param: str, fn, *args) -> str:
     return message
 
 
-def test_openai_caps() -> None:
-    assert (MAX_STOP, MAX_LOGIT_BIAS) == (4, 300)
-
-
 @pytest.mark.parametrize(("field", "value", "param"), [
     ("stop", ["a"] * (MAX_STOP + 1), "stop"),
     ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1), "stop_token_ids"),

@@ -14,10 +14,6 @@ def _refused(param: str, fn, *args) -> None:
     assert info.value.param == param, (param, info.value.param, str(info.value))
 
 
-def test_cap() -> None:
-    assert MAX_N == 16
-
-
 def test_choices() -> None:
     check_choices(1, MAX_N)
     check_choices(4, 4)

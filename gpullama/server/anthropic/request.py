@@ -10,18 +10,22 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.chat.messages import MAX_MESSAGES
+from gpullama.chat.messages import message_items, role_of, text_of
 
 from ..http.errors import FieldNames
-from ..http.fields import bad, bool_field, int_field, kind, num_field, object_body, str_field
-from ..pipeline.sampling import SamplingOptions, seed_field, stop_strings
+from ..http.fields import bad, bool_field, kind, object_body, str_field
+from ..pipeline.sampling import OPENAI, Field, SamplingOptions, stop
 
-NAMES = FieldNames(
-    fields=(("prompt", "messages"), ("stop", "stop_sequences"), ("chat_template_kwargs", "thinking")),
-    paths=((r"\btools\[(\d+)\]\.function\.parameters\b", r"tools[\1].input_schema"),
-           (r"\btools\[(\d+)\]\.function\b", r"tools[\1]"), (r"\bmessages\[\d+\][\w.\[\]]*", "messages")))
-"""The Messages API's names for chat's fields. Chat messages do not map one to one onto Anthropic's (a tool
-result is a message of its own), so a chat message's index is dropped rather than misplaced."""
+FIELDS = OPENAI.select("max_tokens", "temperature", "top_p", "top_k", "seed").but(
+    Field("stop_sequences", "stop", stop),
+    others=FieldNames(
+        fields=(("prompt", "messages"),),
+        paths=((r"\btools\[(\d+)\]\.function\.parameters\b", r"tools[\1].input_schema"),
+               (r"\btools\[(\d+)\]\.function\b", r"tools[\1]"), (r"\bmessages\[\d+\][\w.\[\]]*", "messages"))))
+"""The Messages API's sampling fields (seed is not Anthropic's, but harmless and useful for tests) and its names
+for chat's fields. Chat messages do not map one to one onto Anthropic's (a tool result is a message of its own),
+so a chat message's index is dropped rather than misplaced."""
+NAMES = FIELDS.names
 ROLES = ("user", "assistant")
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 
@@ -38,22 +42,6 @@ class MessagesRequest:
     chat_fields: dict[str, Any] = field(default_factory=dict)
 
 
-def _text_of(value: Any, where: str) -> str:
-    """A string, or a list of text blocks joined (tool results, system)."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad(where, f"'{where}' must be a string or a list of text blocks, got {kind(value)}")
-    texts = []
-    for j, block in enumerate(value):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            shown = block.get("type") if isinstance(block, dict) else kind(block)
-            raise bad(f"{where}[{j}]", f"'{where}[{j}]' must be a text block (only text is supported here), got "
-                      f"{str(shown)[:40]!r}")
-        texts.append(block["text"])
-    return "\n".join(texts)
-
-
 def _blocks(message: dict, where: str) -> list[dict]:
     content = message.get("content")
     if isinstance(content, str):
@@ -67,14 +55,9 @@ def _blocks(message: dict, where: str) -> list[dict]:
     return content
 
 
-def _message(message: Any, i: int) -> list[dict[str, Any]]:
+def _message(message: dict, where: str) -> list[dict[str, Any]]:
     """The chat messages of one Anthropic message (a user message's tool results come first, as their own)."""
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise bad(where, f"'{where}' must be an object, got {kind(message)}")
-    role = message.get("role")
-    if role not in ROLES:
-        raise bad(f"{where}.role", f"'{where}.role' must be one of {list(ROLES)}, got {str(role)[:40]!r}")
+    role = role_of(message, where, ROLES)
     texts: list[str] = []
     calls: list[dict] = []
     results: list[dict] = []
@@ -102,7 +85,7 @@ def _message(message: Any, i: int) -> list[dict[str, Any]]:
             if not isinstance(call_id, str) or not call_id:
                 raise bad(f"{at}.tool_use_id", f"'{at}.tool_use_id' must be a non-empty string")
             content = block.get("content", "")
-            text = _text_of(content, f"{at}.content") if content is not None else ""
+            text = text_of(content, f"{at}.content") if content is not None else ""
             if block.get("is_error"):
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": text})
@@ -183,41 +166,21 @@ def parse_messages_body(body: Any, count_only: bool = False) -> MessagesRequest:
     the field."""
     body = object_body(body)
     model = str_field(body, "model")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad("messages", f"'messages' must be a non-empty list of messages, got {kind(raw)}")
-    if len(raw) > MAX_MESSAGES:
-        raise bad("messages", f"'messages' holds {len(raw)} messages; at most {MAX_MESSAGES} are allowed")
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        messages.append({"role": "system", "content": _text_of(system, "system")})
-    for i, message in enumerate(raw):
-        messages.extend(_message(message, i))
+        messages.append({"role": "system", "content": text_of(system, "system")})
+    for where, message in message_items(body.get("messages")):
+        messages.extend(_message(message, where))
     tools = _tools(body.get("tools"))
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     chat_fields = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
                    "chat_template_kwargs": _thinking(body.get("thinking")) or None}
-    opts = SamplingOptions()
-    stream = False
+    opts, stream = SamplingOptions(names=NAMES), False
     if not count_only:
-        max_tokens = int_field(body, "max_tokens")
-        if max_tokens is None:
+        opts = FIELDS.read(body)
+        if opts.max_tokens is None:
             raise bad("max_tokens", "'max_tokens' is a required field")
-        if max_tokens < 1:
-            raise bad("max_tokens", f"'max_tokens' must be >= 1, got {max_tokens}")
-        opts.max_tokens = max_tokens
-        for name in ("temperature", "top_p"):
-            value = num_field(body, name)
-            if value is not None:
-                opts.kwargs[name] = value
-        top_k = int_field(body, "top_k")
-        if top_k is not None:
-            opts.kwargs["top_k"] = top_k
-        seed = seed_field(body)  # not Anthropic's, but harmless and useful for tests
-        if seed is not None:
-            opts.kwargs["seed"] = seed
-        opts.kwargs["stop"] = stop_strings(body, "stop_sequences")
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise bad("metadata", "'metadata' must be an object")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from gpullama.checks import RequestError
+
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -58,6 +60,13 @@ class APIError(Exception):
         body = error_body(self.status, self.message, param=self.param, code=self.code)
         body["error"].update(self.extra)
         return body
+
+
+def request_error(exc: RequestError) -> APIError:
+    """A request the layers below refused (`RequestError`, in the common plan's field names) as its 400; one that
+    does not fit the context says so as llama.cpp does, with ``n_prompt_tokens`` and ``n_ctx`` fields."""
+    extra = {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx} if exc.n_ctx is not None else None
+    return APIError(400, str(exc), param=exc.param, extra=extra)
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:

@@ -218,7 +218,7 @@ async def _events(answer: NativeAnswer, gen: Generation, results: dict[int, Resu
             if delta.finish_reason is not None:
                 yield event(answer.final(r, streamed=True))
     except APIError as exc:
-        yield event(NAMES.apply(exc).body())
+        yield event(answer.req.options.names.apply(exc).body())
     except Exception as exc:  # noqa: BLE001 - a bug of ours: the client gets an error event, the log the detail
         log.error("streaming failed (request id %s)", gen.http_request_id, exc_info=exc)
         yield event(internal_error(gen.http_request_id).body())
@@ -253,6 +253,7 @@ async def completion(request: Request) -> Response:
     """``POST /completion``."""
     request.state.field_names = NAMES
     arrival, state, (req, prompt_ids) = await read_and_prepare(request, _prepare_completion)
+    request.state.field_names = req.options.names  # with the names it chose (max_tokens for n_predict)
     return await _serve(request, state, req, prompt_ids, arrival)
 
 
@@ -261,4 +262,5 @@ async def infill(request: Request) -> Response:
     (`gpullama.fim`), completed as ``/completion`` does; it stops at the FIM pad, repo and file-separator tokens."""
     request.state.field_names = NAMES
     arrival, state, (req, prompt_ids) = await read_and_prepare(request, _prepare_infill)
+    request.state.field_names = req.options.names
     return await _serve(request, state, req, prompt_ids, arrival, state.llm.tokenizer.fim.stop_ids)

@@ -9,26 +9,25 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-from gpullama.chat.messages import MAX_MESSAGES
+from gpullama.chat.messages import message_items, role_of
 
 from ..http.errors import APIError, FieldNames
-from ..http.fields import bad, kind
-from ..pipeline.sampling import SamplingOptions, stop_strings
+from ..http.fields import bad, integer, kind
+from ..pipeline.sampling import OPENAI, Field, SamplingOptions, max_tokens, number
 from ..state import ServerState
 
-NAMES = FieldNames(
-    fields=(("max_tokens", "options.num_predict"), ("stop", "options.stop"), ("temperature", "options.temperature"),
-            ("top_p", "options.top_p"), ("top_k", "options.top_k"), ("min_p", "options.min_p"),
-            ("seed", "options.seed"), ("repetition_penalty", "options.repeat_penalty"),
-            ("presence_penalty", "options.presence_penalty"), ("frequency_penalty", "options.frequency_penalty"),
-            ("response_format", "format"), ("chat_template_kwargs", "think"), ("prompt", "messages")),
-    paths=((r"\bresponse_format(\.json_schema)?(\.schema)?\b", "format"),))
+FIELDS = OPENAI.select("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                       "stop").but(
+    Field("num_predict", "max_tokens", max_tokens(until_full=(-1, -2))),
+    Field("repeat_penalty", "repetition_penalty", number()),
+    under="options",
+    others=FieldNames(fields=(("response_format", "format"), ("chat_template_kwargs", "think"), ("prompt", "messages")),
+                      paths=((r"\bresponse_format(\.json_schema)?(\.schema)?\b", "format"),)))
+"""Ollama's sampling fields, under `options` (others there, such as num_gpu, num_thread or mirostat, are ignored,
+as Ollama ignores what a runner does not use), and its names for chat's other fields."""
+NAMES = FIELDS.names
 """Ollama's names for chat's fields (chat; /api/generate's prompt is `prompt`)."""
 GENERATE_NAMES = NAMES.but(prompt="prompt")
-# option -> (SamplingParams field, type)
-_OPTIONS = {"temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
-            "min_p": ("min_p", float), "seed": ("seed", int), "repeat_penalty": ("repetition_penalty", float),
-            "presence_penalty": ("presence_penalty", float), "frequency_penalty": ("frequency_penalty", float)}
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -49,38 +48,15 @@ def check_model_name(state: ServerState, name: Any) -> None:
 
 
 def options(body: dict, max_model_len: int) -> SamplingOptions:
-    """The sampling options of `options`; unknown options (num_gpu, num_thread, mirostat, ...) are ignored, as
-    Ollama ignores what a runner does not use."""
-    opts = SamplingOptions()
-    value = body.get("options")
-    if value is None:
-        return opts
-    if not isinstance(value, dict):
-        raise bad("options", f"'options' must be an object, got {kind(value)}")
-    for name, (field, cast) in _OPTIONS.items():
-        v = value.get(name)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (cast is int and not isinstance(v, int)):
-            raise bad(f"options.{name}", f"'options.{name}' must be {'an integer' if cast is int else 'a number'}, "
-                      f"got {kind(v)} {v!r}")
-        opts.kwargs[field] = v
-    predict = value.get("num_predict")
-    if predict is not None:
-        if isinstance(predict, bool) or not isinstance(predict, int) or predict == 0 or predict < -2:
-            raise bad("options.num_predict", f"'options.num_predict' must be a positive integer, or -1 or -2 (until "
-                      f"the context is full), got {predict!r}")
-        opts.max_tokens = predict if predict > 0 else None
-    num_ctx = value.get("num_ctx")
+    """The sampling options of `options`, and its `num_ctx` checked against the server's context."""
+    opts = FIELDS.read(body)
+    num_ctx = (body.get("options") or {}).get("num_ctx")
     if num_ctx is not None:
-        if isinstance(num_ctx, bool) or not isinstance(num_ctx, int) or num_ctx < 1:
+        if integer(num_ctx, "options.num_ctx") < 1:
             raise bad("options.num_ctx", f"'options.num_ctx' must be a positive integer, got {num_ctx!r}")
         if num_ctx > max_model_len:
             raise bad("options.num_ctx", f"'options.num_ctx' is {num_ctx}, more than this server's context of "
                       f"{max_model_len} tokens (gpullama-serve --max-model-len)")
-    stop = stop_strings({"stop": value.get("stop")})
-    if stop:
-        opts.kwargs["stop"] = stop
     return opts
 
 
@@ -109,19 +85,10 @@ def think(body: dict) -> dict[str, Any] | None:
 def chat_messages(value: Any) -> list[dict[str, Any]]:
     """Ollama chat messages in chat completions' shape: assistant ``tool_calls`` with object arguments get ids and
     JSON strings, ``tool`` messages their ``tool_name`` as ``name``, ``thinking`` the ``reasoning_content``."""
-    if not isinstance(value, list) or not value:
-        raise bad("messages", f"'messages' must be a non-empty list of messages, got {kind(value)}")
-    if len(value) > MAX_MESSAGES:
-        raise bad("messages", f"'messages' holds {len(value)} messages; at most {MAX_MESSAGES} are allowed")
     out = []
     calls_seen = 0
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad(where, f"'{where}' must be an object, got {kind(message)}")
-        role = message.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"'{where}.role' must be one of {list(ROLES)}, got {str(role)[:40]!r}")
+    for where, message in message_items(value):
+        role = role_of(message, where, ROLES)
         content = message.get("content") or ""
         if not isinstance(content, str):
             raise bad(f"{where}.content", f"'{where}.content' must be a string, got {kind(content)}")

@@ -9,26 +9,28 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpullama.chat.messages import check_messages
+from gpullama.chat.messages import message_items, role_of, text_of
 from gpullama.chat.model_format import chat_format
-from gpullama.sampling_params import SamplingParams
 
 from ..http.body import parse_json
 from ..http.errors import FieldNames
-from ..http.fields import admitted, bad, bool_field, int_field, kind
+from ..http.fields import bad, bool_field
 from ..pipeline.chat_output import ChatOutputShaper
 from ..pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
 from ..pipeline.generation import Job
 from ..pipeline.intake import read_and_prepare
-from ..pipeline.sampling import SamplingOptions, sampling_options, sampling_params
+from ..pipeline.sampling import OPENAI, Field, SamplingOptions, sampling_params, top_count, top_logprobs
 from ..state import ServerState, check_model
 from .choices import Answer, RequestHead, new_id, parse_head, serve_choices
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # message fields passed on to the chat template as given (checked in chat_plan: tool calls, tool results)
 PASSED_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning")
-NAMES = FieldNames(fields=(("prompt", "messages"),))
-"""Chat completions' names for the common plan's fields (the engine speaks of the prompt)."""
+FIELDS = OPENAI.but(Field("top_logprobs", "logprobs", top_logprobs("logprobs")),
+                    Field("n_probs", "logprobs", top_count(zero_is_off=True), alias=True),  # llama.cpp's name
+                    others=FieldNames(fields=(("prompt", "messages"),)))
+"""Chat completions' sampling fields and names for the common plan's fields (the engine speaks of the prompt)."""
+NAMES = FIELDS.names
 
 
 @dataclass
@@ -47,41 +49,21 @@ class ChatRequest:
     verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
 
 
-def message_content(value: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts joined with newlines."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                shown = part.get("type") if isinstance(part, dict) else kind(part)
-                raise bad(f"{where}[{j}]", f"'{where}[{j}]' must be a {{\"type\": \"text\", \"text\": ...}} part "
-                          f"(only text is supported), got {shown!r}")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad(where, f"'{where}' must be a string or a list of text parts, got {kind(value)}")
-
-
 def parse_messages(body: dict) -> list[dict[str, str]]:
-    """The `messages` of a chat body, checked (`gpullama.chat.messages.check_messages`) and put in the template's
-    shape: roles mapped (``developer`` is ``system``), content joined, the tool fields passed on."""
+    """The `messages` of a chat body in the template's shape: roles mapped (``developer`` is ``system``), content
+    joined, the tool fields passed on (the chat plan checks the result, `gpullama.chat.messages.check_messages`)."""
     messages = body.get("messages")
     if messages is None:
         raise bad("messages", "'messages' is a required field")
-    admitted(check_messages, messages)  # list, count, objects, role strings
     out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad(f"{where}.role", f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    for where, message in message_items(messages):
+        role = role_of(message, where, tuple(CHAT_ROLES))
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
         elif content is None:
             raise bad(f"{where}.content", f"'{where}.content' is required for role {role!r}")
-        entry = {"role": CHAT_ROLES[role], "content": message_content(content, f"{where}.content")}
+        entry = {"role": CHAT_ROLES[role], "content": text_of(content, f"{where}.content")}
         entry.update((k, message[k]) for k in PASSED_MESSAGE_FIELDS if message.get(k) is not None)
         out.append(entry)
     return out
@@ -91,24 +73,7 @@ def parse_chat(body: Any) -> ChatRequest:
     """Validate a chat completions body; raises ``APIError`` (400) naming the bad field."""
     head: RequestHead = parse_head(body)
     messages = parse_messages(body)
-    opts = sampling_options(body)
-    if bool_field(body, "logprobs"):
-        top = int_field(body, "top_logprobs")
-        top = 0 if top is None else top
-        if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
-            raise bad("top_logprobs", f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}")
-        opts.kwargs["logprobs"] = top
-    elif body.get("top_logprobs") is not None:
-        raise bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
-    names = NAMES.but(logprobs="top_logprobs")
-    n_probs = int_field(body, "n_probs")  # llama.cpp's: the top n_probs of each token, as top_logprobs
-    if n_probs and "logprobs" not in opts.kwargs:
-        if not 0 <= n_probs <= SamplingParams.MAX_LOGPROBS:
-            raise bad("n_probs", f"'n_probs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {n_probs}")
-        opts.kwargs["logprobs"] = n_probs
-        names = NAMES.but(logprobs="n_probs")
-    if body.get("max_completion_tokens") is not None:
-        names = names.but(max_tokens="max_completion_tokens")
+    opts = FIELDS.read(body)
     add_generation = bool_field(body, "add_generation_prompt", default=True)
     cont = bool_field(body, "continue_final_message")
     if cont and add_generation:
@@ -116,7 +81,7 @@ def parse_chat(body: Any) -> ChatRequest:
             raise bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both "
                       "be true")
         add_generation = False
-    return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, names, add_generation,
+    return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, opts.names, add_generation,
                        cont, bool_field(body, "verbose"))
 
 

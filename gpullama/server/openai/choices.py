@@ -17,7 +17,7 @@ from gpullama.outputs import TokenLogprob
 
 from ..http.body import JSONResponse
 from ..http.errors import APIError, FieldNames, internal_error
-from ..http.fields import admitted, bool_field, int_field, object_body, str_field
+from ..http.fields import bool_field, int_field, object_body, str_field
 from ..http.streaming import DONE, ClientDisconnected, StreamResponse, event, unless_disconnected
 from ..pipeline.chat_output import ChatOutputShaper
 from ..pipeline.generation import Generation, Job, start_generation
@@ -85,7 +85,7 @@ def parse_head(body: Any) -> RequestHead:
     model = str_field(body, "model")
     n = int_field(body, "n")
     n = 1 if n is None else n
-    admitted(check_choices, 1, n)
+    check_choices(1, n)
     stream = bool_field(body, "stream")
     stream_options = body.get("stream_options")
     include_usage = False

@@ -10,21 +10,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gpullama.engine.admission import check_count
-from gpullama.sampling_params import SamplingParams
 
 from ..http.body import parse_json
-from ..http.errors import CHAT_NAMES, FieldNames
-from ..http.fields import admitted, bad, bool_field, int_field, str_field
+from ..http.errors import FieldNames
+from ..http.fields import bad, bool_field, int_field, str_field
 from ..pipeline.chat_plan import response_format_spec
 from ..pipeline.generation import Job
 from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import read_and_prepare
-from ..pipeline.sampling import MAX_N, SamplingOptions, check_choices, sampling_options, sampling_params
+from ..pipeline.sampling import MAX_N, OPENAI, Field, SamplingOptions, check_choices, sampling_params, top_count
 from ..state import ServerState, check_model
 from .choices import Answer, new_id, parse_head, serve_choices
 
-NAMES = CHAT_NAMES
-"""Completions' names for the common plan's fields: the same ones."""
+FIELDS = OPENAI.but(Field("logprobs", "logprobs", top_count()),
+                    Field("n_probs", "logprobs", top_count(zero_is_off=True), alias=True))  # llama.cpp's name
+"""Completions' sampling fields; the common plan's other fields keep their names."""
+NAMES = FIELDS.names
 
 
 @dataclass
@@ -52,7 +53,7 @@ def _prompts(body: dict) -> list[str | list[int]]:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
 
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        admitted(check_count, "prompt", len(prompt), MAX_N)  # a list of prompts: its length before its items
+        check_count("prompt", len(prompt), MAX_N)  # a list of prompts: its length before its items
     if isinstance(prompt, str):
         prompts: list = [prompt]
     elif is_ids(prompt):
@@ -69,16 +70,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     """Validate a text completions body; raises ``APIError`` (400) naming the bad field."""
     head = parse_head(body)
     prompts = _prompts(body)
-    admitted(check_choices, len(prompts), head.n)
-    opts = sampling_options(body)
-    logprobs = int_field(body, "logprobs")
-    n_probs = int_field(body, "n_probs")  # llama.cpp's name
-    if logprobs is None and n_probs:
-        logprobs = n_probs
-    if logprobs is not None:
-        if not 0 <= logprobs <= SamplingParams.MAX_LOGPROBS:
-            raise bad("logprobs", f"'logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {logprobs}")
-        opts.kwargs["logprobs"] = logprobs
+    check_choices(len(prompts), head.n)
+    opts = FIELDS.read(body)
+    logprobs = opts.kwargs.get("logprobs")
     echo = bool_field(body, "echo")
     if echo and logprobs is not None:
         raise bad("echo", "'echo' together with 'logprobs' is not supported (prompt log-probabilities are not computed)")
@@ -90,8 +84,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     best_of = int_field(body, "best_of")
     if best_of is not None and best_of not in (1, head.n):
         raise bad("best_of", f"'best_of' other than 1 or n is not supported, got {best_of}")
-    names = NAMES.but(max_tokens="max_completion_tokens") if body.get("max_completion_tokens") is not None else NAMES
-    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, names, suffix,
+    return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, opts.names, suffix,
                              bool_field(body, "verbose"))
 
 
@@ -105,7 +98,7 @@ def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionReques
         req.options.kwargs["structured_output"] = spec
     tok = state.llm.tokenizer
     if req.suffix is not None:  # fill in the middle, laid out as llama.cpp's /infill; stops where it does
-        req.options.kwargs["stop_token_ids"] = [*req.options.kwargs["stop_token_ids"], *tok.fim.stop_ids]
+        req.options.kwargs["stop_token_ids"] = [*req.options.kwargs.get("stop_token_ids", []), *tok.fim.stop_ids]
         return req, [fim_prompt_ids(tok, state.llm.max_model_len, p, req.suffix) for p in req.prompts]
     return req, [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in req.prompts]
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpullama.chat.messages import check_messages
 from gpullama.chat.model_format import ChatFormat
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.tools import parse_tool, tool_call_grammar
 
 from ..http.errors import APIError
+from ..http.fields import bool_field
 
 TOOL_CHOICES = ("none", "auto", "required")
 # names the render itself passes; chat_template_kwargs may not replace them
@@ -136,15 +138,13 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
 
 
 def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> ChatPlan:
-    """Check a chat request's tool, response-format and template fields and plan its prompt and grammar;
-    APIError (400) naming the field at fault."""
+    """Check the chat a family's body converted to (`check_messages`, the one message check) and the request's
+    tool, response-format and template fields, and plan its prompt and grammar; a 400 naming the field at
+    fault."""
+    check_messages(messages)
     tools = _tools(body)
     choice, kind = _tool_choice(body, tools)
-    parallel = body.get("parallel_tool_calls", True)
-    if parallel is None:
-        parallel = True
-    if not isinstance(parallel, bool):
-        raise APIError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    parallel = bool_field(body, "parallel_tool_calls", default=True)
     plan = ChatPlan(fmt, messages, template_kwargs=_template_kwargs(body), tool_choice=kind,
                     parallel_tool_calls=parallel)
     plan.spec = response_format_spec(body)

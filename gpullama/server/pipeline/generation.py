@@ -12,13 +12,13 @@ from typing import Any
 
 from starlette.requests import Request
 
-from gpullama.engine.admission import RequestError
+from gpullama.checks import RequestError
 from gpullama.engine.errors import EngineError, EngineStopped
 from gpullama.outputs import StreamDelta
 from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 
-from ..http.errors import APIError, internal_error
+from ..http.errors import APIError, internal_error, request_error
 from ..http.metrics import ServerMetrics
 from ..http.middleware import request_id
 from ..http.request_log import current_request
@@ -46,9 +46,8 @@ def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError
     boundary renames them), a failure of ours as a 500 with only the request id."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, RequestError):  # one that does not fit the context says so as llama.cpp does, in fields
-        extra = {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx} if exc.n_ctx is not None else None
-        return APIError(400, str(exc), param=exc.param, extra=extra)
+    if isinstance(exc, RequestError):
+        return request_error(exc)
     if isinstance(exc, ValueError):  # a StructuredOutputError names its field
         return APIError(400, str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, EngineStopped):

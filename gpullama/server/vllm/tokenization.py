@@ -14,27 +14,16 @@ from gpullama.chat.model_format import chat_format
 
 from ..http.body import JSONResponse, off_loop_if_long
 from ..http.errors import APIError
+from ..http.fields import bool_field, object_body, str_field
 from ..openai.chat import parse_messages
 from ..pipeline.chat_plan import plan_chat, render_chat
 from ..pipeline.intake import read_json
 from ..state import check_model, require_ready, server_state
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise APIError(400, f"'{name}' must be a boolean, got {type(value).__name__}", param=name)
-    return value
-
-
 def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise APIError(400, "'model' must be a string", param="model")
+    body = object_body(body)
+    str_field(body, "model")
     return body
 
 
@@ -55,7 +44,7 @@ def _tokenize_content(tok: Any, body: dict, max_model_len: int) -> dict:
     if not isinstance(pieces, list) or not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
                                                for p in pieces):
         raise APIError(400, "'content' must be a string or a list of strings and token ids", param="content")
-    add_special, parse_special = _flag(body, "add_special", False), _flag(body, "parse_special", True)
+    add_special, parse_special = bool_field(body, "add_special", False), bool_field(body, "parse_special", True)
     ids: list[int] = []
     for i, piece in enumerate(pieces):
         if isinstance(piece, int):
@@ -69,7 +58,7 @@ def _tokenize_content(tok: Any, body: dict, max_model_len: int) -> dict:
     if outside:
         raise APIError(400, f"token id {outside[0]} is out of range: the vocabulary has {tok.vocab_size} tokens",
                        param="content")
-    tokens: list = [{"id": t, "piece": _piece(tok, t)} for t in ids] if _flag(body, "with_pieces", False) else ids
+    tokens: list = [{"id": t, "piece": _piece(tok, t)} for t in ids] if bool_field(body, "with_pieces", False) else ids
     return {"tokens": tokens, "count": len(ids), "max_model_len": max_model_len}
 
 
@@ -94,20 +83,20 @@ async def tokenize(request: Request) -> Response:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise APIError(400, f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
-        add_special = _flag(body, "add_special_tokens", True)
+        add_special = bool_field(body, "add_special_tokens", True)
         ids = await off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=add_special)
     else:
         messages = parse_messages(body)
-        add_generation = _flag(body, "add_generation_prompt", True)
-        cont = _flag(body, "continue_final_message", False)
+        add_generation = bool_field(body, "add_generation_prompt", True)
+        cont = bool_field(body, "continue_final_message", False)
         if add_generation and cont:
             raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
                            param="continue_final_message")
         size = sum(len(m["content"]) for m in messages) + len(orjson.dumps(body.get("tools")))
         plan = plan_chat(body, messages, chat_format(tok))  # tools and template kwargs, as the chat endpoint has them
         text = await off_loop_if_long(size, render_chat, tok, plan, add_generation, cont)
-        ids = await off_loop_if_long(size, tok.encode, text, add_special_tokens=_flag(body, "add_special_tokens", False))
-    strs = tok.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+        ids = await off_loop_if_long(size, tok.encode, text, add_special_tokens=bool_field(body, "add_special_tokens", False))
+    strs = tok.convert_ids_to_tokens(ids) if bool_field(body, "return_token_strs", False) else None
     return JSONResponse({"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids,
                          "token_strs": strs})
 

@@ -14,26 +14,29 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.chat.messages import MAX_MESSAGES
+from gpullama.chat.messages import message_items, role_of, text_of
 
-from ...http.errors import APIError, FieldNames
+from ...http.errors import FieldNames
 from ...http.fields import bad as _bad
+from ...http.fields import bool_field, object_body, str_field
 from ...http.fields import kind as _kind
-from ...pipeline.sampling import SamplingOptions, sampling_options
+from ...pipeline.sampling import OPENAI, Field, SamplingOptions, max_tokens
 from ..chat import CHAT_ROLES
 
 # message items' roles (tool results arrive as function_call_output items)
 INPUT_ROLES = {k: v for k, v in CHAT_ROLES.items() if k != "tool"}
-# the sampling fields a Responses request may carry: OpenAI's, and the extra ones the other endpoints take (as vLLM)
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "stop", "stop_token_ids", "logit_bias", "ignore_eos")
 TEXT_PARTS = ("input_text", "output_text", "text")
 TOOL_CHOICES = ("none", "auto", "required")
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-NAMES = FieldNames(
-    fields=(("prompt", "input"), ("max_tokens", "max_output_tokens")),
-    paths=((r"\btools\[(\d+)\]\.function\b", r"tools[\1]"), (r"\bresponse_format(\.json_schema)?\b", "text.format"),
-           (r"\bmessages(\[\d+\][\w.\[\]]*)?", "input")))
+FIELDS = OPENAI.but(
+    Field("max_output_tokens", "max_tokens", max_tokens()), without=("max_tokens", "max_completion_tokens"),
+    others=FieldNames(
+        fields=(("prompt", "input"),),
+        paths=((r"\btools\[(\d+)\]\.function\b", r"tools[\1]"), (r"\bresponse_format(\.json_schema)?\b", "text.format"),
+               (r"\bmessages(\[\d+\][\w.\[\]]*)?", "input"))))
+"""The sampling fields a Responses request may carry (OpenAI's, and the extra ones the other endpoints take, as
+vLLM does), and its names for chat's fields."""
+NAMES = FIELDS.names
 """The Responses names for chat's fields (``tools[0].function.name`` is ``tools[0].name``,
 ``response_format.json_schema.schema`` is ``text.format.schema``, the messages are the input)."""
 
@@ -50,22 +53,6 @@ class ResponsesRequest:
     instructions: str | None
     chat_fields: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls, ...
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts (``input_text``, ``output_text``) joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, f"'{where}' must be a string or a list of content parts, got {_kind(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else _kind(part)
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}]", f"'{where}[{j}]' must be an input_text or output_text part with a 'text' "
-                       f"string (only text is supported), got {kind!r}")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -105,10 +92,6 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     ``reasoning`` items (the next assistant message's ``reasoning_content``)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise _bad("input", f"'input' must be a string or a non-empty list of input items, got {_kind(value)}")
-    if len(value) > MAX_MESSAGES:
-        raise _bad("input", f"'input' holds {len(value)} items, more than the limit of {MAX_MESSAGES}")
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call id -> function name, for the tool messages of their outputs
     reasoning = ""
@@ -119,17 +102,11 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             message["reasoning_content"], reasoning = reasoning, ""
         return message
 
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _bad(where, f"'{where}' must be an object, got {_kind(item)}")
+    for where, item in message_items(value, "input"):
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            if not isinstance(role, str) or role not in INPUT_ROLES:
-                shown = repr(role)[:40] if isinstance(role, str) else _kind(role)
-                raise _bad(f"{where}.role", f"'{where}.role' must be one of {sorted(INPUT_ROLES)}, got {shown}")
-            message = {"role": INPUT_ROLES[role], "content": _text(item.get("content"), f"{where}.content")}
+            role = role_of(item, where, tuple(INPUT_ROLES))
+            message = {"role": INPUT_ROLES[role], "content": text_of(item.get("content"), f"{where}.content", TEXT_PARTS)}
             messages.append(assistant(message) if message["role"] == "assistant" else message)
         elif kind == "function_call":
             call = _function_call(item, where)
@@ -143,7 +120,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             call_id = _string(item, "call_id", where)
             if "output" not in item:
                 raise _bad(f"{where}.output", f"'{where}.output' is required")
-            message = {"role": "tool", "tool_call_id": call_id, "content": _text(item["output"], f"{where}.output")}
+            message = {"role": "tool", "tool_call_id": call_id, "content": text_of(item["output"], f"{where}.output", TEXT_PARTS)}
             if call_id in names:
                 message["name"] = names[call_id]
             messages.append(message)
@@ -231,39 +208,28 @@ def _refuse_unsupported(body: dict) -> None:
 def parse_responses(body: Any) -> ResponsesRequest:
     """Validate a Responses body; raises ``APIError`` (400) naming the bad field. The tool and format fields are
     checked further by `plan_chat` (whose errors `NAMES` renames)."""
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    body = object_body(body)
     _refuse_unsupported(body)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model", "'model' must be a string")
+    model = str_field(body, "model")
     if "input" not in body:
         raise _bad("input", "'input' is a required field")
     messages = input_messages(body["input"])
-    instructions = body.get("instructions")
+    instructions = str_field(body, "instructions")
     if instructions is not None:
-        if not isinstance(instructions, str):
-            raise _bad("instructions", f"'instructions' must be a string, got {_kind(instructions)}")
         messages.insert(0, {"role": "system", "content": instructions})
     tools, tools_echo = _tools(body.get("tools"))
     response_format, format_echo = _response_format(body.get("text"))
     chat_fields = {"tools": tools, "tool_choice": _tool_choice(body.get("tool_choice"), tools),
                    "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": response_format}
-    opts = sampling_options({name: body[name] for name in SAMPLING_FIELDS if name in body})
-    max_output = body.get("max_output_tokens")
-    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
-        raise _bad("max_output_tokens", f"'max_output_tokens' must be an integer >= 1, got {max_output!r}")
-    opts.max_tokens = max_output
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("stream", f"'stream' must be a boolean, got {_kind(stream)}")
+    opts = FIELDS.read(body)
+    stream = bool_field(body, "stream")
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise _bad("metadata", "'metadata' must be an object of string values")
     choice = body.get("tool_choice")
     echo = {
         "instructions": instructions,
-        "max_output_tokens": max_output,
+        "max_output_tokens": opts.max_tokens,
         "metadata": metadata or {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
         "temperature": opts.kwargs.get("temperature", 1.0),
