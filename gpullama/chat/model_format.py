@@ -48,7 +48,7 @@ def chat_format(tokenizer: Any) -> ChatFormat:
         ids = sorted(tokenizer.special_token_ids)
         special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
         markers = tuple(special[m] for m in tools.token_markers if m in special)
-        if tools.name == "harmony":  # gpt-oss: channels carry the reasoning, the answer and the calls
+        if tools.channels:  # gpt-oss: channels carry the reasoning, the answer and the calls
             found = ChatFormat(tools.name, tools.template_tools, True, (), markers)
         else:
             reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None

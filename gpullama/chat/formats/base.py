@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpullama.chat.output import ChatOutputParser
+from gpullama.chat.reasoning import ReasoningParser
 from gpullama.chat.tool_calls import ToolParser
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.structured.tools import ToolCallFormat
@@ -64,12 +66,17 @@ def _template_renders(messages: Sequence[dict[str, Any]], tools: Sequence[Any] |
     return template_messages(messages)
 
 
+def _reasoning_then_calls(tools: ChatToolFormat, tool_names: list[str] | None,
+                          reasoning: ReasoningParser | None) -> ChatOutputParser:
+    return ChatOutputParser(reasoning, tools.parser(tool_names) if tool_names is not None else None)
+
+
 @dataclass(frozen=True)
 class ChatToolFormat:
     """One tool-call format: its name, whether a chat template's source is written for it, the parser of its
     calls, the text form its forced calls take (`gpullama.structured.tools.TOOL_CALL_FORMATS`, which the grammar
-    engine reads), and how the request's messages and tools reach the prompt (the template renders them itself,
-    or the format writes its own tool prompt)."""
+    engine reads), how the request's messages and tools reach the prompt (the template renders them itself, or the
+    format writes its own tool prompt), and how a whole answer is read."""
 
     name: str
     parser: type[ToolParser]
@@ -77,8 +84,18 @@ class ChatToolFormat:
     detects: Callable[[str], bool]
     template_tools: bool = True  # the chat template renders the tools and the earlier calls
     prompt_messages: PromptMessages = _template_renders
+    # the answer's reader: by default the <think> parser (when the model reasons), then this format's call parser
+    output: Callable[[ChatToolFormat, list[str] | None, ReasoningParser | None], Any] = _reasoning_then_calls
+    channels: str = ""  # the format's own markers carry reasoning, answer and calls (what they are, for errors):
+    # the model always reasons, those markers are the ones its text must keep, and no grammar may constrain it
 
     @property
     def token_markers(self) -> tuple[str, ...]:
         """The format's words that a vocabulary may hold as special tokens (the output must keep them)."""
         return self.parser.token_markers
+
+    def output_parser(self, tool_names: list[str] | None, reasoning: ReasoningParser | None) -> Any:
+        """A fresh reader of one answer (``feed`` pieces, then ``finish``; each a `ChatDelta`): calls of
+        `tool_names` (None: no tools were offered), reasoning through `reasoning` unless the format reads it
+        itself."""
+        return self.output(self, tool_names, reasoning)

@@ -127,6 +127,8 @@ def _partial_marker(text: str) -> int:
     return 0
 
 
-FORMAT = ChatToolFormat("harmony", HarmonyParser, None, is_harmony_template)
+FORMAT = ChatToolFormat("harmony", HarmonyParser, None, is_harmony_template,
+                        output=lambda fmt, tool_names, reasoning: HarmonyParser(tool_names),
+                        channels="gpt-oss's harmony channels")
 """The harmony format: the template renders the tools; its parser reads the whole output (reasoning included), and
-its calls cannot be forced (it has no grammar form)."""
+its calls cannot be forced (it has no grammar form) nor its output constrained."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpullama.chat.formats.harmony import HarmonyParser
 from gpullama.chat.output import ChatDelta, ChatOutputParser, accumulate_chat
 from gpullama.chat.reasoning import ReasoningParser, prompt_opens_reasoning
 
@@ -28,15 +27,12 @@ class ChatOutputShaper:
         """Whether the text needs reading at all (otherwise it is plain content)."""
         return self.plan.format.reasoning or self.plan.tool_names is not None
 
-    def _parser(self, index: int) -> ChatOutputParser | HarmonyParser:
+    def _parser(self, index: int) -> ChatOutputParser:
         parser = self._parsers.get(index)
-        if parser is None and self.plan.format.tool_format == "harmony":
-            parser = self._parsers[index] = HarmonyParser(self.plan.tool_names)
         if parser is None:
             plan = self.plan
             reasoning = ReasoningParser(start_in_reasoning=self._opened) if plan.format.reasoning else None
-            tools = plan.format.tools.parser(plan.tool_names) if plan.tool_names is not None else None
-            parser = self._parsers[index] = ChatOutputParser(reasoning, tools)
+            parser = self._parsers[index] = plan.format.tools.output_parser(plan.tool_names, reasoning)
         return parser
 
     def message(self, index: int, text: str) -> dict[str, Any]:

@@ -148,18 +148,18 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> Ch
     plan = ChatPlan(fmt, messages, template_kwargs=_template_kwargs(body), tool_choice=kind,
                     parallel_tool_calls=parallel)
     plan.spec = response_format_spec(body)
-    if fmt.tool_format == "harmony" and (plan.spec is not None or kind in ("required", "named")):
+    if fmt.tools.channels and (plan.spec is not None or kind in ("required", "named")):
         field = "response_format" if plan.spec is not None else "tool_choice"
-        raise APIError(400, f"'{field}' is not supported with this model's chat format (gpt-oss's harmony "
-                       f"channels); ask without it (tool_choice 'auto' lets the model call tools)", param=field)
+        raise APIError(400, f"'{field}' is not supported with this model's chat format ({fmt.tools.channels}); "
+                       "ask without it (tool_choice 'auto' lets the model call tools)", param=field)
     offered = tools if kind != "none" else None  # tool_choice "none": the model is not shown the tools
     try:
         plan.messages = fmt.tools.prompt_messages(messages, offered, choice, parallel)
         plan.tools = offered if fmt.template_tools else None
         if offered:
             plan.tool_names = [parse_tool(t, i)[0] for i, t in enumerate(offered)]
-            forced = None if fmt.tool_format == "harmony" else tool_call_grammar(
-                offered, choice, parallel_tool_calls=parallel, format=fmt.tool_format)
+            forced = None if fmt.tools.grammar is None else tool_call_grammar(
+                offered, choice, parallel_tool_calls=parallel, format=fmt.tools.grammar.name)
             if forced is not None:  # required or named: the calls' grammar replaces any response_format
                 plan.spec = forced
     except StructuredOutputError as e:
