@@ -10,8 +10,9 @@ import torch
 
 from gpullama.config import ModelConfig
 from gpullama.distributed import TensorParallel
-from gpullama.ops import BatchMetadata, TorchOps, YarnParams, rope_cos_sin
+from gpullama.ops import BatchMetadata, TorchOps
 from gpullama.ops.experts import Experts
+from gpullama.ops.rope import YarnParams, rope_cos_sin
 from gpullama.quants import QTensor
 from gpullama.sharding import ShardPlan
 
@@ -319,11 +320,8 @@ class Decoder:
                 k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
             table = self.rope_tables[layer.rope]
             q, k = ops.rope_and_cache(q, k, v, table, k_caches[i], v_caches[i], metas[layer.rope])
-            if layer.sinks is not None:
-                attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap,
-                                     layer.sinks)
-            else:
-                attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap)
+            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap,
+                                 layer.sinks)
             hidden = tp.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o, layer.o_bias))
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from gpullama.engine.sequence import Sequence
-from gpullama.ops import TorchOps, keep_mask
+from gpullama.ops import TorchOps
+from gpullama.ops.sampling import keep_mask
 
 
 def needs_penalties(seq: Sequence) -> bool:

@@ -13,7 +13,7 @@ from gpullama.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from gpullama.engine.ngram_proposer import TokenBuffer
-    from gpullama.engine.structured_output import SequenceGrammar
+    from gpullama.structured.sequence_grammar import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):

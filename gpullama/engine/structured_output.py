@@ -20,6 +20,7 @@ import torch
 from gpullama.structured import get_backend
 from gpullama.structured.backend import GrammarBackend, GrammarMatcher, compile_pool
 from gpullama.structured.reasoning_gate import ReasoningGatedMatcher, reasoning_token_ids
+from gpullama.structured.sequence_grammar import SequenceGrammar
 from gpullama.structured.spec import StructuredOutput
 
 if TYPE_CHECKING:
@@ -27,23 +28,6 @@ if TYPE_CHECKING:
     from gpullama.tokenizer import Tokenizer
 
 log = logging.getLogger("gpullama")
-
-
-class SequenceGrammar:
-    """One constrained sequence's grammar: the compilation in flight, then its matcher (made on the step thread
-    when the sequence first samples)."""
-
-    __slots__ = ("spec", "future", "matcher")
-
-    def __init__(self, spec: StructuredOutput, future: Future) -> None:
-        self.spec = spec
-        self.future = future
-        self.matcher: GrammarMatcher | None = None
-
-    @property
-    def ready(self) -> bool:
-        """Whether the compilation has finished (successfully or not): the sequence may sample."""
-        return self.matcher is not None or self.future.done()
 
 
 class StructuredOutputManager:

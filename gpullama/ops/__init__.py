@@ -19,7 +19,9 @@ import torch
 from gpullama.kernels import cpu_native
 from gpullama.ops.cpu_ops import CpuOps
 from gpullama.ops.metadata import BatchMetadata
-from gpullama.ops.torch_ops import TorchOps, YarnParams, keep_mask, rope_cos_sin
+from gpullama.ops.rope import YarnParams, rope_cos_sin
+from gpullama.ops.sampling import keep_mask
+from gpullama.ops.torch_ops import TorchOps
 
 __all__ = ["BatchMetadata", "CpuOps", "TorchOps", "YarnParams", "keep_mask", "rope_cos_sin", "select_ops"]
 

@@ -7,8 +7,6 @@ what the parity tests against transformers use. The CPU fast path (quantized wei
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +14,7 @@ import torch.nn.functional as F
 
 from gpullama.ops.experts import Experts, activate, expert_rows, route
 from gpullama.ops.metadata import BatchMetadata
+from gpullama.ops.sampling import keep_mask
 from gpullama.quants import QTensor
 
 
@@ -326,46 +325,6 @@ class TorchOps:
         return torch.tanh(x / cap) * cap if cap else x
 
 
-NUCLEUS_CANDIDATES = 256  # largest values taken for top-p before falling back to a full sort
-
-
-def keep_mask(e: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Which tokens each row keeps, in vLLM's order: min-p, top-k, then the top-p nucleus of what is left.
-
-    `e` is ``[B, V]`` probabilities over the row's largest one (so the top token has e == 1); top_k <= 0 or >= V,
-    top_p >= 1 and min_p <= 0 turn that filter off; ties at a threshold are all kept.
-    """
-    v = e.shape[-1]
-    k = top_k.long()
-    k_on, p_on = (k > 0) & (k < v), top_p < 1
-    k_max = int(k[k_on].max()) if bool(k_on.any()) else 0
-    nucleus = bool(p_on.any())
-    # the k-th largest value, and for top-p the largest values in order: a partial sort (topk) of as many as the
-    # step needs; the whole vocabulary is sorted only for a nucleus that the first candidates do not hold
-    width = min(v, max(k_max, NUCLEUS_CANDIDATES if nucleus else 0))
-    largest = e.topk(width, dim=-1).values if width else None
-    t_k = torch.zeros_like(e[:, 0])
-    if k_max:
-        t_k = torch.where(k_on, largest.gather(1, (k.clamp(1, k_max) - 1)[:, None])[:, 0], t_k)
-    floor = torch.maximum(t_k, min_p.to(e.dtype))
-    if not nucleus:
-        return e >= floor[:, None]
-    total = torch.where(e >= floor[:, None], e, 0.0).sum(-1, dtype=torch.float64).to(e.dtype)
-    target = top_p.to(e.dtype) * total
-
-    def first_reaching(ordered: torch.Tensor) -> torch.Tensor:
-        """How many of the row's largest kept values have a running sum below the target."""
-        return (torch.where(ordered >= floor[:, None], ordered, 0.0).cumsum(-1) < target[:, None]).sum(-1)
-
-    first = first_reaching(largest)
-    if width < v and bool((first[p_on] >= width).any()):
-        largest = e.sort(dim=-1, descending=True).values
-        first = first_reaching(largest)
-    t_p = largest.gather(1, first.clamp(max=largest.shape[-1] - 1)[:, None])[:, 0]
-    t_p = torch.where(p_on, t_p, torch.zeros_like(floor))
-    return e >= torch.maximum(floor, t_p)[:, None]
-
-
 def _plain_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` in w's dtype, float32 out (weights not prepacked)."""
     out = F.linear(x.to(w.dtype), w).float()
@@ -445,60 +404,3 @@ def decode_context(meta: BatchMetadata, block_size: int) -> tuple[torch.Tensor, 
     blocks = meta.block_tables[:, : -(-meta.max_seq_len // block_size)].long()
     slots = blocks[:, position // block_size] * block_size + position % block_size
     return slots, (position[None, :] < meta.seq_lens[:, None])[:, None, None, :]
-
-
-@dataclass(frozen=True)
-class YarnParams:
-    """YaRN rope scaling as llama.cpp's ``rope_yarn`` and transformers' ``_compute_yarn_parameters`` apply it:
-    frequency pair i is ``interp * (1 - mix) + extrap * mix`` with ``interp = extrap / scale`` and ``mix =
-    ext_factor * (1 - ramp(i))``, the ramp rising from 0 to 1 between the dims where the original context
-    (`original_context`) holds `beta_fast` and `beta_slow` rotations (rounded out to whole dims with `truncate`,
-    as llama.cpp always does and transformers does unless told not to)."""
-
-    original_context: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    ext_factor: float = 1.0
-    truncate: bool = True
-
-    def frequencies(self, inv_freq: torch.Tensor, dims: int, base: float, scale: float) -> torch.Tensor:
-        """The scaled inverse frequencies (float64) of the unscaled `inv_freq` ``[dims / 2]``."""
-
-        def dim_of(rotations: float) -> float:
-            return dims * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dims - 1)
-        ramp = ((torch.arange(dims // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
-        mix = (1 - ramp) * self.ext_factor
-        return inv_freq / scale * (1 - mix) + inv_freq * mix
-
-    def mscale(self, scale: float) -> float:
-        """The factor on cos and sin: ``1 + 0.1 ln scale`` (1 without extrapolation)."""
-        return 1.0 + 0.1 * math.log(scale) if self.ext_factor != 0 and scale > 1 else 1.0
-
-
-def rope_cos_sin(
-    head_dim: int,
-    max_positions: int,
-    base: float,
-    freq_factors: torch.Tensor | None = None,
-    scale: float = 1.0,
-    attn_factor: float = 1.0,
-    yarn: YarnParams | None = None,
-) -> torch.Tensor:
-    """The ``[max_positions, head_dim]`` table of cos|sin for NeoX rotary embedding of `head_dim` rotated dims;
-    `freq_factors` divides the frequencies (Llama 3's ``rope_freqs``, Phi-3's LongRoPE factors), so does `scale`
-    (linear rope scaling, or YaRN's interpolation with `yarn`); `attn_factor` multiplies cos and sin (LongRoPE's
-    attention factor; YaRN multiplies it by ``1 + 0.1 ln scale``)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors.to(torch.float64)
-    if yarn is not None and scale != 1.0:
-        inv_freq, attn_factor = yarn.frequencies(inv_freq, head_dim, base, scale), attn_factor * yarn.mscale(scale)
-    else:
-        inv_freq = inv_freq / scale
-    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return (torch.cat((angles.cos(), angles.sin()), dim=-1) * attn_factor).float()

@@ -104,7 +104,7 @@ def test_nucleus_beyond_the_first_candidates(scale: float) -> None:
     """With a vocabulary wider than the candidates taken for top-p, rows whose nucleus lies among them (peaked
     logits) and rows whose nucleus does not (flat logits: the full sort) keep the reference sets, also next to
     top-k, min-p and rows without top-p."""
-    from gpullama.ops.torch_ops import NUCLEUS_CANDIDATES
+    from gpullama.ops.sampling import NUCLEUS_CANDIDATES
 
     vocab = 4 * NUCLEUS_CANDIDATES + 13
     settings = [(0, 0.9, 0.0), (0, 0.5, 0.0), (600, 0.95, 0.0), (40, 0.8, 0.0), (0, 0.99, 0.001), (0, 1.0, 0.0),
