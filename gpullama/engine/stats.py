@@ -22,11 +22,6 @@ class EngineStats:
     draft_tokens: int = 0  # n-gram draft tokens checked (speculative decoding)
     accepted_tokens: int = 0  # of which the model accepted
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Share of the checked draft tokens that were accepted; None before any was checked."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
     def observe_drafts(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
         """Count one sequence's checked drafts: `num_accepted` of `num_drafts` accepted, `num_emitted` tokens
         generated in the step (one more than the accepted drafts, unless the sequence finished before)."""

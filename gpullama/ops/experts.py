@@ -17,9 +17,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "swiglu_oai")
-GATINGS = ("softmax", "softmax_topk")
-
 
 @dataclass
 class Experts:

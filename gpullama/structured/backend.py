@@ -48,7 +48,8 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def reset(self) -> None:
-        """Back to the start of the grammar (e.g. when a preempted sequence is recomputed)."""
+        """Back to the start of the grammar. (The engine does not need it on preemption: a preempted sequence keeps
+        its matcher, which recomputation leaves at the right position; `gpullama.structured.sequence_grammar`.)"""
 
 
 _POOL: ThreadPoolExecutor | None = None

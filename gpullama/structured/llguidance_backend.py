@@ -141,10 +141,6 @@ class LLGuidanceMatcher(GrammarMatcher):
         """Whether the grammar ended with an accepted EOS."""
         return self._terminated
 
-    def is_completed(self) -> bool:
-        """Whether the text so far is a complete match (EOS would be accepted now)."""
-        return not self._terminated and self.handle.is_accepting()
-
     def reset(self) -> None:
         """Back to the start of the grammar."""
         self.handle.reset()
