@@ -22,7 +22,7 @@ import torch
 from machine import cpu_name  # benchmarks/machine.py
 
 from gpullama import LLM, SamplingParams
-from gpullama.engine.tp_workers import threads_per_rank
+from gpullama.engine.model_spec import threads_per_rank
 from gpullama.hub import resolve_model
 
 

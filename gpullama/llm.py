@@ -16,61 +16,20 @@ from pathlib import Path
 import torch
 
 from gpullama.chat.messages import check_messages
-from gpullama.engine.args import EngineArgs, EngineConfig
+from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
-from gpullama.engine.tp_workers import Rendezvous, TPWorkers, WorkerSpec, run_headless, threads_per_rank
+from gpullama.engine.model_spec import ModelSpec, build_model
+from gpullama.engine.tp_workers import Rendezvous, TPWorkers
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
-from gpullama.model import Decoder
-from gpullama.ops import select_ops
 from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput
 from gpullama.pooling_params import PoolingParams
-from gpullama.quants import FLOAT_TYPES, QTensor
 from gpullama.sampling_params import SamplingParams
-from gpullama.sharding import ShardPlan
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.tokenizer import Tokenizer
 
 log = logging.getLogger("gpullama")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` picks CUDA when present, else the CPU; otherwise ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = str(device)
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA, float32 on the CPU (with quantized weights there for a quantized file, see
-    `quantized_cpu_path`)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def quantized_cpu_path(dtype: str | torch.dtype, device: torch.device, tensors: dict[str, QTensor]) -> bool:
-    """Whether the model runs the CPU fast path (the weights stay quantized, C kernels; docs/usage.md, "CPU modes"):
-    with ``dtype="auto"`` on the CPU for a file whose matrices are quantized. ``"float32"`` is the exact path (every
-    matrix dequantized once to float32), what the parity tests use."""
-    if device.type != "cpu" or dtype != "auto":
-        return False
-    return any(t.qtype not in FLOAT_TYPES for t in tensors.values() if len(t.shape) >= 2)
-
 
 def release_free_memory() -> None:
     """Hand the load's freed scratch buffers back to the OS (glibc keeps them otherwise); a no-op elsewhere."""
@@ -99,28 +58,6 @@ def _samples(params: SamplingParams) -> list[SamplingParams]:
         return [params]
     return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             for i in range(params.n)]
-
-
-def run_headless_node(args: EngineArgs) -> None:
-    """Run a node other than 0 of a multi-node tensor-parallel group (``gpullama-serve --headless``): its ranks
-    load their shards from this machine's copy of the model and follow node 0's steps until node 0 stops."""
-    rendezvous = Rendezvous.from_args(args)
-    tp_size = max(args.tensor_parallel_size, rendezvous.nnodes)
-    if rendezvous.node_rank == 0:
-        raise ValueError("--headless is for the nodes other than 0 (--node-rank 1 and up): node 0 serves")
-    path = resolve_model(args.model)
-    device = resolve_device(args.device)
-    local_ranks = rendezvous.ranks_per_node(tp_size)
-    threads = args.threads or (threads_per_rank(local_ranks) if device.type == "cpu" else None)
-    gguf_model = read_gguf(path)
-    config = gguf_model.config
-    ShardPlan(config, 0, tp_size).check(gguf_model.tensors)
-    dtype = resolve_dtype(args.dtype, device)
-    max_model_len = args.max_model_len or config.context_length
-    spec = WorkerSpec(path, str(device), dtype, max_model_len, EngineConfig.from_args(args, max_model_len), threads,
-                      quantized_cpu_path(args.dtype, device, gguf_model.tensors))
-    del gguf_model
-    run_headless(spec, tp_size, rendezvous)
 
 
 class LLM:
@@ -153,52 +90,33 @@ class LLM:
         self.model_name = args.model if args.model in ALIASES else Path(args.model).stem
         step(f"finding {args.model}")
         self.path = resolve_model(args.model)
-        self.device = resolve_device(args.device)
         rendezvous = Rendezvous.from_args(args)
         tp_size = max(args.tensor_parallel_size, rendezvous.nnodes)  # torchrun's WORLD_SIZE when it runs us
         if rendezvous.node_rank != 0:
             raise ValueError(f"node_rank {rendezvous.node_rank}: only node 0 loads an LLM and serves; run the other "
                              "nodes with `gpullama-serve --headless` (docs/deploy.md)")
         local_ranks = rendezvous.ranks_per_node(tp_size)
-        # ranks on the CPU share its cores: each gets its share unless told otherwise
-        threads = args.threads or (threads_per_rank(local_ranks) if tp_size > 1 and self.device.type == "cpu"
-                                   else None)
-        if threads:
-            torch.set_num_threads(threads)
         size = f" ({os.path.getsize(self.path) / 1e6:.0f} MB)" if os.path.isfile(self.path) else ""
         step(f"reading {Path(self.path).name}{size}")
         gguf_model = read_gguf(self.path)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        # a model that cannot be cut into tp_size ranks fails here, before any process starts
+        spec = ModelSpec.from_args(args, gguf_model, tp_size, local_ranks)
+        self.device, self.dtype, self.max_model_len = torch.device(spec.device), spec.dtype, spec.max_model_len
         self.config = gguf_model.config
         self.metadata = gguf_model.metadata
-        max_model_len = args.max_model_len or self.config.context_length
-        if max_model_len > self.config.context_length:
-            log.warning(
-                "max_model_len %d is beyond the model's trained context length %d: output past it may degrade",
-                max_model_len, self.config.context_length,
-            )
-        self.max_model_len = max_model_len
         if args.chat_template is not None:  # the given template in place of the file's (a copy: the map is shared)
             self.metadata = {**self.metadata, "tokenizer.chat_template": args.chat_template}
         step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
-        engine_config = EngineConfig.from_args(args, max_model_len)
-        quantized_cpu = quantized_cpu_path(args.dtype, self.device, gguf_model.tensors)
         if tp_size > 1:
-            # a model that cannot be cut into tp_size ranks fails here, before any process starts
-            ShardPlan(self.config, 0, tp_size).check(gguf_model.tensors)
             step(f"starting {local_ranks - 1} tensor-parallel worker processes"
                  + (f", waiting for {rendezvous.nnodes - 1} other nodes" if rendezvous.multi_node else ""))
-            spec = WorkerSpec(self.path, str(self.device), self.dtype, max_model_len, engine_config, threads,
-                              quantized_cpu)
             self._workers = TPWorkers.start(spec, tp_size, rendezvous)
         try:
-            ops = select_ops(self.device, self.dtype, quantized_cpu)
-            step(f"preparing {self.config.num_layers} layers of weights ({ops.mode})")
             tp = self._workers.tp if self._workers is not None else None
-            self.model = Decoder(self.config, gguf_model.tensors, ops, max_model_len, tp)
+            self.model = build_model(spec, tp, gguf_model=gguf_model, on_progress=step)
             step("reserving the KV cache")
-            self.engine = LLMEngine(self.model, self.tokenizer, engine_config)
+            self.engine = LLMEngine(self.model, self.tokenizer, spec.engine_config)
             if self._workers is not None:
                 self._workers.wait_ready()
                 # ends the workers when this LLM is collected or the interpreter exits, unless shutdown() did
@@ -219,7 +137,7 @@ class LLM:
         log.info(
             "loaded %s (%s, %d layers) on %s%s (ops: %s, %s%s, %d threads) in %.1fs; resident memory %.0f MiB",
             self.model_name, self.config.architecture, self.config.num_layers, self.device,
-            f" x {tp_size} tensor-parallel ranks" if tp_size > 1 else "", ops.name, ops.mode,
+            f" x {tp_size} tensor-parallel ranks" if tp_size > 1 else "", self.model.ops.name, self.model.ops.mode,
             ", CUDA graphs" if runner.uses_cuda_graphs else "", torch.get_num_threads(), time.perf_counter() - started,
             resident_bytes() / 2**20,
         )

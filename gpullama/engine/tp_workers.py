@@ -41,29 +41,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpullama.distributed import TensorParallel
-from gpullama.engine.args import EngineArgs, EngineConfig
+from gpullama.engine.args import EngineArgs
 from gpullama.engine.model_runner import ModelRunner
+from gpullama.engine.model_spec import ModelSpec, build_model
 from gpullama.gguf_file import read_gguf
-from gpullama.model import Decoder
-from gpullama.ops import select_ops
+from gpullama.hub import resolve_model
 
 log = logging.getLogger("gpullama")
 
 JOIN_TIMEOUT_S = 120.0  # for a spawned worker to import torch and reach the group's store
 STOP_TIMEOUT_S = 10.0  # for a worker to leave after the stop broadcast, before it is terminated
-
-
-@dataclass
-class WorkerSpec:
-    """What a worker needs to build its rank of the model (sent to it at spawn, so: picklable)."""
-
-    path: str
-    device: str  # rank 0's device; rank r runs on the r-th device after it on CUDA, on the CPU on the CPU
-    dtype: torch.dtype
-    max_model_len: int
-    engine_config: EngineConfig
-    threads: int | None  # torch intra-op threads of each rank (None: torch's choice)
-    quantized_cpu: bool = False  # the CPU fast path (`select_ops`' quantized_cpu), as on rank 0
 
 
 _PREFIX = "gpullama/"  # our keys in a store torchrun's agent may share
@@ -163,15 +150,6 @@ def check_devices(device: torch.device, world_size: int) -> None:
         )
 
 
-def threads_per_rank(world_size: int) -> int:
-    """The CPU cores this process may use, shared out among the ranks (at least one each)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // world_size)
-
-
 class TPWorkers:
     """This node's worker processes (ranks after its first) and, on node 0 of several, its connections to the other
     nodes: started with `start` (node 0) or by `run_headless`, watched while they run, ended by `shutdown`."""
@@ -194,7 +172,7 @@ class TPWorkers:
         return [p.pid for p in self.processes]
 
     @classmethod
-    def _spawn(cls, spec: WorkerSpec, world_size: int, first_rank: int, count: int, host: str, port: int,
+    def spawn(cls, spec: ModelSpec, world_size: int, first_rank: int, count: int, host: str, port: int,
                prefixed: bool) -> TPWorkers:
         """Start local ranks first_rank+1 .. first_rank+count-1, which meet at the store on `host:port`."""
         ctx = mp.get_context("spawn")
@@ -215,7 +193,7 @@ class TPWorkers:
         return cls(TensorParallel(first_rank, world_size), processes, reports, watches, first_rank)
 
     @classmethod
-    def start(cls, spec: WorkerSpec, world_size: int, rendezvous: Rendezvous | None = None) -> TPWorkers:
+    def start(cls, spec: ModelSpec, world_size: int, rendezvous: Rendezvous | None = None) -> TPWorkers:
         """Node 0: spawn its ranks after 0, wait for every rank of every node, and join the group as rank 0;
         `tp` is rank 0's place in it."""
         if dist.is_initialized():
@@ -235,9 +213,9 @@ class TPWorkers:
             listener = socket.create_server(("", 0))  # the other nodes' watch connections
             store.set("watch_port", str(listener.getsockname()[1]))
             store.set("settings", json.dumps(_settings(spec, world_size)))
-        workers = cls._spawn(spec, world_size, 0, per_node, host, port, rdzv.multi_node)
+        workers = cls.spawn(spec, world_size, 0, per_node, host, port, rdzv.multi_node)
         try:
-            workers._wait_for("joining", rdzv.timeout)
+            workers.wait_for("joining", rdzv.timeout)
             if listener is not None:
                 workers._wait_for_nodes(store, listener, rdzv, world_size)
             workers.tp = TensorParallel.join(0, world_size, store, device)
@@ -291,7 +269,7 @@ class TPWorkers:
     def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every worker has built its rank (raises RuntimeError with a worker's own error when one
         failed), then watch them for as long as they run."""
-        self._wait_for("ready", timeout)
+        self.wait_for("ready", timeout)
         self._monitor = threading.Thread(target=self._watch, name="gpullama-tp-monitor", daemon=True)
         self._monitor.start()
 
@@ -304,14 +282,13 @@ class TPWorkers:
                 self.tp.failure = str(exc)
         return self.tp.failure
 
-    def shutdown(self, runner: ModelRunner | None = None) -> None:
-        """Stop the workers (their step loops first, through `runner`, when it is rank 0's), leave the group and
-        make sure no worker process is left."""
+    def shutdown(self, runner: ModelRunner | None = None, stopped: bool = False) -> None:
+        """Stop the workers (their step loops first, through `runner`, when it is rank 0's; `stopped`: they got
+        the stop already, from node 0), leave the group and make sure no worker process is left."""
         if self._closing:
             return
         self._closing = True
-        stopped = False
-        if runner is not None:
+        if runner is not None and not stopped:
             try:
                 stopped = runner.stop_followers()
             except Exception as exc:  # noqa: BLE001 - a rank is gone already; the processes are ended below
@@ -338,7 +315,7 @@ class TPWorkers:
             log.warning("tensor parallel: leaving the group failed: %s", exc)
 
     # -- watching ------------------------------------------------------------------------------------
-    def _wait_for(self, stage: str, timeout: float | None) -> None:
+    def wait_for(self, stage: str, timeout: float | None) -> None:
         """Block until every worker reported `stage`; RuntimeError when one fails, exits or the time runs out."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._reported[stage]) < len(self.processes):
@@ -383,18 +360,24 @@ class TPWorkers:
                         f"{process.exitcode}"
                     )
 
-    def _watch(self) -> None:
-        """Monitor thread: mark the group failed when a worker reports an error or exits, until `shutdown`."""
+    def wait_for_failure(self) -> str | None:
+        """Block until a worker reports an error or exits, or another node goes (what happened), or until
+        `shutdown` (None)."""
         while not self._closing:
             try:
                 self._poll(None)
             except RuntimeError as exc:
-                if not self._closing:
-                    self.tp.failure = self.tp.failure or str(exc)
-                    log.error("%s; no further step can run", exc)
-                return
+                return None if self._closing else str(exc)
             except (OSError, ValueError):  # the pipes were closed by shutdown
-                return
+                return None
+        return None
+
+    def _watch(self) -> None:
+        """Monitor thread: mark the group failed when a worker reports an error or exits, until `shutdown`."""
+        reason = self.wait_for_failure()
+        if reason is not None:
+            self.tp.failure = self.tp.failure or reason
+            log.error("%s; no further step can run", reason)
 
 
 def _watch_parent(watch: Connection) -> None:
@@ -411,7 +394,7 @@ def _watch_parent(watch: Connection) -> None:
     threading.Thread(target=run, name="gpullama-tp-parent", daemon=True).start()
 
 
-def _settings(spec: WorkerSpec, world_size: int) -> dict:
+def _settings(spec: ModelSpec, world_size: int) -> dict:
     """What every node must agree on (node 0 publishes its own; the others compare theirs)."""
     config = dataclasses.asdict(spec.engine_config)
     config.pop("num_blocks")  # each rank sizes its pool; the ranks then agree on the smallest
@@ -420,32 +403,25 @@ def _settings(spec: WorkerSpec, world_size: int) -> dict:
             **config}
 
 
-def _build_rank(spec: WorkerSpec, device: torch.device, tp: TensorParallel) -> ModelRunner:
-    """This rank's shard of the model, read from this machine's copy of the file, and its model runner."""
-    gguf_model = read_gguf(spec.path)
-    ops = select_ops(device, spec.dtype, spec.quantized_cpu)
-    model = Decoder(gguf_model.config, gguf_model.tensors, ops, spec.max_model_len, tp)
-    del gguf_model
-    return ModelRunner(model, spec.engine_config)
-
-
 def _announce(store: dist.Store, rank: int) -> None:
     """Tell node 0 that `rank` is about to join the group."""
     store.set(f"joined/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
 
 
-def run_headless(spec: WorkerSpec, world_size: int, rdzv: Rendezvous) -> None:
-    """A node other than 0: start its ranks (the first in this process), join node 0's group and follow its steps
-    until node 0 stops them (returns) or goes away (RuntimeError, or this process exits with status 1)."""
+def run_headless(args: EngineArgs) -> None:
+    """A node other than 0 (``gpullama-serve --headless``): start its ranks (the first in this process), each
+    loading its shard from this machine's copy of the model, join node 0's group and follow its steps until node 0
+    stops them (returns) or goes away (RuntimeError, or this process exits with status 1)."""
+    rdzv = Rendezvous.from_args(args)
+    world_size = max(args.tensor_parallel_size, rdzv.nnodes)
     if rdzv.node_rank == 0:
-        raise ValueError("node 0 serves: run it without --headless")
+        raise ValueError("--headless is for the nodes other than 0 (--node-rank 1 and up): node 0 serves")
+    per_node = rdzv.ranks_per_node(world_size)
+    spec = ModelSpec.from_args(args, read_gguf(resolve_model(args.model)), world_size, per_node)
     node = rdzv.node_rank
     device = torch.device(spec.device)
-    per_node = rdzv.ranks_per_node(world_size)
     first = rdzv.first_rank(world_size)
     check_devices(device, per_node)
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
     store, host, port = rdzv.open_store(world_size)
     try:
         wanted = json.loads(store.get("settings"))
@@ -459,18 +435,18 @@ def run_headless(spec: WorkerSpec, world_size: int, rdzv: Rendezvous) -> None:
         message = f"the settings differ from node 0's: {'; '.join(differ)}"
         store.set(f"failed/{node}", message)
         raise RuntimeError(f"tensor parallel, node {node}: {message}")
-    workers = TPWorkers._spawn(spec, world_size, first, per_node, host, port, True)
+    workers = TPWorkers.spawn(spec, world_size, first, per_node, host, port, True)
     stopping = threading.Event()
     try:
-        workers._wait_for("joining", rdzv.timeout)
+        workers.wait_for("joining", rdzv.timeout)
         leader = socket.create_connection((rdzv.master_addr, int(store.get("watch_port"))), timeout=rdzv.timeout)
         leader.settimeout(None)
         leader.sendall(f"{node}\n".encode())
         _announce(store, first)
         tp = TensorParallel.join(first, world_size, store, device)
         workers.tp = tp
-        runner = _build_rank(spec, device, tp)
-        workers._wait_for("ready", rdzv.timeout)
+        runner = ModelRunner(build_model(spec, tp, device), spec.engine_config)
+        workers.wait_for("ready", rdzv.timeout)
     except BaseException as exc:
         try:
             store.set(f"failed/{node}", f"{type(exc).__name__}: {exc}")
@@ -490,14 +466,10 @@ def run_headless(spec: WorkerSpec, world_size: int, rdzv: Rendezvous) -> None:
             os._exit(1)
 
     def watch_workers() -> None:  # a local rank died: end this node, which node 0 sees as this node gone
-        try:
-            workers._poll(None)
-        except RuntimeError as exc:
-            if not stopping.is_set():
-                log.error("%s; node %d exits", exc, node)
-                os._exit(1)
-        except (OSError, ValueError):
-            pass
+        reason = workers.wait_for_failure()
+        if reason is not None and not stopping.is_set():
+            log.error("%s; node %d exits", reason, node)
+            os._exit(1)
 
     threading.Thread(target=watch_leader, name="gpullama-tp-node0", daemon=True).start()
     if workers.processes:
@@ -508,17 +480,14 @@ def run_headless(spec: WorkerSpec, world_size: int, rdzv: Rendezvous) -> None:
         runner.follow()
     finally:
         stopping.set()
-        workers._closing = True
-        for process in workers.processes:  # they got the same stop and leave on their own
-            process.join(timeout=STOP_TIMEOUT_S)
-        workers.shutdown()
+        workers.shutdown(stopped=True)  # they got the same stop and leave on their own
         leader.close()
         tp.leave()  # gloo's threads end here, not in the interpreter's teardown (which can abort the process)
     log.info("tensor parallel: node 0 stopped the group; node %d exits", node)
 
 
 def _worker_main(
-    rank: int, local_rank: int, world_size: int, host: str, port: int, prefixed: bool, spec: WorkerSpec,
+    rank: int, local_rank: int, world_size: int, host: str, port: int, prefixed: bool, spec: ModelSpec,
     watch: Connection, report: Connection
 ) -> None:
     """A worker process: join the group, build this rank's model and KV pool, then follow rank 0's steps."""
@@ -535,7 +504,7 @@ def _worker_main(
             _announce(store, rank)
         report.send(("joining", None))
         tp = TensorParallel.join(rank, world_size, store, device)
-        runner = _build_rank(spec, device, tp)
+        runner = ModelRunner(build_model(spec, tp, device), spec.engine_config)
         report.send(("ready", None))
         runner.follow()
         tp.leave()

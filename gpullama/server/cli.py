@@ -242,12 +242,12 @@ def _torchrun_rank() -> int:
 
 def _run_headless(engine_args: EngineArgs) -> int:
     """A node other than 0: follow node 0 until it stops the group (status 0) or fails (1, with the reason)."""
-    from gpullama.llm import run_headless_node
+    from gpullama.engine.tp_workers import run_headless
 
     log.info("gpullama-serve --headless: model %s, node %d of %d, node 0 at %s:%d", engine_args.model,
              engine_args.node_rank, engine_args.nnodes, engine_args.master_addr, engine_args.master_port)
     try:
-        run_headless_node(engine_args)
+        run_headless(engine_args)
     except ValueError as exc:
         return fail(str(exc))
     except RuntimeError as exc:
