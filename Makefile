@@ -34,6 +34,7 @@ generate: install
 
 test: install-test
 	$(PY) -m pip check
+	scripts/install-chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/gpullama pull $(MODEL)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -23,6 +23,7 @@ from .anthropic.messages import count_tokens, create_message
 from .http.body import JSONResponse
 from .http.errors import CHAT_NAMES, APIError, request_error, style_for_path
 from .http.middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
+from .http.root_path import RootPathMiddleware
 from .llamacpp import completion as llamacpp_completion
 from .llamacpp import props as llamacpp_props
 from .ollama import chat as ollama_chat
@@ -36,6 +37,7 @@ from .openai.responses.serving import create_response
 from .state import ServerConfig, ServerState
 from .vllm.health import health, metrics
 from .vllm.tokenization import detokenize, tokenize, version
+from .webui import serving as webui
 
 log = logging.getLogger("gpullama.server")
 
@@ -66,7 +68,9 @@ def routes() -> list[Route]:
         Route("/api/show", ollama_models.show, methods=["POST"]),
         Route("/api/ps", ollama_models.ps, methods=["GET"]),
         Route("/api/version", ollama_models.version, methods=["GET"]),
-        Route("/", ollama_models.root, methods=["GET", "HEAD"]),
+        # the chat page for a browser, Ollama's probe answer for every other client
+        Route("/", webui.root(ollama_models.root), methods=["GET", "HEAD"]),
+        Route("/assets/{name:path}", webui.asset, methods=["GET", "HEAD"]),
         # llama.cpp's native endpoints
         Route("/completion", llamacpp_completion.completion, methods=["POST"]),
         Route("/infill", llamacpp_completion.infill, methods=["POST"]),
@@ -124,12 +128,14 @@ LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
 
 
 def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:
-    """Outermost first: access log, request id and 500s, Host allow-list, CORS, API key.
+    """Outermost first: the path prefix (``--root-path``), access log, request id and 500s, Host allow-list, CORS,
+    API key.
 
     CORS comes before the key check (a browser's preflight carries no Authorization); it allows only the
     configured origins (none by default), so a preflight from any other gets Starlette's 400 "Disallowed CORS
     origin" and no answer carries an allow-origin header for it."""
-    stack = [Middleware(AccessLogMiddleware, metrics=state.metrics), Middleware(RequestIdMiddleware),
+    stack = [Middleware(RootPathMiddleware, root_path=config.root_path),
+             Middleware(AccessLogMiddleware, metrics=state.metrics), Middleware(RequestIdMiddleware),
              Middleware(TrustedHostMiddleware, allowed_hosts=config.host_patterns(), www_redirect=False)]
     origins = [o for o in config.allowed_origins if o != "localhost"]
     local = LOCAL_ORIGINS if "localhost" in config.allowed_origins else None

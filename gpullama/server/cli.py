@@ -20,6 +20,7 @@ from gpullama.hub import check_model
 
 from .engine_log import DEFAULT_INTERVAL_S
 from .http.connection import head_timeout_protocol
+from .http.root_path import normalize_root_path
 from .state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -124,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     security.add_argument("--allowed-origins", type=name_list, default=[],
                           help="comma-separated browser origins allowed by CORS, such as http://localhost:3000, or "
                           "'*' (default: none, CORS off)")
+    webui = p.add_argument_group("web UI (docs/webui.md)")
+    webui.add_argument("--no-webui", dest="webui", action="store_false",
+                       help="do not serve the chat page at / (a browser is then told where the API is)")
+    webui.add_argument("--root-path", type=normalize_root_path, default="", metavar="PREFIX",
+                       help="the path prefix a reverse proxy serves this server under, such as /llm: requests are "
+                       "accepted with or without it, and the chat page links below it (default: none)")
     p.add_argument("--headless", action="store_true",
                    help="a node other than 0 of multi-node tensor parallelism (--nnodes, --node-rank 1 and up): load "
                    "this machine's ranks and follow node 0's steps, without an HTTP server; implied by --node-rank > "
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
                           allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval,
-                          kv_events=args.kv_events_config)
+                          kv_events=args.kv_events_config, webui=args.webui, root_path=args.root_path)
     state = ServerState(config)
     from .app import create_app  # the routes load once the flags and the model reference are known good
 
@@ -210,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("gpullama.server").info("gpullama-serve: model %s, device %s, address http://%s:%d%s",
                                               args.model, args.device, args.host, args.port,
                                               " (API key required)" if args.api_key else "")
+    if config.webui:
+        shown = "127.0.0.1" if hosts[0].strip("[]") in ("0.0.0.0", "::") else hosts[0].strip("[]")
+        log.info("chat page: open http://%s:%d%s/ in a browser", f"[{shown}]" if ":" in shown else shown, args.port,
+                 config.root_path)
     if config.host_patterns() == ["*"]:
         log.info("accepting any Host header (bound to %s): pass --allowed-hosts to restrict it", args.host)
     startup_error = _LastError()

@@ -57,6 +57,8 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: off
     log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between engine status lines; 0: none
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's format) when enabled
+    webui: bool = True  # the chat page at / (--no-webui: off)
+    root_path: str = ""  # the path prefix a reverse proxy serves this server under (--root-path), such as /llm
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
