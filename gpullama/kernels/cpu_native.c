@@ -43,7 +43,7 @@ static inline int omp_get_num_threads(void) { return 1; }
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
