@@ -1,10 +1,11 @@
 /* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
    windows, soft caps, sinks), SwiGLU, GeGLU, the final soft cap, greedy argmax, mixture-of-experts blocks.
 
-Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp) and called
-through ctypes on float32 torch tensors. Every kernel computes each output row on its own, in an order that does
-not depend on the other rows of the batch, how many there are, or how the work is split between threads: a row
-gives bit-identical results alone or batched (what keeps greedy decoding the same alone and batched).
+Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp -Wall -Wextra; it
+builds without a warning under each of the flag sets `cpu_native.FLAG_SETS` tries) and called through ctypes on
+float32 torch tensors. Every kernel computes each output row on its own, in an order that does not depend on the
+other rows of the batch, how many there are, or how the work is split between threads: a row gives bit-identical
+results alone or batched (what keeps greedy decoding the same alone and batched).
 
 Vectors are 16 float lanes (`vf`): AVX-512, AVX2 (two halves) or plain C, picked at compile time; the lane
 arithmetic and the reduction tree are the same on all three.
@@ -33,11 +34,17 @@ format reads as many bytes as the GGUF blocks hold (Q4_K, Q5_K: 2-3% more, their
 */
 
 #include <math.h>
+/* GL_OMP(parallel for ...) is `#pragma omp parallel for ...` in a build with OpenMP, and nothing without it (the
+   kernels then run on one thread, and -Wall has no unknown pragma to warn of); a `threads` argument read only by
+   these directives is marked (void) for that build. */
+#define GL_PRAGMA(text) _Pragma(#text)
 #ifdef _OPENMP
 #include <omp.h>
+#define GL_OMP(...) GL_PRAGMA(omp __VA_ARGS__)
 #else
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
+#define GL_OMP(...)
 #endif
 #include <stdint.h>
 #include <stdlib.h>
@@ -599,7 +606,8 @@ static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
 static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, const int64_t *dest,
                           int threads) {
     int64_t G = K / 32;
-#pragma omp parallel for num_threads(threads) if (M * K >= 65536)
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) if (M * K >= 65536))
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             const float *v = x + m * ldx + 32 * g;
@@ -825,7 +833,7 @@ static void matmul_quantized(int fmt, const float *x, int64_t M, int64_t K, int6
     int64_t blocks = N / 16;
     matmul_bytes += blocks * w.G * w.block_bytes;
     if (blocks < 4 * threads && M < MT) threads = 1;
-#pragma omp parallel num_threads(threads)
+    GL_OMP(parallel num_threads(threads))
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         run(&w, x, ldx, xq, M, blocks * t / nt, blocks * (t + 1) / nt, y, ldy);
@@ -902,7 +910,8 @@ void gl_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *ou
 /* h [T, H] += residual (when not NULL), in place; out [T, H] = h * rsqrt(mean(h^2) + eps) * weight */
 void gl_rms_norm(float *h, const float *residual, const float *weight, float eps, int64_t T, int64_t H, float *out,
                  int threads) {
-#pragma omp parallel for num_threads(threads) if (T * H >= 32768)
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) if (T * H >= 32768))
     for (int64_t t = 0; t < T; t++) {
         float *row = h + t * H;
         const float *res = residual ? residual + t * H : NULL;
@@ -999,7 +1008,8 @@ void gl_rope_and_cache(float *q, int64_t ldq, float *k, int64_t ldk, const float
                        int64_t Hq, int64_t Hk, int64_t D, int64_t R, const float *cos_sin, const int64_t *positions,
                        const int64_t *slots, int64_t block_size, int kvt, void *k_cache, void *v_cache, int threads) {
     int64_t rb = kv_row_bytes(kvt, D);
-#pragma omp parallel for num_threads(threads) if (T >= 64)
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) if (T >= 64))
     for (int64_t t = 0; t < T; t++) {
         const float *cs = cos_sin + positions[t] * R;
         for (int64_t h = 0; h < Hq; h++) rotate(q + t * ldq + h * D, cs, R / 2);
@@ -1029,7 +1039,8 @@ void gl_rope_and_cache(float *q, int64_t ldq, float *k, int64_t ldk, const float
 
 /* out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate first) */
 void gl_silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads) {
-#pragma omp parallel for num_threads(threads) if (T * I >= 65536)
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) if (T * I >= 65536))
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; i += 16) {
@@ -1044,7 +1055,8 @@ void gl_silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int thr
 /* out [T, I] = gelu_tanh(gate) * up for gate_up [T, 2I] (gate first), with gelu_tanh(g) = g (1 + tanh y) / 2 =
    g / (1 + e^(-2y)), y = sqrt(2 / pi) (g + 0.044715 g^3) (the exponent is clamped: no overflow) */
 void gl_gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads) {
-#pragma omp parallel for num_threads(threads) if (T * I >= 65536)
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) if (T * I >= 65536))
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; i += 16) {
@@ -1059,7 +1071,8 @@ void gl_gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, in
 
 /* x [T, n] (row stride ldx) in place: x * scale, then cap * tanh(x / cap) when cap > 0 (final logits) */
 void gl_soft_cap(float *x, int64_t T, int64_t n, int64_t ldx, float scale, float cap, int threads) {
-#pragma omp parallel for num_threads(threads) if (T * n >= 65536)
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) if (T * n >= 65536))
     for (int64_t t = 0; t < T; t++) {
         float *row = x + t * ldx;
         for (int64_t i = 0; i < n; i += 16) {
@@ -1374,17 +1387,17 @@ int gl_attention_sinks(int kvt, const float *q, int64_t ldq, const void *k_cache
         if (!parts) return -1;
     }
     int failed = 0;
-#pragma omp parallel num_threads(threads)
+    GL_OMP(parallel num_threads(threads))
     {
         float *scores = attn_scratch(0, sizeof(float) * (TILE_ROWS * KV_CHUNK + (split ? 0 : max_chunks * row_floats)));
         if (!scores) {
-#pragma omp atomic write
+            GL_OMP(atomic write)
             failed = 1;
         }
         float *own = scores + TILE_ROWS * KV_CHUNK; /* this thread's partials of one tile */
         const float *qr[TILE_ROWS];
         int64_t n[TILE_ROWS], lo[TILE_ROWS];
-#pragma omp for schedule(dynamic)
+        GL_OMP(for schedule(dynamic))
         for (int64_t u = 0; u < units; u++) {
             if (!scores) continue;
             int64_t tu = u, c_from, c_to;
@@ -1414,7 +1427,7 @@ int gl_attention_sinks(int kvt, const float *q, int64_t ldq, const void *k_cache
             if (!split) merge_tile(&t, own, R, n, lo, D, Hq, query_start[t.b], sinks, out);
         }
         if (split) {
-#pragma omp for schedule(static)
+            GL_OMP(for schedule(static))
             for (int64_t u = 0; u < tiles; u++) {
                 if (failed) continue;
                 tile_t t = tile_of(u, first, B, query_start, seq_lens, Hk, G, nh, np, head_tiles, window);
@@ -1465,7 +1478,8 @@ static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *
     int64_t K = ex->w.K, blocks = ex->N / 16, total = 0;
     for (int64_t a = 0; a < n_active; a++) total += blocks * (start[active[a] + 1] - start[active[a]] + MT);
     if (n_active * blocks < 2) threads = 1;
-#pragma omp parallel num_threads(threads)
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel num_threads(threads))
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t lo = total * t / nt, hi = total * (t + 1) / nt, at = 0; /* this thread's blocks start in [lo, hi) */
@@ -1551,7 +1565,7 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
         if (!buf) return -1;
         xq = xq_over(buf, Pp, H);
         int64_t G = H / 32;
-#pragma omp parallel for num_threads(threads) if (P * H >= 65536)
+        GL_OMP(parallel for num_threads(threads) if (P * H >= 65536))
         for (int64_t r = 0; r < P; r++)
             for (int64_t g = 0; g < G; g++) {
                 int64_t from = xq_rec(pair[r] / k, G, g), to = xq_rec(prow[r], G, g);
@@ -1560,13 +1574,13 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
                 xq.s[2 * to] = tq.s[2 * from], xq.s[2 * to + 1] = tq.s[2 * from + 1];
             }
     } else {
-#pragma omp parallel for num_threads(threads) if (P * H >= 65536)
+        GL_OMP(parallel for num_threads(threads) if (P * H >= 65536))
         for (int64_t r = 0; r < P; r++) memcpy(xs + r * H, x + (pair[r] / k) * H, sizeof(float) * H);
     }
     experts_matmul(&ex1, xs, &xq, start, pstart, active, n_active, y1, N1, threads);
 
     /* bias and activation: xs [P, I] */
-#pragma omp parallel for num_threads(threads) if (P * I >= 65536)
+    GL_OMP(parallel for num_threads(threads) if (P * I >= 65536))
     for (int64_t r = 0; r < P; r++) {
         int64_t e = ids[pair[r]];
         float *g = y1 + r * N1, *u = g + I, *h = xs + r * I;
@@ -1591,7 +1605,7 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
     experts_matmul(&ex2, xs, &hq, start, pstart, active, n_active, y2, N2, threads);
 
     /* out[t] = sum over j in order of wts[t, j] * (y2 + b2) */
-#pragma omp parallel for num_threads(threads) if (T * H * k >= 65536)
+    GL_OMP(parallel for num_threads(threads) if (T * H * k >= 65536))
     for (int64_t t = 0; t < T; t++) {
         float *o = out + t * H;
         for (int64_t i = 0; i < H; i += 16) {

@@ -1,10 +1,10 @@
 """The CPU kernels of `cpu_native.c`, compiled once per machine and called through ctypes on float32 tensors.
 
 The first `library()` call compiles the C file with the system's C compiler (``$CC``, else ``cc``; ``-O3
--march=native -fopenmp``) into a cache directory (``$GPULLAMA_KERNEL_CACHE``, else ``~/.cache/gpullama/kernels``),
-keyed by the source, the compiler and the CPU, so later processes load it in milliseconds; without a working
-compiler it returns None and `build_error()` says why (the caller falls back to the torch path). The library
-links the OpenMP runtime torch has already loaded, so both share one thread pool.
+-march=native -fopenmp -Wall -Wextra``, see `FLAG_SETS`) into a cache directory (``$GPULLAMA_KERNEL_CACHE``, else
+``~/.cache/gpullama/kernels``), keyed by the source, the compiler, the flags and the CPU, so later processes load it
+in milliseconds; without a working compiler it returns None and `build_error()` says why (the caller falls back to
+the torch path). The library links the OpenMP runtime torch has already loaded, so both share one thread pool.
 
 Leaf code: imports torch and the standard library only. Every function takes contiguous float32 CPU tensors
 (integer metadata as noted) and writes into the output it is given; shapes are checked by the caller.
@@ -62,6 +62,12 @@ _SIGNATURES = {
 _RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder")
 ACT_SILU, ACT_SWIGLU_OAI = 0, 1
 """Expert activations of `moe`: SwiGLU, and gpt-oss's clamped SwiGLU."""
+FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
+"""What `library()` tries in turn, the first that builds and loads winning: -march=native for the vector units this
+CPU has, OpenMP for threads (without it the kernels run on one)."""
+WARNINGS = ("-Wall", "-Wextra")
+"""On every build: the source compiles without a warning under each of `FLAG_SETS` (a test builds it with -Werror);
+a compiler's warnings are logged at info level."""
 
 
 
@@ -130,15 +136,22 @@ def _cpu_identity() -> bytes:
         return f"{platform.machine()} {platform.processor()}".encode()
 
 
-def _compile(cc: str, flags: list[str], out: Path) -> None:
+def _command(cc: str, flags: list[str] | tuple[str, ...], target: Path) -> list[str]:
+    """The compiler command that builds the source into the shared library `target`."""
+    return [cc, *flags, "-shared", "-fPIC", "-std=gnu11", str(SOURCE), "-o", str(target), "-lm"]
+
+
+def _compile(cc: str, flags: list[str] | tuple[str, ...], out: Path) -> None:
     """Compile the source into `out` (atomically: a half-written file is never seen by another process)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
-        cmd = [cc, *flags, "-shared", "-fPIC", "-std=gnu11", str(SOURCE), "-o", str(target), "-lm"]
+        cmd = _command(cc, flags, target)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        if proc.stderr.strip():
+            log.info("the C compiler warned (%s): %s", " ".join(flags), proc.stderr.strip()[-2000:])
         os.replace(target, out)
 
 
@@ -148,8 +161,8 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     errors = []
-    # -march=native for the vector units this CPU has; OpenMP for threads (without it the kernels run on one)
-    for flags in (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"]):
+    for flag_set in FLAG_SETS:
+        flags = [*flag_set, *WARNINGS]
         key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode() + _cpu_identity())
         path = cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
         try:
