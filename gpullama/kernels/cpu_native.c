@@ -12,25 +12,43 @@ arithmetic and the reduction tree are the same on all three.
 
 Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is cut into groups of 32 values, each
 rounded to integers Q = round(x / d), d = max |x| / 32258, held as 256 hi + lo (two int8); per group and weight
-row the integer dot product of Q with the values u + offset (u unsigned, the offset the type's: -8 for Q4_0, -16
-for Q5_0, -32 for Q6_K, -128 for Q8_0's bytes read as q + 128) is exact in int32 (AVX512-VNNI, AVX2 or plain C),
-and y accumulates (scale * d) * dot + (zero * d) * sum(Q), group after group, 16 weight rows in the 16 lanes of
-one accumulator. Float formats: FMAs value after value. Tiles of up to 8 rows of x share each block's unpacked
-weights; threads split the weight rows; a row's arithmetic is the same in any tile.
+row the integer dot product of Q with the values u + offset (u unsigned, the offset the type's: see the table below)
+is exact in int32 (AVX512-VNNI, AVX2 or plain C), and y accumulates (scale * d) * dot + (zero * d) * sum(Q), group
+after group, 16 weight rows in the 16 lanes of one accumulator. Float formats: FMAs value after value. Tiles of up
+to 8 rows of x share each block's unpacked weights; threads split the weight rows; a row's arithmetic is the same in
+any tile.
 
-Weight formats: rows in groups of 16 (N padded with rows of zeros); a group is one contiguous stream of units
-along K, so the weights are read front to back. A unit covers 32 values (256 for the K-quants, K a multiple of
-it). The 16 rows' values of each 32 come in chunks of 4 (chunk c of every row, then chunk c + 1):
-- 4, 5, 6 bits (Q4_0, Q4_1, Q4_K, MXFP4; Q5_0, Q5_1, Q5_K; Q6_K): 256 bytes of nibbles (byte k of a row: value k in
-  the low nibble, value k + 16 in the high one), then 1 or 2 bit planes of 64 bytes (see unpack_values); MXFP4's
-  nibbles are its E2M1 codes, read through a 16-entry table (mxfp4_u);
-- 8 bits (Q8_0): 32 bytes a row, its signed quants;
-- F16: 32 float16, F32: 32 float, value k of the 16 rows then value k + 1.
-Then each type's own fields, 16 rows a field: Q4_0, Q5_0, Q8_0: d (float16); Q4_1, Q5_1: d, m; MXFP4: its E8M0
-exponent byte; after the 8 value sections of a K-quant unit, Q4_K and Q5_K: sc [8][16] and mn [8][16] (the 6-bit
-sub-scales as bytes), d, dmin (float16); Q6_K: sc [16][16] (int8), d. A value is (u + offset) * scale + zero: the
-K-quants' scale d * sc and zero -dmin * mn, MXFP4's 2^(e - 128), exact in float32 as in gguf's dequantizers; each
-format reads as many bytes as the GGUF blocks hold (Q4_K, Q5_K: 2-3% more, their 6-bit sub-scales held as bytes).
+Weight formats. This is their one description: `gpullama/ops/cpu_weights.py` writes them from GGUF blocks, and the
+docs point here. A matrix W [N, K] is uint8 blocks [N / 16][units][unit bytes]: rows in groups of 16 (N padded with
+rows of zero bytes, whose scales are 0); a group is one contiguous stream of units along K, so the weights are read
+front to back. A unit covers 32 values (256 for the K-quants, their super-blocks: K a multiple of it), and holds:
+- the values, 32 at a time (8 sections of 32 in a K-quant unit); the 16 rows' values of each 32 come in chunks of 4
+  (chunk c of every row, then chunk c + 1):
+  - 4, 5, 6 bits (Q4_0, Q4_1, Q4_K, MXFP4; Q5_0, Q5_1, Q5_K; Q6_K): 256 bytes of nibbles (byte k of a row: value k
+    in the low nibble, value k + 16 in the high one), then 1 or 2 bit planes (bits 4 and 5) of 64 bytes each (the
+    words unpack_values reads); MXFP4's nibbles are its E2M1 codes, read through a 16-entry table (mxfp4_u);
+  - 8 bits (Q8_0): 32 bytes a row, its signed quants q;
+  - F16: 32 float16, F32: 32 float, value k of the 16 rows then value k + 1;
+- then the type's fields (after all 8 value sections in a K-quant unit), in the table's order, each one entry a row
+  (16 entries; a K-quant's sc and mn [sub-block][row]): d, m, dmin float16; sc and mn a byte each (Q4_K, Q5_K: the
+  6-bit sub-scales, 0 .. 63; Q6_K: int8); e, MXFP4's E8M0 exponent byte.
+A value is (u + offset) * scale + zero, u the unsigned value held, in one rounding (an FMA), which is gguf's float32
+dequantizer bit for bit: its d * q is exact in float32 for every type, as are the K-quants' d * sc and dmin * mn and
+MXFP4's power of two times its doubled values (small integers). Per type, with the bytes a weight of this format and
+of the GGUF file (Q4_K and Q5_K: 2-3% more, their 6-bit sub-scales held as bytes; BF16 is widened to float32):
+
+  type   values held             offset  scale          zero        bytes/weight (file)  fields, in order
+  Q4_0   4 bits                  -8      d                          0.5625 (0.5625)      d
+  Q4_1   4 bits                          d              m           0.625 (0.625)        d, m
+  Q5_0   4 bits + 1 plane        -16     d                          0.6875 (0.6875)      d
+  Q5_1   4 bits + 1 plane                d              m           0.75 (0.75)          d, m
+  Q8_0   q, as u = q + 128       -128    d                          1.0625 (1.0625)      d
+  Q4_K   4 bits                          d * sc per 32  -dmin * mn  0.578 (0.5625)       sc [8][16], mn [8][16], d, dmin
+  Q5_K   4 bits + 1 plane                d * sc per 32  -dmin * mn  0.703 (0.6875)       as Q4_K
+  Q6_K   4 bits + 2 planes       -32     d * sc per 16              0.8203 (0.8203)      sc [16][16], d
+  MXFP4  code, u = 2 value + 12  -12     2^(e - 128)                0.53125 (0.53125)    e
+  F16    float16                                                    2 (2)
+  F32    float32 (F32, BF16)                                        4 (4; BF16: 2)
 */
 
 #include <math.h>

@@ -215,7 +215,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def matmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 16, units, unit bytes]`` uint8
-    (units of 32 values, of 256 for the K-quants); `out` may be a column slice of a wider matrix."""
+    (units of 32 values, of 256 for the K-quants; the format is described at the top of `cpu_native.c`); `out` may
+    be a column slice of a wider matrix."""
     if _lib.gl_matmul(fmt, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
                       16 * blocks.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads()):
         raise MemoryError(f"no memory for the int8 copy of a {tuple(x.shape)} matmul input")
@@ -322,7 +323,7 @@ def moe(
 ) -> torch.Tensor:
     """A MoE block: ``out [T, H]`` = for each row t, the sum over j (in order) of ``weights[t, j]`` times expert
     ``ids[t, j]`` (int64 ``[T, k]``) applied to ``x[t]``. `gate_up` and `down` are (fmt,
-    blocks ``[E, N / 16, K / 32, block bytes]``) as `matmul` reads them: expert e's gate rows 0 .. I-1 and up rows
+    blocks ``[E, N / 16, units, unit bytes]``) as `matmul` reads them: expert e's gate rows 0 .. I-1 and up rows
     I .. 2I-1 (`intermediate` = I) of K = H values, its down rows of I values; biases float32 ``[E, 2I]`` and
     ``[E, H]`` or None; `act` ACT_SILU or ACT_SWIGLU_OAI (with `alpha`, `limit`)."""
     (f1, w1), (f2, w2) = gate_up, down

@@ -1,33 +1,10 @@
 """CPU weight formats of the fast path: each GGUF matrix repacked once at load for the kernels of
 `gpullama.kernels.cpu_native`, which dequantize it on the fly, exactly as gguf's dequantizers do.
 
-Each type keeps its own width and its own scale fields (issue 23): a value is ``(u + offset) * scale + zero`` with
-``u`` the unsigned quant, computed in one fused multiply-add, which rounds once as gguf's float32 dequantizers do
-(their ``d * q`` is exact in float32 for every type), so the weights the kernels multiply by are bit-identical to
-`gpullama.quants.dequantize`. Per type (``d``, ``m``, ``dmin``, ``sc``, ``mn`` the block's fields as in
-`gpullama.quants`):
-
-| GGUF type | format | values held | offset | scale | zero | bytes/weight (GGUF) |
-| --- | --- | --- | ---: | --- | --- | --- |
-| Q4_0 | FMT_Q4_0 | 4-bit | -8 | d (float16) | | 0.5625 (0.5625) |
-| Q4_1 | FMT_Q4_1 | 4-bit | | d | m (float16) | 0.625 (0.625) |
-| Q5_0 | FMT_Q5_0 | 4-bit + 1 bit plane | -16 | d | | 0.6875 (0.6875) |
-| Q5_1 | FMT_Q5_1 | 4-bit + 1 bit plane | | d | m | 0.75 (0.75) |
-| Q8_0 | FMT_Q8_0 | its int8 bytes | | d | | 1.0625 (1.0625) |
-| Q4_K | FMT_Q4_K | 4-bit | | d * sc per 32 | -dmin * mn | 0.578 (0.5625) |
-| Q5_K | FMT_Q5_K | 4-bit + 1 bit plane | | d * sc per 32 | -dmin * mn | 0.703 (0.6875) |
-| Q6_K | FMT_Q6_K | 4-bit + 2 bit planes | -32 | d * sc per 16 (int8 sc) | | 0.8203 (0.8203) |
-| MXFP4 | FMT_MXFP4 | 4-bit E2M1 code, read as its doubled value + 12 | -12 | e8m0 / 2 (its byte) | | 0.53125 (0.53125) |
-| F16 | FMT_F16 | float16 | | | | 2 |
-| BF16, F32 | FMT_F32 | float32 (exact) | | | | 4 |
-
-The K-quants' units are 256 values (their super-blocks): 8 groups of 32 values, then the sub-scales (Q4_K/Q5_K's
-6-bit sc and mn held as one byte each: the 2-3% above the file), then d (and dmin), as float16; the kernel forms
-``d * sc`` (exact in float32) per group. MXFP4 keeps its E8M0 exponent byte; the kernel forms the power of two
-``2^(e - 128)`` exactly, and its values are small integers, so ``(u - 12) * scale`` is exact too.
-
-The kernels read rows 16 at a time: each 16 rows are stored as one stream of units (see the top of
-`cpu_native.c`); rows are padded with rows of zero bytes (scales 0) to a multiple of 16.
+Each type keeps its own width and its own scale fields (issue 23), so the weights the kernels multiply by are
+bit-identical to `gpullama.quants.dequantize`. The format (the units of 16 rows, each type's values, offset, scale,
+zero and fields, its bytes a weight) is described once, at the top of `gpullama/kernels/cpu_native.c`; this module
+writes it.
 """
 
 from __future__ import annotations
