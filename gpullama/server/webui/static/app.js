@@ -244,6 +244,7 @@ async function persist(conversation) {
   if (!state.conversations.includes(conversation)) state.conversations.unshift(conversation);
   state.conversations.sort((a, b) => b.updated - a.updated);
   drawList();
+  $("export-chat").disabled = !state.current?.messages.length;
 }
 
 function openConversation(conversation) {
