@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 import ray
@@ -18,6 +19,42 @@ from gpullama.integrations.ray import ForwardedRequest, build_app
 from tests.server.conftest import free_port
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
+# How long the fixture and the test wait for what Ray starts (the proxy, a replacement replica): a ceiling for a
+# busy machine, not a pause; each wait ends as soon as its condition holds.
+STARTUP_DEADLINE_S = 300
+# Ray Serve's controller kills its HTTP proxy, and starts another, when the proxy's ready check has timed out 3 times
+# in a row; each check waits RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, 5 s by default (ray-project/ray#39716). On a busy
+# machine the proxy's start-up (its imports, uvicorn) outlasts that (31 s beside two busy loops on 2 cores): the
+# proxy that serve.start waits on is killed and serve.start raises ActorDiedError. The controller reads the knob
+# from its environment, which it inherits from the processes ray.init starts.
+PROXY_READY_CHECK_TIMEOUT_S = 60
+
+
+def _start_serve(port: int) -> None:
+    """`serve.start`, once more if the first gave up on the proxy. serve.start waits for the proxy at most Ray's
+    fixed HTTP_PROXY_TIMEOUT (60 s, no knob), and raises ActorDiedError if the proxy it waits on was replaced
+    anyway; in both cases the controller is up and keeps starting the proxy, so a second serve.start connects to it
+    (the caller then waits for the proxy's /-/healthz)."""
+    options = {"http_options": {"host": "127.0.0.1", "port": port}}
+    try:
+        serve.start(**options)
+    except (TimeoutError, ray.exceptions.RayActorError):
+        serve.start(**options)
+
+
+def _wait_for_proxy(base_url: str) -> None:
+    """Until Ray's HTTP proxy answers its own health check (it routes the app from then on)."""
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    while True:
+        try:
+            answer = httpx.get(f"{base_url}/-/healthz", timeout=10)
+            if answer.status_code == 200:
+                return
+            seen = f"{answer.status_code} {answer.text[:200]}"
+        except httpx.TransportError as exc:
+            seen = repr(exc)
+        assert time.monotonic() < deadline, f"Ray's proxy not healthy after {STARTUP_DEADLINE_S}s: {seen}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +62,14 @@ def ray_app(tiny_model):
     """Ray (2 CPUs) with 2 replicas of the tiny Granite, one thread each; the proxy's base URL."""
     path = tiny_model("granite", "F32").path
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    with pytest.MonkeyPatch.context() as env:  # for Ray's processes, which keep the environment they start with
+        env.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _start_serve(port)
         serve.run(build_app({"model": str(path), "device": "cpu", "dtype": "float32", "threads": 1},
                             num_replicas=2), route_prefix="/")
+        _wait_for_proxy(f"http://127.0.0.1:{port}")
         yield path, f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -63,24 +103,31 @@ def test_streams_through_the_proxy_with_prefix_affinity_and_survives_a_killed_re
     before = _replicas()
     assert len(before) == 2
     outcome: list = []
+    streaming = threading.Event()
 
     def long_stream() -> None:
         try:
             s = client.completions.create(model=model, prompt=prompt, max_tokens=150, temperature=0,
                                           extra_body={"ignore_eos": True}, stream=True)
-            outcome.append(sum(1 for _ in s))
+            count = 0
+            for _ in s:
+                count += 1
+                streaming.set()
+            outcome.append(count)
         except Exception as exc:  # noqa: BLE001 - the stream of the killed replica may end with an error
             outcome.append(exc)
+        finally:
+            streaming.set()
 
     runner = threading.Thread(target=long_stream)
     runner.start()
-    time.sleep(0.5)  # mid-stream
+    assert streaming.wait(timeout=60), "the long stream sent nothing"  # mid-stream: its first chunk has come
     for name in before:  # the replica that holds the prompt's prefix: the one serving the stream
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         break
     runner.join(timeout=60)
     assert outcome, "the stream of a killed replica hung"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
     while True:  # the controller starts a replacement
         now = _replicas()
         status = serve.status().applications["default"].deployments["GpullamaReplica"].status
