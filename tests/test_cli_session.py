@@ -4,12 +4,14 @@ arguments checked before loading, Hugging Face references resolved from a pre-fi
 from __future__ import annotations
 
 import os
+import platform
 import pty
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,29 @@ import pytest
 from tests.test_cli import assert_one_line_error, gpullama, info_rows
 
 WAIT_S = 120
+# The system calls a thread waiting for a key sleeps in (select, poll and their p-forms), by machine; glibc's select
+# is pselect6 on most.
+WAIT_FOR_INPUT_SYSCALLS = {"x86_64": {7, 23, 270, 271}, "aarch64": {72, 73}}.get(platform.machine(), set())
+
+
+def waits_for_input(pid: int) -> bool | None:
+    """Whether the process's main thread sleeps waiting for input (in select or poll): True, False, or None when
+    this kernel shows neither where it sleeps nor which system call it is in."""
+    with open(f"/proc/{pid}/wchan") as f:
+        wchan = f.read()
+    if "poll" in wchan or "select" in wchan:
+        return True
+    if wchan != "0":  # asleep somewhere else
+        return False
+    # "0": running, or a kernel that hides where tasks sleep; the system call it is in tells them apart
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            call = f.read().split()[0]
+    except (OSError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return False if state == "R" else None
+    return call != "running" and int(call) in WAIT_FOR_INPUT_SYSCALLS
 
 
 class Terminal:
@@ -31,13 +56,13 @@ class Terminal:
             os.execvpe(sys.executable, [sys.executable, "-m", "gpullama.cli", *args], {**os.environ, **(env or {})})
         self.output = ""
 
-    def read_until(self, needle: str, timeout: float = WAIT_S) -> str:
-        """Read until `needle` appears after what was already consumed; returns the text up to and including it."""
+    def _read_until_seen(self, seen: Callable[[], bool], what: str, timeout: float) -> None:
+        """Read the child's output until `seen()` holds."""
         deadline = time.monotonic() + timeout
-        while needle not in self.output:
+        while not seen():
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{needle!r} not seen in {timeout}s; output so far:\n{self.output[-3000:]}")
+                raise AssertionError(f"{what} not seen in {timeout}s; output so far:\n{self.output[-3000:]}")
             ready, _, _ = select.select([self.fd], [], [], min(left, 1.0))
             if ready:
                 try:
@@ -45,11 +70,20 @@ class Terminal:
                 except OSError:  # the child closed the terminal
                     chunk = b""
                 if not chunk:
-                    raise AssertionError(f"{needle!r} not seen before exit; output:\n{self.output[-3000:]}")
+                    raise AssertionError(f"{what} not seen before exit; output:\n{self.output[-3000:]}")
                 self.output += chunk.decode(errors="replace")
+
+    def read_until(self, needle: str, timeout: float = WAIT_S) -> str:
+        """Read until `needle` appears after what was already consumed; returns the text up to and including it."""
+        self._read_until_seen(lambda: needle in self.output, repr(needle), timeout)
         head, _, rest = self.output.partition(needle)
         self.output = rest
         return head + needle
+
+    def read_some_text(self, timeout: float = WAIT_S) -> None:
+        """Read until some text (not only line breaks or blanks) follows what was already consumed; it stays
+        unconsumed."""
+        self._read_until_seen(lambda: bool(self.output.strip()), "text", timeout)
 
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
@@ -61,17 +95,16 @@ class Terminal:
         no timeout), so the key typed at once would be lost."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with open(f"/proc/{self.pid}/wchan") as f:
-                wchan = f.read()
-            if "poll" in wchan or "select" in wchan:
+            waiting = waits_for_input(self.pid)
+            if waiting:
                 return
-            if wchan == "0":  # a kernel that hides where tasks sleep: give it what a person's reaction takes
+            if waiting is None:  # a kernel that hides where tasks sleep: give it what a person's reaction takes
                 time.sleep(0.5)
                 return
             time.sleep(0.01)
         raise AssertionError(f"not waiting for input after {timeout}s; output:\n{self.output[-3000:]}")
 
-    def wait(self, timeout: float = 30) -> int:
+    def wait(self, timeout: float = WAIT_S) -> int:
         """The exit status once the process ends (draining its output meanwhile)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -102,7 +135,7 @@ def test_chat_at_a_terminal(default_model_path: Path) -> None:
     assert "system prompt set" in term.read_until("> ")
     term.type("Tell me a long story about a lighthouse keeper.\n")
     term.read_until("Tell me a long story about a lighthouse keeper.")  # the echo of the typed line
-    time.sleep(1.0)  # some of the 400 tokens are out by now, far from all
+    term.read_some_text()  # the answer has begun: some of the 400 tokens are out, far from all
     term.type("\x03")
     assert "[stopped]" in term.read_until("> ")
     term.type("/nonsense\n")
