@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from gpullama import LLM
 from gpullama.engine.kv_events import KVEventPublisher, KVEventsConfig
@@ -61,6 +62,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def subscriber(endpoint: str, topic: bytes = b"kv", timeout: float = 60.0) -> zmq.Socket:
+    """A SUB socket on `endpoint`, returned once its connection has shaken hands with the publisher. ZMQ queues
+    the subscription at connect and sends it right after the handshake, so what is published from then on reaches
+    it: no sleep for ZMQ's slow joiner."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(endpoint)
+        assert monitor.poll(timeout * 1000), f"no connection to {endpoint} in {timeout}s"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
+    return sub
 
 
 def _receive(sub: zmq.Socket, until_seq: int, timeout: float = 10.0) -> dict[int, KVEventBatch]:
@@ -138,10 +156,7 @@ def test_events_rebuild_the_prefix_cache_and_the_replay_resends_them(tiny_llm: L
     """Stored blocks chain to their parents and hold the prompts' tokens; evictions remove them; the router's view
     (events decoded with vLLM's types) equals the engine's prefix cache, live and from the replay."""
     pub, endpoint, replay_endpoint = publisher
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.connect(endpoint)
-    time.sleep(0.3)  # a subscriber joins late (ZMQ's slow joiner): it misses message 0, AllBlocksCleared
+    sub = subscriber(endpoint)  # it joins after message 0, AllBlocksCleared (sent as the publisher started)
     engine = make_engine(tiny_llm, num_blocks=20, max_num_seqs=2)
     engine.block_manager.event_sink = pub.record
     gen = torch.Generator().manual_seed(11)
@@ -159,11 +174,12 @@ def test_events_rebuild_the_prefix_cache_and_the_replay_resends_them(tiny_llm: L
     engine_view = {h & ((1 << 64) - 1): bm.blocks[b].token_ids for h, b in bm.cached.items()}
     assert set(stored_before) - set(bm.cached), "the test meant to evict cached blocks"
 
-    deadline = time.monotonic() + 10
-    while pub._next_seq == 0 or not pub._queue.empty():  # every event sent
+    deadline = time.monotonic() + 60
+    while pub._next_seq == 0 or not pub._queue.empty():  # every event taken by the publisher's thread
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    time.sleep(0.1)
+    # that thread answers a replay only between batches, so an answer means the last batch is sent and counted
+    assert _replay(replay_endpoint, 1 << 62) == {}
     last = pub._next_seq - 1
     live = _receive(sub, last)
     sub.close(linger=0)

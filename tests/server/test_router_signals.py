@@ -10,10 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.test_kv_events import DECODER, BlockStored
+from tests.engine.test_kv_events import DECODER, BlockStored, subscriber
 from tests.server.conftest import free_port, start_server, stop_server
 from tests.server.helpers import API_KEY
 
@@ -47,10 +46,7 @@ def _value(samples: dict[str, list], name: str) -> float:
 
 def test_protocol_gauges_and_kv_events(events_server) -> None:
     srv, endpoint = events_server
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.connect(endpoint)
-    time.sleep(0.3)  # joined before any request
+    sub = subscriber(endpoint)  # joined before any request
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=srv.base_url, timeout=60, headers=headers) as http:
         idle = _samples(http.get("/metrics").text)
@@ -75,7 +71,7 @@ def test_protocol_gauges_and_kv_events(events_server) -> None:
                 pass
 
     stored: list[BlockStored] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while sum(len(e.block_hashes) for e in stored) < 3:
         assert time.monotonic() < deadline, f"events so far: {stored}"
         if sub.poll(100):
