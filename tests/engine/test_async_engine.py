@@ -37,13 +37,17 @@ def async_engine(tiny_llm: LLM) -> Iterator[AsyncEngine]:
     engine.shutdown()
 
 
-def wait_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
-    """Wait until the engine thread has drained every command and request."""
+def wait_idle(engine: AsyncEngine, timeout_s: float = 60.0) -> None:
+    """Wait until the engine thread has drained every command and request, and has come back to the top of its
+    loop (so no step is in progress)."""
     deadline = time.monotonic() + timeout_s
     while engine.engine.has_work() or engine.num_running or engine.num_waiting or not engine._commands.empty():
         assert time.monotonic() < deadline, "the engine still has work long after every stream ended"
         time.sleep(0.01)
-    time.sleep(0.05)  # let a step in progress finish
+    engine.abort("wait-idle: no such request")  # a no-op command: the thread takes it between steps
+    while not engine._commands.empty():
+        assert time.monotonic() < deadline, "the engine thread does not come back to take its commands"
+        time.sleep(0.01)
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int], cancel: bool) -> list[StreamDelta]:
