@@ -51,8 +51,9 @@ def test_cancelled_stream_stops_generation_and_the_next_request_works(http: http
             seen += line.startswith("data: ")
             if seen == 2:
                 break
-    # 4000 tokens would take minutes here; the engine must be idle again within a couple of seconds
-    deadline = time.monotonic() + 5
+    # 4000 tokens would take minutes here; the engine is idle again a step or two after the cancel (the ceiling
+    # leaves room for a busy machine and still stays far below those minutes)
+    deadline = time.monotonic() + 30
     while _metric(http, "gpullama_requests_running") > 0:
         assert time.monotonic() < deadline, "the cancelled request is still running"
         time.sleep(0.05)

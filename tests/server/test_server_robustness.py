@@ -32,10 +32,20 @@ def solo(http: httpx.Client) -> list[str]:
     return [http.post("/v1/completions", json=_good_body(p)).json()["choices"][0]["text"] for p in GOOD_PROMPTS]
 
 
-async def _stream(c: httpx.AsyncClient, body: dict, path: str = "/v1/completions") -> list:
-    async with c.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        lines = [line async for line in r.aiter_lines()]
+async def _stream(c: httpx.AsyncClient, body: dict, path: str = "/v1/completions",
+                  running: asyncio.Event | None = None) -> list:
+    """The stream's events; `running` is set once its first event has come (or once it has ended, however)."""
+    try:
+        async with c.stream("POST", path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200, await r.aread()
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if running is not None and line.startswith("data: "):
+                    running.set()
+    finally:
+        if running is not None:
+            running.set()
     events = []
     for line in lines:
         if line.startswith("data: "):
@@ -97,8 +107,9 @@ def test_poison_and_malformed_bodies_get_400_while_four_streams_finish_untouched
 
     async def run() -> tuple[list, list[httpx.Response]]:
         async with _client(server) as c:
-            streams = [asyncio.create_task(_stream(c, _good_body(p))) for p in GOOD_PROMPTS]
-            await asyncio.sleep(0.3)  # the streams are running
+            running = [asyncio.Event() for _ in GOOD_PROMPTS]
+            streams = [asyncio.create_task(_stream(c, _good_body(p), running=e)) for p, e in zip(GOOD_PROMPTS, running)]
+            await asyncio.gather(*(e.wait() for e in running))  # the streams are running
             answers = [await c.post(path, json=body) for path, body, _ in POISON]
             answers += [await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
                         for raw in RAW_POISON]
@@ -196,7 +207,7 @@ def test_mid_upload_disconnects_are_quiet_and_leave_the_server_fast(http: httpx.
     start = time.perf_counter()
     ok = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200 and time.perf_counter() - start < 5
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while server.log()[mark:].count("client disconnected during the upload") < 30:
         assert time.monotonic() < deadline, server.log()[mark:][-3000:]
         time.sleep(0.1)
@@ -211,7 +222,7 @@ def test_completed_streams_log_no_disconnect(http: httpx.Client, server) -> None
     for _ in range(3):
         with http.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
             assert sse_events(r)[-1] == "[DONE]"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while server.log()[mark:].count('"POST /v1/completions HTTP/1.1" 200') < 3:
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -228,7 +239,7 @@ def _metrics(http: httpx.Client) -> dict[str, float]:
     return samples
 
 
-def _wait_metric(http: httpx.Client, name: str, check, timeout: float = 10) -> float:
+def _wait_metric(http: httpx.Client, name: str, check, timeout: float = 30) -> float:
     deadline = time.monotonic() + timeout
     while not check(value := _metrics(http)[name]):
         assert time.monotonic() < deadline, f"{name} = {value}"
