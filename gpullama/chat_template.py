@@ -46,6 +46,13 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def _dates() -> dict[str, str]:
+    """The dates every render may read, as llama.cpp defines them (``common_chat_extra_context``): ``date_string``
+    (today as ``26 Jul 2024``) and ``datetime`` (``Jul 26 2024``)."""
+    now = datetime.now()
+    return {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
+
+
 class _TemplateDict:
     """``dict`` as templates may call it, without exposing the type itself."""
 
@@ -153,6 +160,7 @@ class ChatTemplate:
             raise ValueError("chat template source must be a non-empty string")
         self.source = source
         self.special_tokens: dict[str, str] = {"bos_token": bos_token, "eos_token": eos_token, **special_tokens}
+        self._thinking_switch: bool | None = None
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -165,7 +173,7 @@ class ChatTemplate:
             for index, tool in enumerate(tools):
                 if not isinstance(tool, Mapping):
                     raise ValueError(f"tool {index} must be a JSON schema dict, got {type(tool).__name__}")
-        context = {**self.special_tokens, **_plain(extra)}
+        context = {**_dates(), **self.special_tokens, **_plain(extra)}
         try:
             return self._template.render(
                 messages=_messages(messages),
@@ -178,3 +186,16 @@ class ChatTemplate:
             raise ValueError(str(e.message if e.message is not None else e)) from e
         except (TypeError, KeyError, AttributeError, IndexError) as e:
             raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether the template's output depends on ``enable_thinking`` (Qwen3's, DeepSeek-R1's and QwQ's as
+        llama.cpp ships them): a user turn rendered with the generation prompt, with it true and false, differs."""
+        if self._thinking_switch is None:
+            turn = [{"role": "user", "content": "test"}]
+            try:
+                on, off = (self.render(turn, enable_thinking=flag) for flag in (True, False))
+            except ValueError:  # a template that cannot render a lone user turn has no switch to find
+                on = off = ""
+            self._thinking_switch = on != off
+        return self._thinking_switch

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpullama.hub import DEFAULT_MODEL
+from gpullama.named_templates import named_template
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")
@@ -48,8 +49,11 @@ def byte_size(text: str) -> int:
 
 def chat_template_text(value: Any) -> str:
     """The text of `EngineArgs.chat_template`: a string holding a Jinja tag (``{{`` or ``{%``) is the template
-    itself, anything else a file's path (as vLLM reads its --chat-template); ValueError naming the file or the
+    itself, a file's path the file's text (as vLLM reads its --chat-template), else one of llama.cpp's built-in
+    template names (`gpullama.named_templates`: ``chatml``, ``llama3``, ...); ValueError naming the file or the
     template's syntax error (line and message)."""
+    if isinstance(value, str) and not os.path.exists(value) and named_template(value) is not None:
+        value = named_template(value)
     if isinstance(value, os.PathLike) or (isinstance(value, str) and "{{" not in value and "{%" not in value):
         path = os.fspath(value)
         try:
@@ -57,7 +61,8 @@ def chat_template_text(value: Any) -> str:
                 value = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"chat_template: cannot read the template file {path!r}: "
-                             f"{getattr(e, 'strerror', None) or e}") from None
+                             f"{getattr(e, 'strerror', None) or e} (nor is it one of llama.cpp's built-in template "
+                             "names, such as chatml or llama3)") from None
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"chat_template must be a template or a file's path holding one, got {value!r:.80}")
     from gpullama.chat_template import ChatTemplate  # jinja2 only when a template is given (--help stays light)
@@ -178,8 +183,9 @@ class EngineArgs:
         "them in one forward; greedy output is unchanged, sampled output keeps its distribution (default: off)",
         type=speculative_config_arg)
     chat_template: str | None = _arg(
-        None, "a Jinja chat template used instead of the GGUF's tokenizer.chat_template: a file's path, or the "
-        "template itself (vLLM's --chat-template; llama.cpp's --chat-template-file names the same flag); a missing "
+        None, "a Jinja chat template used instead of the GGUF's tokenizer.chat_template: a file's path, the "
+        "template itself, or one of llama.cpp's built-in template names (chatml, llama3, command-r, ...) (vLLM's "
+        "--chat-template; llama.cpp's --chat-template-file names the same flag); a missing "
         "file or a template that does not parse is refused before loading (default: the model's)",
         aliases=("--chat-template-file",))
     # multi-node tensor parallelism (vLLM's flag names): every node runs tensor_parallel_size / nnodes local ranks;
