@@ -190,12 +190,17 @@ class ChatTemplate:
     @property
     def thinking_switch(self) -> bool:
         """Whether the template's output depends on ``enable_thinking`` (Qwen3's, DeepSeek-R1's and QwQ's as
-        llama.cpp ships them): a user turn rendered with the generation prompt, with it true and false, differs."""
+        llama.cpp ships them): a user turn, alone or after a system message, rendered with the generation prompt,
+        with it true and false, differs."""
         if self._thinking_switch is None:
-            turn = [{"role": "user", "content": "test"}]
-            try:
-                on, off = (self.render(turn, enable_thinking=flag) for flag in (True, False))
-            except ValueError:  # a template that cannot render a lone user turn has no switch to find
-                on = off = ""
-            self._thinking_switch = on != off
+            turns = ([{"role": "user", "content": "test"}],
+                     [{"role": "system", "content": "test"}, {"role": "user", "content": "test"}])
+            switch = False
+            for turn in turns:
+                try:
+                    on, off = (self.render(turn, enable_thinking=flag) for flag in (True, False))
+                except ValueError:  # a template that cannot render this conversation: nothing to find there
+                    continue
+                switch = switch or on != off
+            self._thinking_switch = switch
         return self._thinking_switch

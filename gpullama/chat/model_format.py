@@ -15,15 +15,16 @@ from gpullama.chat.reasoning import THINK_CLOSE, THINK_OPEN
 @dataclass(frozen=True)
 class ChatFormat:
     """What a model's chat template and vocabulary support: its tool-call format (harmony, hermes, llama3, mistral
-    or generic), whether the template renders tools itself, whether the model reasons in <think> blocks, and which
+    or generic), whether the template renders tools itself, whether the model reasons in <think> blocks, which
     of the format's markers are special tokens of the vocabulary (the detokenizer drops special tokens unless
-    told to keep them, and the parsers must see these)."""
+    told to keep them, and the parsers must see these), and whether the template reads ``enable_thinking``."""
 
     tool_format: str
     template_tools: bool
     reasoning: bool
     tool_marker_ids: tuple[int, ...] = ()  # the tool-call format's markers ([TOOL_CALLS], <|python_tag|>)
     reasoning_marker_ids: tuple[int, ...] = ()  # <think> and </think>
+    thinking_switch: bool = False  # the template's output depends on enable_thinking (Qwen3, DeepSeek-R1, QwQ)
 
     @property
     def tools(self) -> ChatToolFormat:
@@ -48,12 +49,13 @@ def chat_format(tokenizer: Any) -> ChatFormat:
         ids = sorted(tokenizer.special_token_ids)
         special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
         markers = tuple(special[m] for m in tools.token_markers if m in special)
+        switch = tokenizer.chat_template.thinking_switch
         if tools.channels:  # gpt-oss: channels carry the reasoning, the answer and the calls
-            found = ChatFormat(tools.name, tools.template_tools, True, (), markers)
+            found = ChatFormat(tools.name, tools.template_tools, True, (), markers, switch)
         else:
             reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
             found = ChatFormat(tools.name, tools.template_tools, reasoning, markers,
-                               tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special))
+                               tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special), switch)
         with _formats_lock:
             _formats[tokenizer] = found
     return found

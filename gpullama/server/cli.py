@@ -30,6 +30,8 @@ from .state import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_REQUEST_TIMEOUT,
     LOOPBACK_HOSTS,
+    REASONING_MODES,
+    ChatDefaults,
     ServerConfig,
     ServerState,
 )
@@ -131,6 +133,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     webui.add_argument("--root-path", type=normalize_root_path, default="", metavar="PREFIX",
                        help="the path prefix a reverse proxy serves this server under, such as /llm: requests are "
                        "accepted with or without it, and the chat page links below it (default: none)")
+    chat = p.add_argument_group("chat rendering (llama.cpp's flags; docs/server.md, 'Reasoning')")
+    chat.add_argument("--reasoning", "-rea", choices=REASONING_MODES, default="auto",
+                      help="the chat template's enable_thinking when a request does not set it: on, off, or auto "
+                      "(true where the template reads it) (default: auto)")
+    chat.add_argument("--prefill-assistant", action=argparse.BooleanOptionalAction, default=True,
+                      help="continue a last assistant message instead of starting a new turn after it (default: "
+                      "on; --no-prefill-assistant renders it as a whole turn)")
     p.add_argument("--headless", action="store_true",
                    help="a node other than 0 of multi-node tensor parallelism (--nnodes, --node-rank 1 and up): load "
                    "this machine's ranks and follow node 0's steps, without an HTTP server; implied by --node-rank > "
@@ -196,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
                           allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval,
-                          kv_events=args.kv_events_config, webui=args.webui, root_path=args.root_path)
+                          kv_events=args.kv_events_config, webui=args.webui, root_path=args.root_path,
+                          chat=ChatDefaults(args.reasoning, args.prefill_assistant))
     state = ServerState(config)
     from .app import create_app  # the routes load once the flags and the model reference are known good
 

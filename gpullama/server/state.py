@@ -37,6 +37,24 @@ DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle keep-alive connection stays 
 LOOPBACK_HOSTS = ("localhost", "*.localhost", "127.0.0.1", "[::1]")  # names that only reach this machine
 
 
+REASONING_MODES = ("on", "off", "auto")
+
+
+@dataclass(frozen=True)
+class ChatDefaults:
+    """What every chat render takes from the server's flags (llama.cpp's): `reasoning` (``--reasoning``), the
+    template's ``enable_thinking`` unless the request sets it (``on`` true, ``off`` false, ``auto`` true where the
+    template reads it); `prefill_assistant` (``--no-prefill-assistant`` turns it off), whether a conversation that
+    ends with an assistant message continues that message."""
+
+    reasoning: str = "auto"
+    prefill_assistant: bool = True
+
+    def enable_thinking(self, thinking_switch: bool) -> bool:
+        """The ``enable_thinking`` of a render whose request leaves it out, for a template that reads it or not."""
+        return self.reasoning == "on" or (self.reasoning == "auto" and thinking_switch)
+
+
 @dataclass
 class ServerConfig:
     """Settings of ``gpullama-serve``: the engine's arguments and the server's own."""
@@ -59,6 +77,7 @@ class ServerConfig:
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's format) when enabled
     webui: bool = True  # the chat page at / (--no-webui: off)
     root_path: str = ""  # the path prefix a reverse proxy serves this server under (--root-path), such as /llm
+    chat: ChatDefaults = field(default_factory=ChatDefaults)  # --reasoning, --no-prefill-assistant
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""

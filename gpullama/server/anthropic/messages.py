@@ -25,7 +25,7 @@ from ..http.body import JSONResponse, off_loop_if_large, parse_json
 from ..http.errors import ANTHROPIC, APIError, internal_error
 from ..http.streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
 from ..pipeline.chat_output import ChatOutputShaper
-from ..pipeline.chat_plan import ChatPlan, plan_chat, render_plan, render_planned_chat
+from ..pipeline.chat_plan import ChatPlan, plan_chat, render_chat, render_planned_chat
 from ..pipeline.generation import Generation, Job, start_generation
 from ..pipeline.intake import read_and_prepare, read_request_body
 from ..pipeline.sampling import sampling_params
@@ -158,7 +158,7 @@ def _plan(request: Request, state: ServerState, raw: bytes,
     req = parse_messages_body(parse_json(raw), count_only)
     check_model(state, req.model)
     request.state.field_names = NAMES
-    return req, plan_chat(req.chat_fields, req.messages, chat_format(state.llm.tokenizer))
+    return req, plan_chat(req.chat_fields, req.messages, chat_format(state.llm.tokenizer), state.config.chat)
 
 
 def _prepare(request: Request, state: ServerState, raw: bytes) -> tuple[MessagesRequest, ChatPlan, str, list[int]]:
@@ -239,6 +239,6 @@ async def count_tokens(request: Request) -> Response:
 
     def count() -> int:
         _, plan = _plan(request, state, raw, count_only=True)
-        return len(state.llm.tokenizer.encode(render_plan(state.llm.tokenizer, plan), add_special_tokens=False))
+        return len(state.llm.tokenizer.encode(render_chat(state.llm.tokenizer, plan), add_special_tokens=False))
 
     return JSONResponse({"input_tokens": await off_loop_if_large(len(raw), count)})

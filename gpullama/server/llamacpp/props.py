@@ -13,12 +13,11 @@ from starlette.responses import Response
 from gpullama.chat.model_format import chat_format
 
 from ..http.body import JSONResponse, off_loop_if_long
-from ..http.errors import APIError
-from ..http.fields import bool_field, object_body
+from ..http.fields import object_body
 from ..openai.chat import parse_messages
 from ..pipeline.chat_plan import plan_chat, render_chat
 from ..pipeline.intake import read_json
-from ..state import BUILD_INFO, check_model, require_ready, server_state
+from ..state import BUILD_INFO, ChatDefaults, check_model, require_ready, server_state
 from .request import sampling
 
 
@@ -46,16 +45,10 @@ async def props(request: Request) -> Response:
     })
 
 
-def _render(tok: Any, body: dict) -> str:
+def _render(tok: Any, defaults: ChatDefaults, body: dict) -> str:
     messages = parse_messages(body)
-    add_generation = bool_field(body, "add_generation_prompt", default=True)
-    cont = bool_field(body, "continue_final_message")
-    if add_generation and cont and "add_generation_prompt" in body:
-        raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
-                       param="continue_final_message")
     fields = {**body, "tools": body.get("tools") or None}  # llama.cpp takes an empty list as none
-    plan = plan_chat(fields, messages, chat_format(tok))
-    return render_chat(tok, plan, add_generation and not cont, cont)
+    return render_chat(tok, plan_chat(fields, messages, chat_format(tok), defaults))
 
 
 async def apply_template(request: Request) -> Response:
@@ -67,4 +60,4 @@ async def apply_template(request: Request) -> Response:
     check_model(state, body.get("model"))
     tok = state.llm.tokenizer
     size = len(orjson.dumps(body))
-    return JSONResponse({"prompt": await off_loop_if_long(size, _render, tok, body)})
+    return JSONResponse({"prompt": await off_loop_if_long(size, _render, tok, state.config.chat, body)})

@@ -179,7 +179,7 @@ def _prepare_chat(request: Request, state: ServerState, raw: bytes):
                    "chat_template_kwargs": think(body)}
     request.state.field_names = NAMES
     tok = state.llm.tokenizer
-    plan = plan_chat(chat_fields, messages, chat_format(tok))
+    plan = plan_chat(chat_fields, messages, chat_format(tok), state.config.chat)
     text, ids = render_planned_chat(tok, plan, opts.kwargs)
     return opts, plan, text, ids, stream
 
@@ -215,7 +215,7 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
         return opts, None, prompt, tok.encode(prompt, add_special_tokens=True), stream, prompt == ""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     fields = {"response_format": response_format(body), "chat_template_kwargs": think(body)}
-    plan = plan_chat(fields, messages, chat_format(tok))
+    plan = plan_chat(fields, messages, chat_format(tok), state.config.chat)
     text, ids = render_planned_chat(tok, plan, opts.kwargs)
     return opts, plan, text, ids, stream, prompt == ""
 

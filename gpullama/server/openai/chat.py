@@ -44,8 +44,6 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     names: FieldNames = NAMES  # with this request's own choices (max_completion_tokens, top_logprobs)
-    add_generation_prompt: bool = True  # vLLM's and llama.cpp's rendering flags (as /tokenize takes them)
-    continue_final_message: bool = False
     verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
 
 
@@ -74,15 +72,8 @@ def parse_chat(body: Any) -> ChatRequest:
     head: RequestHead = parse_head(body)
     messages = parse_messages(body)
     opts = FIELDS.read(body)
-    add_generation = bool_field(body, "add_generation_prompt", default=True)
-    cont = bool_field(body, "continue_final_message")
-    if cont and add_generation:
-        if body.get("add_generation_prompt") is not None:
-            raise bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both "
-                      "be true")
-        add_generation = False
-    return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, opts.names, add_generation,
-                       cont, bool_field(body, "verbose"))
+    return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, opts.names,
+                       bool_field(body, "verbose"))
 
 
 def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan, str, list[int]]:
@@ -92,9 +83,8 @@ def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan,
     req = parse_chat(body)
     check_model(state, req.model)
     tok = state.llm.tokenizer
-    plan = plan_chat(body, req.messages, chat_format(tok))
-    text, ids = render_planned_chat(tok, plan, req.options.kwargs, req.add_generation_prompt,
-                                    req.continue_final_message)
+    plan = plan_chat(body, req.messages, chat_format(tok), state.config.chat)
+    text, ids = render_planned_chat(tok, plan, req.options.kwargs)
     return req, plan, text, ids
 
 

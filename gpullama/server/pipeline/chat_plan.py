@@ -12,18 +12,21 @@ parsed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpullama.chat.messages import check_messages
 from gpullama.chat.model_format import ChatFormat
+from gpullama.checks import kind as kind_of
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
 from gpullama.structured.tools import parse_tool, tool_call_grammar
 
 from ..http.errors import APIError
 from ..http.fields import bool_field
+from ..state import ChatDefaults
 
 TOOL_CHOICES = ("none", "auto", "required")
+DEFAULTS = ChatDefaults()  # the server's flags at their defaults (--reasoning auto, assistant prefill on)
 # names the render itself passes; chat_template_kwargs may not replace them
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "documents"})
 
@@ -41,6 +44,8 @@ class ChatPlan:
     tool_names: list[str] | None = None  # parse calls of these functions; None: no tool parsing
     tool_choice: str = "none"  # none, auto, required or named
     parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True  # end the prompt with the template's opening of the assistant's turn
+    continue_final_message: bool = False  # end it right after the last message's content instead (its prefill)
 
     @property
     def preserved_token_ids(self) -> list[int]:
@@ -125,28 +130,60 @@ def _tools(body: dict) -> list[dict] | None:
     return tools
 
 
-def _template_kwargs(body: dict) -> dict[str, Any]:
+def _template_kwargs(body: dict, fmt: ChatFormat, defaults: ChatDefaults) -> dict[str, Any]:
+    """The request's template kwargs, with ``enable_thinking`` always set: the request's (a boolean), else the
+    server's `--reasoning` for this template."""
     value = body.get("chat_template_kwargs")
     if value is None:
-        return {}
+        value = {}
     if not isinstance(value, dict):
         raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(value))
     if reserved:
         raise APIError(400, f"'chat_template_kwargs' may not set {reserved[0]!r}", param="chat_template_kwargs")
-    return dict(value)
+    thinking = value.get("enable_thinking")
+    if thinking is None:
+        thinking = defaults.enable_thinking(fmt.thinking_switch)
+    elif not isinstance(thinking, bool):
+        raise APIError(400, f"'chat_template_kwargs.enable_thinking' must be a boolean, got {kind_of(thinking)}",
+                       param="chat_template_kwargs.enable_thinking")
+    return {**value, "enable_thinking": thinking}
 
 
-def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat) -> ChatPlan:
+def _rendering(body: dict, messages: list[dict[str, Any]], defaults: ChatDefaults) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message): the body's (vLLM's and llama.cpp's flags) when it gives
+    either, else llama.cpp's assistant prefill: a conversation that ends with an assistant message (one without
+    tool calls) continues that message, unless the server runs with ``--no-prefill-assistant``."""
+    add_generation = bool_field(body, "add_generation_prompt", default=True)
+    cont = bool_field(body, "continue_final_message")
+    if cont and add_generation:
+        if body.get("add_generation_prompt") is not None:
+            raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                           param="continue_final_message")
+        add_generation = False
+    given = body.get("add_generation_prompt") is not None or body.get("continue_final_message") is not None
+    last = messages[-1]
+    if given or not defaults.prefill_assistant or last["role"] != "assistant" or last.get("tool_calls"):
+        return add_generation, cont
+    if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+        raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list: the last assistant "
+                       "message is continued (assistant prefill; the server's --no-prefill-assistant turns it off)",
+                       param="messages")
+    return False, True
+
+
+def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat,
+              defaults: ChatDefaults = DEFAULTS) -> ChatPlan:
     """Check the chat a family's body converted to (`check_messages`, the one message check) and the request's
-    tool, response-format and template fields, and plan its prompt and grammar; a 400 naming the field at
-    fault."""
+    tool, response-format, template and rendering fields (`defaults`: the server's `--reasoning` and assistant
+    prefill), and plan its prompt and grammar; a 400 naming the field at fault."""
     check_messages(messages)
+    add_generation, cont = _rendering(body, messages, defaults)
     tools = _tools(body)
     choice, kind = _tool_choice(body, tools)
     parallel = bool_field(body, "parallel_tool_calls", default=True)
-    plan = ChatPlan(fmt, messages, template_kwargs=_template_kwargs(body), tool_choice=kind,
-                    parallel_tool_calls=parallel)
+    plan = ChatPlan(fmt, messages, template_kwargs=_template_kwargs(body, fmt, defaults), tool_choice=kind,
+                    parallel_tool_calls=parallel, add_generation_prompt=add_generation, continue_final_message=cont)
     plan.spec = response_format_spec(body)
     if fmt.tools.channels and (plan.spec is not None or kind in ("required", "named")):
         field = "response_format" if plan.spec is not None else "tool_choice"
@@ -177,28 +214,29 @@ def render_plan(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool = Tr
         raise APIError(400, f"the chat template rejected the conversation: {exc}", param="messages") from exc
 
 
-def render_chat(tokenizer: Any, plan: ChatPlan, add_generation_prompt: bool, continue_final_message: bool) -> str:
-    """The prompt text of a planned conversation (its tools rendered as the chat endpoint renders them); with
-    `continue_final_message` it ends right after the last message's content (no end-of-turn), so the model
-    continues that message (transformers' rule)."""
-    if not continue_final_message:
-        return render_plan(tokenizer, plan, add_generation_prompt)
-    text = render_plan(tokenizer, plan, add_generation_prompt=False)
+def render_chat(tokenizer: Any, plan: ChatPlan) -> str:
+    """The prompt text of a planned conversation (its tools rendered as the chat endpoint renders them); with the
+    plan's `continue_final_message` it ends right after the last message's content (no end-of-turn), so the model
+    continues that message (transformers' rule; an empty last message: the turns before it, then the generation
+    prompt, as llama.cpp continues one)."""
+    if not plan.continue_final_message:
+        return render_plan(tokenizer, plan, plan.add_generation_prompt)
     final = str(plan.messages[-1].get("content") or "").strip()
-    cut = text.rfind(final) if final else -1
+    if not final:
+        return render_plan(tokenizer, replace(plan, messages=plan.messages[:-1]), add_generation_prompt=True)
+    text = render_plan(tokenizer, plan, add_generation_prompt=False)
+    cut = text.rfind(final)
     if cut < 0:
         raise APIError(400, "continue_final_message: the chat template does not keep the last message's text "
                        "verbatim, so it cannot be continued", param="continue_final_message")
     return text[: cut + len(final)]
 
 
-def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any],
-                        add_generation_prompt: bool = True,
-                        continue_final_message: bool = False) -> tuple[str, list[int]]:
+def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any]) -> tuple[str, list[int]]:
     """Give the request's sampling options the plan's grammar and kept marker tokens, render the chat template on
     the plan's messages and tools (`render_chat`), and tokenize."""
     if plan.spec is not None:
         sampling_kwargs["structured_output"] = plan.spec
     sampling_kwargs["preserved_token_ids"] = plan.preserved_token_ids
-    text = render_chat(tokenizer, plan, add_generation_prompt, continue_final_message)
+    text = render_chat(tokenizer, plan)
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -87,14 +87,14 @@ async def tokenize(request: Request) -> Response:
         ids = await off_loop_if_long(len(prompt), tok.encode, prompt, add_special_tokens=add_special)
     else:
         messages = parse_messages(body)
-        add_generation = bool_field(body, "add_generation_prompt", True)
-        cont = bool_field(body, "continue_final_message", False)
-        if add_generation and cont:
+        if bool_field(body, "continue_final_message") and bool_field(body, "add_generation_prompt", True):
+            # vLLM's rule here: add_generation_prompt defaults to true, so asking to continue alone is a conflict
             raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
                            param="continue_final_message")
         size = sum(len(m["content"]) for m in messages) + len(orjson.dumps(body.get("tools")))
-        plan = plan_chat(body, messages, chat_format(tok))  # tools and template kwargs, as the chat endpoint has them
-        text = await off_loop_if_long(size, render_chat, tok, plan, add_generation, cont)
+        # tools, template kwargs and rendering flags, as the chat endpoint has them
+        plan = plan_chat(body, messages, chat_format(tok), state.config.chat)
+        text = await off_loop_if_long(size, render_chat, tok, plan)
         ids = await off_loop_if_long(size, tok.encode, text, add_special_tokens=bool_field(body, "add_special_tokens", False))
     strs = tok.convert_ids_to_tokens(ids) if bool_field(body, "return_token_strs", False) else None
     return JSONResponse({"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids,

@@ -29,7 +29,7 @@ from ...pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
 from ...pipeline.generation import Generation, Job, start_generation
 from ...pipeline.intake import read_json
 from ...pipeline.sampling import sampling_params
-from ...state import check_model, require_ready, server_state
+from ...state import ChatDefaults, check_model, require_ready, server_state
 from .items import Event, OutputItems
 from .request import NAMES, ResponsesRequest, parse_responses
 
@@ -69,10 +69,10 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def prepare(tokenizer: Any, req: ResponsesRequest) -> tuple[ChatPlan, str, list[int]]:
+def prepare(tokenizer: Any, req: ResponsesRequest, defaults: ChatDefaults) -> tuple[ChatPlan, str, list[int]]:
     """Plan the request's tools and format as chat's (errors in chat's names), render the chat template and
     tokenize (a worker thread may run it)."""
-    plan = plan_chat(req.chat_fields, req.messages, chat_format(tokenizer))
+    plan = plan_chat(req.chat_fields, req.messages, chat_format(tokenizer), defaults)
     text, ids = render_planned_chat(tokenizer, plan, req.options.kwargs)
     return plan, text, ids
 
@@ -93,7 +93,7 @@ async def create_response(request: Request) -> Response:
     require_ready(state)
     req = parse_responses(await read_json(request))
     check_model(state, req.model)
-    plan, prompt, ids = await off_loop_if_long(_input_size(req), prepare, state.llm.tokenizer, req)
+    plan, prompt, ids = await off_loop_if_long(_input_size(req), prepare, state.llm.tokenizer, req, state.config.chat)
     response = ResponseObject(req, state.model_name)
     job = Job(0, ids, sampling_params(req.options), request_id=response.id)
     gen = await start_generation(request, state, [job], arrival)
