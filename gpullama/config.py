@@ -9,10 +9,12 @@ from typing import Any
 from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
-    "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
+    "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
+    "glm4moe",
 )
 
-_MOE_SUPPORTED = "the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss and Mixtral (llama)"
+_MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss, glm4moe and Mixtral "
+                  "(llama)")
 # Families llama.cpp knows that are not implemented here, with why (named in the refusal).
 _NOT_SUPPORTED = {
     "granitemoe": f"Granite MoE is not supported ({_MOE_SUPPORTED})",
@@ -29,7 +31,8 @@ _NOT_SUPPORTED = {
 @dataclass
 class ModelConfig:
     """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
-    phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe and gpt-oss."""
+    phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3
+    and glm4moe (GLM-4.5)."""
 
     architecture: str
     num_layers: int
@@ -53,6 +56,7 @@ class ModelConfig:
     rope_original_context: int = 0  # LongRoPE: the long factors are used when the context exceeds this (phi3)
     rope_base_swa: float = 0.0  # rope base of the sliding-window layers (gemma3: 10000); 0: rope_base
     rope_scale_swa: float = 1.0  # linear rope scaling of the sliding-window layers
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding (NoPE, smollm3); () when every layer rotates
     # attention
     sliding_window: int = 0  # a sliding layer attends to its last `sliding_window` positions; 0: none
     swa_layers: tuple[bool, ...] = ()  # per layer: sliding window (True) or full attention; () when none slide
@@ -83,13 +87,17 @@ class ModelConfig:
     expert_intermediate_size: int = 0  # rows of one expert's gate (and up) projection
     shared_expert_intermediate_size: int = 0  # qwen2moe: a shared expert beside the routed ones, sigmoid-gated
     expert_gating: str = "softmax"  # "softmax": top-k of softmax(router logits); "softmax_topk": softmax of the
-    # top-k logits (gpt-oss)
+    # top-k logits (gpt-oss); "sigmoid": top-k of sigmoid(router logits) (+ the layer's exp_probs_b for the choice
+    # only: GLM-4.5, DeepSeek-V3)
+    expert_groups: int = 1  # the experts in groups; a token chooses among the `expert_groups_used` groups of the best
+    expert_groups_used: int = 1  # top-2 sums first (DeepSeek-V3's group-limited routing, as llama.cpp computes it)
     expert_weights_norm: bool = False  # the top-k weights renormalized to sum to 1 (qwen3moe, Mixtral)
     expert_weights_scale: float = 1.0  # the top-k weights multiplied by it
     expert_activation: str = "silu"  # "silu" (SwiGLU) or "swiglu_oai" (gpt-oss: clamped at swiglu_limit, with
     # silu's slope swiglu_alpha, times (up + 1))
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    nextn_layers: int = 0  # glm4moe: next-token-prediction layers after the decoder's (in block_count; loaded, unused)
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -99,6 +107,10 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether the model routes tokens to experts."""
         return self.num_experts > 0
+
+    def is_nope(self, layer: int) -> bool:
+        """Whether `layer` attends without rotary embedding (NoPE)."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends only to its last `sliding_window` positions."""
@@ -131,7 +143,8 @@ class ModelConfig:
         head_dim = int(opt("attention.key_length") or hidden // heads)
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = int(opt("vocab_size") or (len(tokens) if tokens else 0))
-        num_layers = int(get("block_count"))
+        nextn = int(opt("nextn_predict_layers") or 0)  # GLM-4.5's MTP layers: counted in block_count, never run
+        num_layers = int(get("block_count")) - nextn
         config = cls(
             architecture=arch,
             num_layers=num_layers,
@@ -146,8 +159,9 @@ class ModelConfig:
             rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
-            permuted_qk=arch in ("llama", "granite"),
+            permuted_qk=arch in ("llama", "granite", "smollm3"),
             rotary_dim=int(opt("rope.dimension_count") or head_dim),
+            nextn_layers=nextn,
         )
         pooling = opt("pooling_type")
         if pooling is not None:  # llama.cpp's values; "none" (per-token vectors) pools by the last token here
@@ -195,16 +209,14 @@ def _read_rope_scaling(config: ModelConfig, arch: str, opt, path: str) -> None:
 
 # llama.cpp's expert gating functions (`{arch}.expert_gating_func`): 1 softmax, 2 sigmoid, 3 softmax over the
 # chosen experts' logits
-_GATING = {1: "softmax", 3: "softmax_topk"}
-# MoE keys of features not implemented here: refused, naming the key
-_MOE_REFUSED = ("expert_group_count", "expert_shared_count", "leading_dense_block_count")
+_GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_topk"}
 
 
 def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     """`{arch}.expert_count` and the keys that shape routing, as llama.cpp's converter writes them; the expert
     sizes themselves come from the tensors (`gguf_file`)."""
     count = int(opt("expert_count") or 0)
-    if arch in ("qwen2moe", "qwen3moe", "gpt-oss") and count <= 0:
+    if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe") and count <= 0:
         raise ValueError(f"{path}: missing metadata key '{arch}.expert_count' (a {arch} model routes to experts)")
     if count <= 0:
         return
@@ -214,20 +226,30 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
             f"{path}: '{arch}.expert_used_count' = {opt('expert_used_count')} must be between 1 and "
             f"'{arch}.expert_count' = {count}"
         )
-    for key in _MOE_REFUSED:
-        if int(opt(key) or 0) > (1 if key == "expert_group_count" else 0):
-            raise ValueError(f"{path}: '{arch}.{key}' = {opt(key)}: not supported (DeepSeek-style routing)")
+    groups = int(opt("expert_group_count") or 1)
+    if groups > 1:
+        groups_used = int(opt("expert_group_used_count") or 0)
+        if count % groups or not 0 < groups_used <= groups or used > groups_used * (count // groups):
+            raise ValueError(
+                f"{path}: '{arch}.expert_group_count' = {groups} with '{arch}.expert_group_used_count' = "
+                f"{opt('expert_group_used_count')}: the groups must divide the {count} experts and hold the "
+                f"{used} chosen ones"
+            )
+        config.expert_groups, config.expert_groups_used = groups, groups_used
     config.num_experts, config.num_experts_used = count, used
     config.expert_intermediate_size = int(opt("expert_feed_forward_length") or config.intermediate_size)
-    config.shared_expert_intermediate_size = int(opt("expert_shared_feed_forward_length") or 0)
+    # a shared expert's rows: its own key (qwen2moe), else `expert_shared_count` experts' worth (GLM-4.5, DeepSeek)
+    config.shared_expert_intermediate_size = int(
+        opt("expert_shared_feed_forward_length") or int(opt("expert_shared_count") or 0) * config.expert_intermediate_size
+    )
     # llama.cpp's graphs: qwen3moe and Mixtral renormalize the top-k weights, qwen2moe does not; gpt-oss takes the
-    # softmax of the chosen logits (normalized by construction)
-    default_gating = 3 if arch == "gpt-oss" else 1
+    # softmax of the chosen logits (normalized by construction); glm4moe's default is sigmoid
+    default_gating = {"gpt-oss": 3, "glm4moe": 2}.get(arch, 1)
     gating = int(opt("expert_gating_func") or default_gating)
     if gating not in _GATING:
         raise ValueError(
-            f"{path}: '{arch}.expert_gating_func' = {gating} is not supported (1: softmax, 3: softmax of the chosen "
-            f"experts' logits)"
+            f"{path}: '{arch}.expert_gating_func' = {gating} is not supported (1: softmax, 2: sigmoid, 3: softmax of "
+            f"the chosen experts' logits)"
         )
     config.expert_gating = _GATING[gating]
     norm = opt("expert_weights_norm")
@@ -316,4 +338,24 @@ def _gpt_oss(config: ModelConfig, get, opt, path: str) -> None:
     config.rope_yarn_truncate = False
 
 
-_FAMILIES = {"phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss}
+def _smollm3(config: ModelConfig, get, opt, path: str) -> None:
+    """SmolLM3: llama (Q/K permuted by the converter) with every fourth layer NoPE; llama.cpp fixes the interval at
+    4 (`n_no_rope_layer_step`), the file has no key for it."""
+    config.nope_layers = tuple((i + 1) % 4 == 0 for i in range(config.num_layers))
+
+
+def _glm4moe(config: ModelConfig, get, opt, path: str) -> None:
+    """GLM-4.5 (`glm4moe`): partial rotary (NeoX halves, as stored), q/k/v biases and (355B) q/k norms from the
+    tensors, the pre-MLP norm in post_attention_norm, leading dense layers (the layers without a router), routed
+    experts chosen by sigmoid + `exp_probs_b` (default gating: sigmoid) with a shared expert beside them; its
+    next-token-prediction layer (`nextn_predict_layers`) is left out of the layers run."""
+    config.ffn_norm_tensor = "post_attention_norm"
+    if any(opt("rope.dimension_sections") or ()):
+        raise ValueError(f"{path}: '{config.architecture}.rope.dimension_sections' (GLM-4.5V's multi-axis rotary) is "
+                         f"not supported")
+
+
+_FAMILIES = {
+    "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
+    "glm4moe": _glm4moe,
+}

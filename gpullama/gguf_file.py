@@ -221,6 +221,8 @@ def model_size(header: GGUFHeader) -> ModelSize:
         block, size = gguf.GGML_QUANT_SIZES[t.qtype]
         stored = count // block * size
         params, nbytes = params + count, nbytes + stored
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= c.num_layers:  # GLM-4.5's MTP layer: not run
+            continue
         if "_exps." in t.name:
             experts += count
             active += round(count * share)

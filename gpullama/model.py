@@ -1,5 +1,5 @@
 """The decoder: one forward over a ragged batch, for llama (and Mixtral) / mistral / qwen2 / qwen3 / phi3 /
-granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss through config flags."""
+granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe through config flags."""
 
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ class LayerWeights:
 
 @dataclass
 class MoeWeights:
-    """A MoE layer: the router, the routed experts and (qwen2moe) the sigmoid-gated shared expert."""
+    """A MoE layer: the router, the routed experts and a shared expert (qwen2moe's sigmoid-gated; GLM-4.5's and
+    DeepSeek's always on)."""
 
     router: object  # [E, H]
     router_bias: torch.Tensor | None  # [E] (gpt-oss)
     experts: Experts
+    choice_bias: torch.Tensor | None = None  # [E] exp_probs_b: added to the probabilities to choose (GLM-4.5)
     shared_gate_up: list | None = None  # the shared expert's gate|up (fused, or [gate, up])
     shared_down: object | None = None
     shared_gate: torch.Tensor | None = None  # [H]: the shared expert's output is scaled by sigmoid(x . shared_gate)
@@ -192,7 +194,8 @@ class Decoder:
                 raise ValueError(f"tensor {t.name!r} has shape {t.shape}; expected {c.num_experts} stacked experts")
         experts = ops.prepare_experts(gate_up, down, gate_up_bias, bias("ffn_down_exps.bias"), c.expert_activation,
                                       c.swiglu_alpha, c.swiglu_limit)
-        moe = MoeWeights(ops.prepare_weight(get(p + "ffn_gate_inp.weight")), bias("ffn_gate_inp.bias"), experts)
+        moe = MoeWeights(ops.prepare_weight(get(p + "ffn_gate_inp.weight")), bias("ffn_gate_inp.bias"), experts,
+                         bias("exp_probs_b.bias"))
         if p + "ffn_down_shexp.weight" in tensors:
             moe.shared_gate_up = fused([get(p + "ffn_gate_shexp.weight"), get(p + "ffn_up_shexp.weight")])
             moe.shared_down = ops.prepare_weight(get(p + "ffn_down_shexp.weight"))
@@ -208,8 +211,8 @@ class Decoder:
     def _rope_tables(
         self, tensors: dict[str, QTensor], max_positions: int, device: torch.device
     ) -> tuple[list[torch.Tensor], list[int]]:
-        """The cos|sin tables (one, or a second for sliding layers with their own rope base or scale: Gemma 3) and
-        each layer's table. Frequency factors: Llama 3's ``rope_freqs``, or Phi-3's LongRoPE ``rope_factors_long``
+        """The cos|sin tables (one, a second for sliding layers with their own rope base or scale: Gemma 3, and the
+        identity for NoPE layers: SmolLM3) and each layer's table. Frequency factors: Llama 3's ``rope_freqs``, or Phi-3's LongRoPE ``rope_factors_long``
         (when the context is longer than the original one, as llama.cpp picks them) / ``rope_factors_short``."""
         c = self.config
         factors = None
@@ -246,11 +249,16 @@ class Decoder:
                                 yarn).to(device)
 
         tables = [table(c.rope_base, c.rope_scale)]
+        of_layer = [0] * c.num_layers
         swa = (c.rope_base_swa or c.rope_base, c.rope_scale_swa)
         if c.swa_layers and swa != (c.rope_base, c.rope_scale):
             tables.append(table(*swa))
-            return tables, [1 if c.is_sliding(i) else 0 for i in range(c.num_layers)]
-        return tables, [0] * c.num_layers
+            of_layer = [1 if c.is_sliding(i) else 0 for i in range(c.num_layers)]
+        if c.nope_layers:  # NoPE layers rotate by the identity (cos 1, sin 0): every backend's rotary leaves them be
+            tables.append(torch.cat((torch.ones(max_positions, c.rotary_dim // 2),
+                                     torch.zeros(max_positions, c.rotary_dim // 2)), dim=-1).to(device))
+            of_layer = [len(tables) - 1 if c.is_nope(i) else t for i, t in enumerate(of_layer)]
+        return tables, of_layer
 
     def _linear_parts(self, x: torch.Tensor, parts: list, bias: torch.Tensor | None = None) -> torch.Tensor:
         if len(parts) == 1:
@@ -346,7 +354,8 @@ class Decoder:
         """The MoE block of ``x [T, H]``: route, run the chosen experts, add the gated shared expert."""
         c, ops = self.config, self.ops
         ids, weights = ops.route(ops.linear(x, moe.router, moe.router_bias), c.num_experts_used, c.expert_gating,
-                                 c.expert_weights_norm, c.expert_weights_scale)
+                                 c.expert_weights_norm, c.expert_weights_scale, moe.choice_bias, c.expert_groups,
+                                 c.expert_groups_used)
         out = ops.moe(x, ids, weights, moe.experts)
         if moe.shared_down is not None:
             shared = ops.linear(ops.silu_mul(self._linear_parts(x, moe.shared_gate_up)), moe.shared_down)

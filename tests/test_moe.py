@@ -168,7 +168,7 @@ def test_configs_read_from_the_files(tiny_model) -> None:
 @pytest.mark.parametrize(("base", "meta", "match"), [
     (None, {"general.architecture": "deepseek2"}, "'deepseek2.attention.kv_lora_rank'"),
     (None, {"general.architecture": "granitemoe"}, "Granite MoE is not supported"),
-    ("qwen3moe", {"qwen3moe.expert_gating_func": 2}, "'qwen3moe.expert_gating_func' = 2"),
+    ("qwen3moe", {"qwen3moe.expert_gating_func": 4}, "'qwen3moe.expert_gating_func' = 4"),
     ("qwen3moe", {"qwen3moe.expert_used_count": 9}, "'qwen3moe.expert_used_count' = 9"),
     ("qwen2moe", {"qwen2moe.expert_group_count": 4}, "'qwen2moe.expert_group_count' = 4"),
     ("gpt-oss", {"gpt-oss.rope.scaling.yarn_log_multiplier": 0.1}, "'gpt-oss.rope.scaling.yarn_log_multiplier'"),

@@ -95,7 +95,7 @@ def test_moe_stack_is_the_loop_up_to_the_router_rounding(stack_llm, arch: str, w
 
 
 @pytest.mark.parametrize(("arch", "weight_type", "why"), [
-    ("granite", "Q4_0", "a residual scale"), ("qwen2moe", "Q4_0", "a shared expert"),
+    ("granite", "Q4_0", "a residual scale"), ("qwen2moe", "Q4_0", "a sigmoid-gated shared expert"),
 ])
 def test_what_the_stack_leaves_to_the_loop(stack_llm, caplog, arch: str, weight_type: str, why: str) -> None:
     llm = stack_llm(arch, weight_type)

@@ -1653,8 +1653,9 @@ typedef struct {
 } gl_mat_t;
 
 /* One decoder layer's weights and KV pool (NULL pointers: absent). A dense layer has n_gate_up parts of its gate|up
-   matrix (1 or 2, 2I rows in all) and down; a MoE layer (n_gate_up 0) the router and the experts as gl_moe takes
-   them. */
+   matrix (1 or 2, 2I rows in all) and down; a MoE layer (n_gate_up 0) the router (choice_bias [E]: added to the
+   probabilities for the choice only, GLM-4.5's exp_probs_b), the experts as gl_moe takes them, and a shared expert
+   when n_shared_gate_up > 0 (shared_inter rows, SwiGLU, added to the experts' sum). */
 typedef struct {
     const float *attn_norm, *ffn_norm, *post_attn_norm, *post_ffn_norm, *q_norm, *k_norm;
     int64_t n_qkv;
@@ -1671,15 +1672,18 @@ typedef struct {
     int64_t n_gate_up;
     gl_mat_t gate_up[2], down;
     gl_mat_t router;
-    const float *router_bias;
+    const float *router_bias, *choice_bias;
     int64_t fmt1, stride1, n1, fmt2, stride2, n2;
     const uint8_t *w1, *w2;
     const float *b1, *b2;
+    int64_t shared_inter, n_shared_gate_up;
+    gl_mat_t shared_gate_up[2], shared_down;
 } gl_layer_t;
 
 /* What every layer shares: widths (H hidden, Hq and Hk heads of D), the pool's format and block size, the MLP activation (0 SwiGLU, 1 GeGLU), the experts' (E of them, top_k
-   a token, gating 0: top k of the softmax, renormalized when norm_topk; 1: softmax of the top k logits; their
-   weights times expert_scale; expert_act ACT_* with alpha, limit), eps, the attention scale and soft cap. */
+   a token, gating 0: top k of the softmax, 2: of the sigmoids, renormalized when norm_topk; 1: softmax of the top k
+   logits; their weights times expert_scale; expert_act ACT_* with alpha, limit), eps, the attention scale and soft
+   cap. */
 typedef struct {
     int64_t n_layers, H, Hq, Hk, D, kvt, block_size, act;
     int64_t E, top_k, gating, norm_topk, expert_act;
@@ -1695,9 +1699,10 @@ static void add_bias(float *y, int64_t T, int64_t n, int64_t ldy, const float *b
 }
 
 /* each row's top k (first index on ties) of logits [T, E] (row stride ld, rows rewritten), as
-   gpullama.ops.experts.route: ids [T, k], wts [T, k] */
+   gpullama.ops.experts.route: ids [T, k], wts [T, k]; bias [E] (or NULL) is added to the probabilities for the
+   choice, not to the weights */
 static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t k, int64_t gating, int64_t norm,
-                       float scale, int64_t *ids, float *wts) {
+                       float scale, const float *bias, int64_t *ids, float *wts) {
     for (int64_t t = 0; t < T; t++) {
         float *l = logits + t * ld;
         if (gating == 0) { /* softmax over all experts, then the top k */
@@ -1705,13 +1710,17 @@ static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t 
             for (int64_t e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
             for (int64_t e = 0; e < E; e++) l[e] = expf(l[e] - m), s += l[e];
             for (int64_t e = 0; e < E; e++) l[e] /= s;
+        } else if (gating == 2) { /* sigmoid of each, then the top k */
+            for (int64_t e = 0; e < E; e++) l[e] = 1.0f / (1.0f + expf(-l[e]));
         }
         for (int64_t j = 0; j < k; j++) {
             int64_t best = -1;
+            float top = 0.0f;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
                 for (int64_t i = 0; i < j; i++) taken |= ids[t * k + i] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+                float v = bias ? l[e] + bias[e] : l[e];
+                if (!taken && (best < 0 || v > top)) best = e, top = v;
             }
             ids[t * k + j] = best, wts[t * k + j] = l[best];
         }
@@ -1720,9 +1729,10 @@ static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t 
             float s = 0.0f, m = w[0];
             for (int64_t j = 0; j < k; j++) w[j] = expf(w[j] - m), s += w[j];
             for (int64_t j = 0; j < k; j++) w[j] /= s;
-        } else if (norm) {
+        } else if (norm) { /* the sum clamped at float16's smallest normal, as llama.cpp */
             float s = 0.0f;
             for (int64_t j = 0; j < k; j++) s += w[j];
+            s = s < 6.103515625e-5f ? 6.103515625e-5f : s;
             for (int64_t j = 0; j < k; j++) w[j] /= s;
         }
         if (scale != 1.0f)
@@ -1762,6 +1772,10 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         const gl_layer_t *l = layers + i;
         int64_t w = 0, g = l->n_gate_up ? 2 * l->inter : l->router.n;
         size_t a = l->n_gate_up ? sizeof(float) * T * l->inter : (sizeof(int64_t) + sizeof(float)) * T * m->top_k;
+        if (l->n_shared_gate_up) {
+            g = 2 * l->shared_inter > g ? 2 * l->shared_inter : g;
+            a = sizeof(float) * T * l->shared_inter > a ? sizeof(float) * T * l->shared_inter : a;
+        }
         for (int64_t p = 0; p < l->n_qkv; p++) w += l->qkv[p].n;
         W = w > W ? w : W, G = g > G ? g : G, A = a > A ? a : A;
     }
@@ -1815,10 +1829,21 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
             if (gl_matmul((int)l->router.fmt, x, T, H, H, l->router.data, l->router.n, gu, l->router.n, threads))
                 return -1;
             if (l->router_bias) add_bias(gu, T, m->E, l->router.n, l->router_bias);
-            route_rows(gu, l->router.n, T, m->E, m->top_k, m->gating, m->norm_topk, m->expert_scale, ids, wts);
+            route_rows(gu, l->router.n, T, m->E, m->top_k, m->gating, m->norm_topk, m->expert_scale, l->choice_bias,
+                       ids, wts);
             if (gl_moe((int)l->fmt1, l->w1, l->stride1, l->n1, l->b1, (int)l->fmt2, l->w2, l->stride2, l->n2, l->b2,
                        x, T, H, l->inter, ids, wts, m->top_k, m->E, (int)m->expert_act, m->alpha, m->limit, hid, threads))
                 return -1;
+            if (l->n_shared_gate_up) { /* the shared expert, added to the experts' sum */
+                int64_t I = l->shared_inter;
+                float *y = free_buffer(bufs, res, hid);
+                if (mat_parts(l->shared_gate_up, l->n_shared_gate_up, x, T, H, gu, 2 * I, threads)) return -1;
+                gl_silu_mul(gu, T, I, act, threads);
+                if (gl_matmul((int)l->shared_down.fmt, act, T, I, I, l->shared_down.data, l->shared_down.n, y, H,
+                              threads))
+                    return -1;
+                for (int64_t j = 0; j < T * H; j++) hid[j] += y[j];
+            }
         }
         if (l->post_ffn_norm) {
             float *y = free_buffer(bufs, res, hid);

@@ -85,8 +85,9 @@ class Layer(ctypes.Structure):
         ("n_qkv", _I64), ("qkv", Mat * 3), ("qkv_bias", _P), ("o", Mat), ("o_bias", _P), ("cos_sin", _P),
         ("rot_dim", _I64), ("k_cache", _P), ("v_cache", _P), ("window", _I64), ("sinks", _P), ("inter", _I64),
         ("n_gate_up", _I64), ("gate_up", Mat * 2), ("down", Mat), ("router", Mat), ("router_bias", _P),
-        *[(name, _I64) for name in ("fmt1", "stride1", "n1", "fmt2", "stride2", "n2")],
-        ("w1", _P), ("w2", _P), ("b1", _P), ("b2", _P),
+        ("choice_bias", _P), *[(name, _I64) for name in ("fmt1", "stride1", "n1", "fmt2", "stride2", "n2")],
+        ("w1", _P), ("w2", _P), ("b1", _P), ("b2", _P), ("shared_inter", _I64), ("n_shared_gate_up", _I64),
+        ("shared_gate_up", Mat * 2), ("shared_down", Mat),
     ]
 
 

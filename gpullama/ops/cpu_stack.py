@@ -8,7 +8,8 @@ order as `Decoder.forward_pooled`'s loop, so a dense layer's results are the sam
 (softmax and top k in float32, as `gpullama.ops.experts.route` computes them, though not in its summation order).
 
 `NativeStack.build` returns None for what the loop handles and the stack does not: tensor parallelism, Granite's
-residual scale, a shared expert, a weight or shape the kernels do not take.
+residual scale, qwen2moe's sigmoid-gated shared expert (GLM-4.5's ungated one runs here), grouped expert routing,
+a weight or shape the kernels do not take.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gpullama.ops.metadata import BatchMetadata
 
 log = logging.getLogger("gpullama")
 
-_GATINGS = {"softmax": 0, "softmax_topk": 1}
+_GATINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -102,11 +103,21 @@ class NativeStack:
             else:
                 moe_layer = src.moe
                 ex = moe_layer.experts
+                if moe_layer.shared_gate is not None:
+                    raise Unsupported("a sigmoid-gated shared expert")
                 if moe_layer.shared_down is not None:
-                    raise Unsupported("a shared expert")
+                    if not isinstance(moe_layer.shared_down, CpuWeight):
+                        raise Unsupported("a shared expert without a CPU format")
+                    inter = moe_layer.shared_down.in_features
+                    if sum(_mat(w, hidden).n for w in moe_layer.shared_gate_up) != 2 * inter:
+                        raise Unsupported("shared gate|up rows not a multiple of 16")
+                    _parts(dst.shared_gate_up, moe_layer.shared_gate_up, hidden, "shared gate|up")
+                    dst.n_shared_gate_up, dst.shared_inter = len(moe_layer.shared_gate_up), inter
+                    dst.shared_down = _mat(moe_layer.shared_down, inter, exact_rows=hidden)
                 if not isinstance(ex.gate_up, CpuExperts) or not isinstance(moe_layer.router, CpuWeight):
                     raise Unsupported("experts or a router without a CPU format")
                 dst.router, dst.router_bias = _mat(moe_layer.router, hidden), vec(moe_layer.router_bias)
+                dst.choice_bias = vec(moe_layer.choice_bias)
                 (f1, w1), (f2, w2) = ex.gate_up.operand, ex.down.operand
                 dst.fmt1, dst.w1, dst.stride1, dst.n1, dst.b1 = f1, w1.data_ptr(), w1[0].numel(), 16 * w1.shape[1], vec(
                     ex.gate_up_bias)
@@ -121,6 +132,8 @@ class NativeStack:
         if moe_layer is not None:
             if c.expert_gating not in _GATINGS:
                 raise Unsupported(f"expert gating {c.expert_gating}")
+            if c.expert_groups > 1:
+                raise Unsupported("grouped expert routing")
             ex = moe_layer.experts
             model.E, model.top_k, model.gating = ex.num_experts, c.num_experts_used, _GATINGS[c.expert_gating]
             model.norm_topk, model.expert_scale = int(c.expert_weights_norm), c.expert_weights_scale

@@ -48,19 +48,34 @@ def _nbytes(t: Any) -> int:
 
 
 def route(
-    logits: torch.Tensor, k: int, gating: str = "softmax", norm: bool = False, scale: float = 1.0
+    logits: torch.Tensor, k: int, gating: str = "softmax", norm: bool = False, scale: float = 1.0,
+    bias: torch.Tensor | None = None, groups: int = 1, groups_used: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Experts ``[T, k]`` int64 and their weights ``[T, k]`` float32 from router logits ``[T, E]``, each row on its
-    own: "softmax" takes the top k of the softmax over all experts (renormalized to sum 1 with `norm`: qwen3moe,
-    Mixtral), "softmax_topk" the softmax of the top k logits (gpt-oss); then times `scale`."""
+    own, as llama.cpp's `build_moe_ffn` computes them: "softmax" takes the top k of the softmax over all experts,
+    "sigmoid" of the sigmoids (GLM-4.5, DeepSeek-V3), both renormalized to sum 1 with `norm` (qwen3moe, Mixtral);
+    "softmax_topk" the softmax of the top k logits (gpt-oss); then times `scale`. `bias` ``[E]`` (``exp_probs_b``)
+    is added to the probabilities for the choice only; with `groups` > 1 the choice is limited to the
+    `groups_used` groups (of E / groups consecutive experts) whose two best biased probabilities sum highest."""
     logits = logits.float()
     if gating == "softmax_topk":
         top, ids = logits.topk(k, dim=-1)
         weights = top.softmax(dim=-1)
     else:
-        weights, ids = logits.softmax(dim=-1).topk(k, dim=-1)
-        if norm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs = logits.sigmoid() if gating == "sigmoid" else logits.softmax(dim=-1)
+        if bias is None and groups == 1:
+            weights, ids = probs.topk(k, dim=-1)
+        else:
+            choice = probs if bias is None else probs + bias
+            if groups > 1:
+                grouped = choice.view(choice.shape[0], groups, -1)
+                best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(groups_used, dim=-1).indices
+                keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+                choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+            ids = choice.topk(k, dim=-1).indices
+            weights = probs.gather(1, ids)
+        if norm:  # llama.cpp clamps the sum at float16's smallest normal
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=6.103515625e-5)
     if scale != 1.0:
         weights = weights * scale
     return ids, weights

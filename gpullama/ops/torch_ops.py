@@ -294,11 +294,12 @@ class TorchOps:
         return F.silu(gate) * up
 
     def route(
-        self, logits: torch.Tensor, k: int, gating: str = "softmax", norm: bool = False, scale: float = 1.0
+        self, logits: torch.Tensor, k: int, gating: str = "softmax", norm: bool = False, scale: float = 1.0,
+        bias: torch.Tensor | None = None, groups: int = 1, groups_used: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's `k` experts ``[T, k]`` int64 and weights ``[T, k]`` float32 from router logits ``[T, E]``
-        (see `gpullama.ops.experts.route`)."""
-        return route(logits, k, gating, norm, scale)
+        (see `gpullama.ops.experts.route`: the gating, the choice's bias and groups)."""
+        return route(logits, k, gating, norm, scale, bias, groups, groups_used)
 
     def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
         """``[T, H]`` float32: each row's experts ``ids [T, k]`` applied to it, weighted by ``weights [T, k]`` and
