@@ -6,19 +6,20 @@ from dataclasses import dataclass
 
 # GGUF's `{arch}.pooling_type` values (llama.cpp's enum llama_pooling_type)
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
-POOLING_KINDS = ("mean", "cls", "last")  # what an embedding can be pooled by
+POOLING_KINDS = ("mean", "cls", "last", "none")  # what an embedding can be pooled by (none: one vector per token)
 
 
 @dataclass
 class PoolingParams:
     """An embedding request's options: `normalize` (L2-normalise the vector, the default, as the OpenAI API's
     embeddings are), `dimensions` (keep only the first N values, then renormalise: Matryoshka truncation, the
-    OpenAI API's `dimensions`). The pooling itself is the model's (`ModelConfig.pooling_type`: mean, cls or last
-    token), which the engine sets as `kind`."""
+    OpenAI API's `dimensions`), `kind`: how the hidden states are pooled, mean, cls, last token, or none (one vector
+    per token, never normalised: llama.cpp's ``--pooling none``); None, the model's (`ModelConfig.pooling_type`),
+    which the engine sets."""
 
     normalize: bool = True
     dimensions: int | None = None
-    kind: str = "last"
+    kind: str | None = None
 
     def validate(self, hidden_size: int | None = None) -> None:
         """Check the fields; ValueError naming the field."""

@@ -65,8 +65,10 @@ class LLMEngine:
     def admit_embedding(self, request_id: str, prompt_token_ids: list[int],
                         pooling: PoolingParams | None = None) -> Sequence:
         """Check an embedding request (`gpullama.engine.admission.check_embedding_request`) and build its sequence:
-        prefill only, pooled by the model's pooling type, its KV blocks not kept; queue it with `add`."""
-        pooling = dataclasses.replace(pooling or PoolingParams(), kind=self.limits.pooling_type)
+        prefill only, pooled as `pooling.kind` says (None: the model's pooling type), its KV blocks not kept; queue it
+        with `add`."""
+        pooling = pooling or PoolingParams()
+        pooling = dataclasses.replace(pooling, kind=pooling.kind or self.limits.pooling_type)
         check_embedding_request(prompt_token_ids, pooling, self.limits)
         return Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 0, pooling=pooling)
 
@@ -122,8 +124,10 @@ class LLMEngine:
         for seq in batch.pooling:
             if seq in failed:
                 continue
-            if seq in pooled:
-                seq.pooled = pooled[seq] if seq.pooled is None else seq.pooled + pooled[seq]
+            if seq in pooled:  # summed over the steps; per token (pooling none): one row more for each token
+                part = pooled[seq]
+                seq.pooled = part if seq.pooled is None else torch.cat([seq.pooled, part]) \
+                    if seq.pooling.kind == "none" else seq.pooled + part
             if seq.num_computed_tokens == seq.num_tokens:
                 deltas.append(self._finish_embedding(seq))
         drafts_of = {seq: drafts for seq, drafts in zip(batch.seqs, batch.drafts) if drafts}
@@ -155,7 +159,10 @@ class LLMEngine:
         (not sampled: that request alone fails), the pooled hidden states of the embedding sequences that have rows
         in this step)."""
         out = self.runner.execute(batch)
-        pooled = {batch.seqs[i]: out.pooled[k] for k, (i, _) in enumerate(batch.pool_rows)}
+        pooled, row = {}, 0
+        for (i, _), count in zip(batch.pool_rows, batch.pool_counts):  # each entry's rows of `out.pooled`
+            pooled[batch.seqs[i]] = out.pooled[row] if count is None else out.pooled[row : row + count]
+            row += 1 if count is None else count
         if not batch.sampling:
             return {}, {}, pooled
         logits = out.logits
@@ -234,16 +241,22 @@ class LLMEngine:
 
     def _finish_embedding(self, seq: Sequence) -> StreamDelta:
         """An embedding request whose whole prompt is computed: its pooled vector (mean: the sum over its tokens
-        divided by their count), cut to `dimensions`, L2-normalised when asked; it leaves the engine."""
+        divided by their count), cut to `dimensions`, L2-normalised when asked; or, pooled by none, one vector per
+        token, as computed; it leaves the engine."""
         pooling = seq.pooling
         vector = seq.pooled.float().cpu()
+        if pooling.kind == "none":
+            return self._end_embedding(seq, (vector[:, : pooling.dimensions] if pooling.dimensions else vector).tolist())
         if pooling.kind == "mean":
             vector = vector / seq.num_tokens
         if pooling.dimensions is not None:
             vector = vector[: pooling.dimensions]
         if pooling.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
-        seq.embedding = vector.tolist()
+        return self._end_embedding(seq, vector.tolist())
+
+    def _end_embedding(self, seq: Sequence, embedding: list) -> StreamDelta:
+        seq.embedding = embedding
         seq.pooled = None
         self.scheduler.finish(seq, "stop")
         self.requests.pop(seq.request_id, None)

@@ -105,8 +105,8 @@ def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 @dataclasses.dataclass
 class StepOutput:
     """What one step's forward gives back: the logits of the sampling rows (in `ScheduledBatch.sampling` order) and
-    the pooled final hidden states of the embedding rows (one row per `ScheduledBatch.pool_rows` entry, float32;
-    None when the step has none)."""
+    the pooled final hidden states of the embedding rows (one row per `ScheduledBatch.pool_rows` entry, one per token
+    for pooling none: `ScheduledBatch.pool_counts`; float32; None when the step has none)."""
 
     logits: torch.Tensor
     pooled: torch.Tensor | None = None
@@ -251,12 +251,13 @@ class ModelRunner:
         if step.every_row:
             logits_rows = list(range(starts[-1]))
         pool_indices: list[int] = []
-        pool_segments: list[int] = []
-        for pool, (i, rows) in enumerate(step.pool_rows):
-            span = range(starts[i], starts[i + 1]) if rows == "all" else \
+        pool_segments: list[int] = []  # which pooled row each index adds to: one per entry, one per row for "each"
+        for i, rows in step.pool_rows:
+            span = range(starts[i], starts[i + 1]) if rows in ("all", "each") else \
                 [starts[i + 1] - 1] if rows == "last" else [starts[i]]
+            pool = pool_segments[-1] + 1 if pool_segments else 0
             pool_indices.extend(span)
-            pool_segments.extend([pool] * len(span))
+            pool_segments.extend(range(pool, pool + len(span)) if rows == "each" else [pool] * len(span))
         width = max(len(table) for table in step.block_tables)
         tables = [table + [0] * (width - len(table)) for table in step.block_tables]
         device = self.device
@@ -275,7 +276,7 @@ class ModelRunner:
         if step.pool_rows:
             meta.pool_indices = torch.tensor(pool_indices, dtype=torch.long, device=device)
             meta.pool_segments = torch.tensor(pool_segments, dtype=torch.long, device=device)
-            meta.num_pools = len(step.pool_rows)
+            meta.num_pools = pool_segments[-1] + 1
         # per-step tensors the ops read (rotary rows, decode context slots), derived here once, not per layer
         meta = self.model.ops.prepare_step(meta, self.model.cos_sin, bs)
         return torch.tensor(step.token_ids, dtype=torch.long, device=device), meta

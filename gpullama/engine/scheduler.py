@@ -19,8 +19,8 @@ class ScheduledBatch:
     extra query tokens of the step (counted in ``num_new_tokens[i]``), and logits come for its last token and each
     draft, so the engine can check the drafts and keep the accepted ones. The
     embedding requests in `pooling` never sample: the hidden states of the rows `pool_rows` names (per entry: the
-    sequence's place in `seqs` and which of its new rows: "all" for mean pooling, "last", or "first") come back
-    pooled, one row per entry.
+    sequence's place in `seqs` and which of its new rows: "all" for mean pooling, "last", "first", or "each" for
+    pooling none) come back pooled, one row per entry (one per row for "each": `pool_counts`).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -41,12 +41,17 @@ class ScheduledBatch:
         if seq.pooling is not None:
             self.pooling.append(seq)
             kind = seq.pooling.kind
-            rows = "all" if kind == "mean" else "last" if kind == "last" and end == seq.num_tokens else \
-                "first" if kind == "cls" and first == 0 else None
+            rows = "all" if kind == "mean" else "each" if kind == "none" else \
+                "last" if kind == "last" and end == seq.num_tokens else "first" if kind == "cls" and first == 0 else None
             if rows is not None:
                 self.pool_rows.append((len(self.seqs) - 1, rows))
         elif end == seq.num_tokens:
             self.sampling.append(seq)
+
+    @property
+    def pool_counts(self) -> list[int | None]:
+        """For each `pool_rows` entry, its pooled rows: None for one summed row, else one per new token."""
+        return [self.num_new_tokens[i] if rows == "each" else None for i, rows in self.pool_rows]
 
     @property
     def num_tokens(self) -> int:

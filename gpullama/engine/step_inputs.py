@@ -26,7 +26,7 @@ class StepInputs:
     sequence (0: none; 1: its last token; more: its last token and its draft tokens), or for every token with
     `every_row` (scoring). `pool_rows` (rank 0 only, never broadcast:
     pooling reads the hidden states rank 0 has after the last all-reduce) names the rows whose final hidden states
-    come back pooled: (sequence i, "all" | "last" | "first" of its new rows)."""
+    come back pooled: (sequence i, "all" | "last" | "first" | "each" of its new rows)."""
 
     token_ids: list[int]
     num_computed: list[int]

@@ -80,6 +80,26 @@ def test_the_models_pooling_type_decides(tiny_embedders, kind: str) -> None:
         llm.engine.limits = saved
 
 
+def test_a_requests_own_pooling_wins_and_none_gives_every_tokens_vector(tiny_embedders) -> None:
+    """`PoolingParams.kind` (the server's --pooling) pools as asked whatever the file says; none gives one
+    unnormalised vector per token, over several chunks, in the same steps as a pooled request."""
+    tiny, llm = tiny_embedders("llama")
+    ids = _ids(37, 5, tiny.config.vocab_size)
+    engine = llm.engine
+    mean = engine.admit_embedding("mean", ids, PoolingParams(kind="mean"))
+    per_token = engine.admit_embedding("none", ids, PoolingParams(kind="none"))
+    engine.add(mean)
+    engine.add(per_token)
+    while engine.has_work():
+        engine.step()
+    assert_matches(mean.embedding, reference(tiny.hf_model, ids, "mean"))
+    with torch.no_grad():
+        states = tiny.hf_model.model(torch.tensor([ids])).last_hidden_state[0].double()
+    assert len(per_token.embedding) == len(ids)
+    for got, want in zip(per_token.embedding, states):
+        assert_matches(got, want)
+
+
 def test_dimensions_and_normalize(tiny_embedders) -> None:
     tiny, llm = tiny_embedders("llama")
     ids = _ids(12, 3, tiny.config.vocab_size)
