@@ -25,11 +25,12 @@ from .http.errors import CHAT_NAMES, APIError, request_error, style_for_path
 from .http.middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMiddleware, request_id
 from .http.root_path import RootPathMiddleware
 from .llamacpp import completion as llamacpp_completion
+from .llamacpp import embeddings as llamacpp_embeddings
 from .llamacpp import props as llamacpp_props
 from .ollama import chat as ollama_chat
 from .ollama import embed as ollama_embed
 from .ollama import models as ollama_models
-from .openai.chat import chat_completions
+from .openai.chat import chat_completions, input_tokens
 from .openai.completions import completions
 from .openai.embeddings import create_embeddings
 from .openai.models import get_model, list_models
@@ -47,14 +48,16 @@ def routes() -> list[Route]:
     return [
         # OpenAI
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", input_tokens, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        # the same without /v1, as llama.cpp serves them (OpenAI clients configured without /v1)
+        # the same without /v1, as llama.cpp serves them (OpenAI clients configured without /v1); llama.cpp's
+        # /completions is its native /completion
         Route("/chat/completions", chat_completions, methods=["POST"]),
-        Route("/completions", completions, methods=["POST"]),
+        Route("/chat/completions/input_tokens", input_tokens, methods=["POST"]),
         Route("/models", list_models, methods=["GET"]),
         # Anthropic
         Route("/v1/messages", create_message, methods=["POST"]),
@@ -73,6 +76,9 @@ def routes() -> list[Route]:
         Route("/assets/{name:path}", webui.asset, methods=["GET", "HEAD"]),
         # llama.cpp's native endpoints
         Route("/completion", llamacpp_completion.completion, methods=["POST"]),
+        Route("/completions", llamacpp_completion.completion, methods=["POST"]),
+        Route("/embeddings", llamacpp_embeddings.embeddings, methods=["POST"]),
+        Route("/embedding", llamacpp_embeddings.embeddings, methods=["POST"]),
         Route("/infill", llamacpp_completion.infill, methods=["POST"]),
         Route("/apply-template", llamacpp_props.apply_template, methods=["POST"]),
         Route("/props", llamacpp_props.props, methods=["GET"]),

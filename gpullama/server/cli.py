@@ -17,6 +17,7 @@ import uvicorn
 from gpullama.engine.args import EngineArgs, positive_int
 from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
+from gpullama.pooling_params import POOLING_KINDS
 
 from .engine_log import DEFAULT_INTERVAL_S
 from .http.connection import head_timeout_protocol
@@ -32,6 +33,7 @@ from .state import (
     LOOPBACK_HOSTS,
     REASONING_MODES,
     ChatDefaults,
+    RequestDefaults,
     ServerConfig,
     ServerState,
 )
@@ -64,6 +66,28 @@ def seconds(text: str) -> float:
 def seconds_or_off(text: str) -> float:
     """An argparse type: a duration in seconds, or 0 for no limit."""
     return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
+def temperature(text: str) -> float:
+    """An argparse type: a sampling temperature, a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def n_predict(text: str) -> int:
+    """An argparse type: a token count >= 1, or -1 (no limit)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, or -1 for no limit, got {value}")
+    return value
 
 
 def name_list(text: str) -> list[str]:
@@ -140,6 +164,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     chat.add_argument("--prefill-assistant", action=argparse.BooleanOptionalAction, default=True,
                       help="continue a last assistant message instead of starting a new turn after it (default: "
                       "on; --no-prefill-assistant renders it as a whole turn)")
+    p.add_argument("--pooling", choices=POOLING_KINDS, default=None,
+                   help="how embeddings pool the hidden states: mean, cls, last token, or none (llama.cpp's native "
+                   "/embeddings then gives one unnormalised vector per token; the OpenAI and Ollama embeddings "
+                   "refuse it) (default: the model's pooling_type, else the last token)")
+    defaults = p.add_argument_group("request defaults (llama.cpp's flags): for requests that leave the field out")
+    defaults.add_argument("--temp", "--temperature", dest="temp", type=temperature, default=None,
+                          help="sampling temperature (default: each API's own, such as llama.cpp's 0.8 on "
+                          "/completion and 1.0 on the OpenAI routes)")
+    defaults.add_argument("--seed", "-s", type=int, default=-1,
+                          help="sampling seed; a fixed seed gives the same text streamed and not (default: -1, "
+                          "random)")
+    defaults.add_argument("--n-predict", "--predict", "-n", dest="n_predict", type=n_predict, default=-1,
+                          help="tokens to generate (default: -1, until the end of the context or each API's own)")
+    defaults.add_argument("--verbose", "-v", action="store_true",
+                          help="answers of chat and completions carry llama.cpp's __verbose (the native result, with "
+                          "the prompt as text and special tokens) unless the request says \"verbose\": false")
     p.add_argument("--headless", action="store_true",
                    help="a node other than 0 of multi-node tensor parallelism (--nnodes, --node-rank 1 and up): load "
                    "this machine's ranks and follow node 0's steps, without an HTTP server; implied by --node-rank > "
@@ -206,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                           keep_alive_timeout=args.keep_alive_timeout, allowed_hosts=args.allowed_hosts,
                           allowed_origins=args.allowed_origins, log_stats_interval=args.log_stats_interval,
                           kv_events=args.kv_events_config, webui=args.webui, root_path=args.root_path,
-                          chat=ChatDefaults(args.reasoning, args.prefill_assistant))
+                          chat=ChatDefaults(args.reasoning, args.prefill_assistant),
+                          defaults=RequestDefaults(args.temp, None if args.seed == -1 else args.seed,
+                                                   None if args.n_predict == -1 else args.n_predict, args.verbose),
+                          pooling=args.pooling)
     state = ServerState(config)
     from .app import create_app  # the routes load once the flags and the model reference are known good
 

@@ -55,6 +55,25 @@ class ChatDefaults:
         return self.reasoning == "on" or (self.reasoning == "auto" and thinking_switch)
 
 
+@dataclass(frozen=True)
+class RequestDefaults:
+    """Server-wide values of the request fields a request leaves out, for every API family (llama.cpp's
+    ``--temp``, ``--seed``, ``-n``/``--n-predict``, ``--verbose``); None: each API's own default."""
+
+    temperature: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    verbose: bool = False  # answers carry llama.cpp's "__verbose" unless the request says "verbose": false
+
+    def sampling(self) -> dict[str, Any]:
+        """The `SamplingParams` fields these defaults set."""
+        given = {"temperature": self.temperature, "seed": self.seed, "max_tokens": self.max_tokens}
+        return {name: value for name, value in given.items() if value is not None}
+
+
+NO_DEFAULTS = RequestDefaults()
+
+
 @dataclass
 class ServerConfig:
     """Settings of ``gpullama-serve``: the engine's arguments and the server's own."""
@@ -78,6 +97,8 @@ class ServerConfig:
     webui: bool = True  # the chat page at / (--no-webui: off)
     root_path: str = ""  # the path prefix a reverse proxy serves this server under (--root-path), such as /llm
     chat: ChatDefaults = field(default_factory=ChatDefaults)  # --reasoning, --no-prefill-assistant
+    defaults: RequestDefaults = NO_DEFAULTS  # --temp, --seed, -n, --verbose
+    pooling: str | None = None  # --pooling: how embeddings pool (mean, cls, last, none); None: the model's
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""

@@ -318,8 +318,12 @@ def test_props_has_the_fields_clients_read(http, default_model_path, model_name)
 
 
 def test_unprefixed_openai_routes_fingerprint_and_timings(server, model_name):
-    """/chat/completions, /completions and /models as llama.cpp serves them (the OpenAI SDK without /v1), behind
-    the API key; system_fingerprint on objects and chunks; llama.cpp's timings added to the OpenAI shape."""
+    """/chat/completions and /models as llama.cpp serves them (the OpenAI SDK without /v1), behind the API key;
+    system_fingerprint on objects and chunks; llama.cpp's timings added to the OpenAI shape. (/completions is
+    llama.cpp's native completion, as llama-server serves it: see test_completions_without_v1_is_native.)"""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert text.system_fingerprint.startswith("gpullama-") and text.model_extra["timings"]["predicted_n"] == 4
     client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
     assert client.models.list().data[0].id == model_name
     chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
@@ -328,16 +332,91 @@ def test_unprefixed_openai_routes_fingerprint_and_timings(server, model_name):
     timings = chat.model_extra["timings"]
     assert timings["predicted_n"] == chat.usage.completion_tokens
     assert timings["prompt_n"] + timings["cache_n"] == chat.usage.prompt_tokens
-    text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
-    assert text.system_fingerprint.startswith("gpullama-") and text.model_extra["timings"]["predicted_n"] == 4
     chunks = list(client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks[0].choices[0].delta.content == "" and chunks[0].choices[0].delta.role == "assistant"
     assert all(c.system_fingerprint.startswith("gpullama-") for c in chunks)
     assert chunks[-1].model_extra["timings"]["predicted_n"] == chat.usage.completion_tokens
-    for path in ("/completions", "/chat/completions", "/completion", "/models", "/props"):
+    for path in ("/completions", "/chat/completions", "/completion", "/models", "/props", "/embeddings", "/embedding",
+                 "/chat/completions/input_tokens"):
         assert httpx.request("GET" if path in ("/models", "/props") else "POST", server.base_url + path,
                              json={}).status_code == 401, path
+
+
+# ---- the second pass (issue 38): prompt forms, native routes ------------------------------------------------------
+
+
+def test_completion_takes_prompt_string_objects_and_mixed_lists(http, hf_tokenizer):
+    """llama.cpp's prompt shapes: {"prompt_string": s} alone or in a list, token lists with strings spliced in
+    (each string after the first piece tokenized without BOS); multimodal_data on a text model is a clear 400."""
+    ids = hf_tokenizer.encode(PROMPT)
+    text = _greedy(http, prompt=PROMPT, n_predict=4)["content"]
+    assert _greedy(http, prompt={"prompt_string": PROMPT}, n_predict=4)["content"] == text
+    split = PROMPT.index(" the")
+    mixed = [*hf_tokenizer.encode(PROMPT[:split]), PROMPT[split:]]
+    out = _greedy(http, prompt=[{"prompt_string": PROMPT}, mixed, {"prompt_string": mixed}], n_predict=4,
+                  return_tokens=True)
+    assert [o["content"] for o in out] == [text] * 3 and out[1]["tokens_evaluated"] == len(ids)
+    bad = http.post("/completion", json={"prompt": [{"prompt_string": "x", "multimodal_data": ["AAAA"]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[0]"
+    assert "multimodal_data" in bad.json()["error"]["message"] and "text only" in bad.json()["error"]["message"]
+
+
+def test_completions_without_v1_is_native(http):
+    """POST /completions answers as /completion (llama.cpp serves its native completion there), /v1/completions
+    stays OpenAI's."""
+    native = _greedy(http, prompt=PROMPT, n_predict=4, ignore_eos=True)
+    out = http.post("/completions", json={"prompt": PROMPT, "n_predict": 4, "temperature": 0, "ignore_eos": True})
+    assert out.status_code == 200, out.text
+    body = out.json()
+    assert body["content"] == native["content"] and body["stop_type"] == "limit" and "choices" not in body
+    with http.stream("POST", "/completions", json={"prompt": PROMPT, "n_predict": 4, "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1]["stop"] is True and "[DONE]" not in events
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).json()["object"] == "text_completion"
+
+
+def test_native_embeddings_shape_and_inputs(http, hf_tokenizer):
+    """/embeddings and /embedding: [{index, embedding: [[...]]}], one normalised row per input (the model's pooling
+    here); inputs in every llama.cpp shape, content parts joined as they are; embd_normalize -1 leaves it raw."""
+    import numpy as np
+
+    oai = http.post("/v1/embeddings", json={"input": ["Hello world", "Paris"]}).json()["data"]
+    out = http.post("/embeddings", json={"input": ["Hello world", {"prompt_string": "Paris"}]})
+    assert out.status_code == 200, out.text
+    rows = out.json()
+    assert [r["index"] for r in rows] == [0, 1] and all(len(r["embedding"]) == 1 for r in rows)
+    for row, want in zip(rows, oai):
+        assert np.allclose(row["embedding"][0], want["embedding"], atol=1e-5)
+    ids = hf_tokenizer.encode("Hello")
+    same = [{"content": [*ids, " world"]}, {"input": {"content": [{"type": "text", "text": "Hello"},
+                                                                  {"type": "text", "text": " world"}]}}]
+    for body in same:
+        got = http.post("/embedding", json=body).json()[0]["embedding"][0]
+        assert np.allclose(got, oai[0]["embedding"], atol=1e-5), body
+    raw = np.asarray(http.post("/embedding", json={"content": "Hello world", "embd_normalize": -1}).json()[0][
+        "embedding"][0])
+    assert np.allclose(raw / np.linalg.norm(raw), oai[0]["embedding"], atol=1e-5) and abs(np.linalg.norm(raw) - 1) > 0.1
+    openai_forms = http.post("/v1/embeddings", json={"input": [{"prompt_string": "Paris"}]}).json()["data"][0]
+    assert np.allclose(openai_forms["embedding"], oai[1]["embedding"], atol=1e-5)
+    for path, body, param in (("/embeddings", {}, "input"), ("/embedding", {"content": [{"x": 1}]}, "content[0]"),
+                              ("/embeddings", {"input": {"content": [{"type": "image_url"}]}}, "input.content[0]"),
+                              ("/v1/embeddings", {"input": ["a", 3]}, "input[1]")):
+        bad = http.post(path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, bad.text)
+
+
+def test_chat_input_tokens_count_the_prompt(http, hf_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    want = len(hf_tokenizer.encode(hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                      add_generation_prompt=True)))
+    for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+        out = http.post(path, json={"messages": messages})
+        assert out.status_code == 200 and out.json() == {"object": "response.input_tokens", "input_tokens": want}
+    usage = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == want
+    bad = http.post("/v1/chat/completions/input_tokens", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].role"
 
 
 def test_chat_takes_n_probs_and_the_rendering_flags(http, hf_tokenizer, model_name):

@@ -155,7 +155,7 @@ def _message(mid: str, model: str, content: list, reason: str | None, sequence: 
 def _plan(request: Request, state: ServerState, raw: bytes,
           count_only: bool = False) -> tuple[MessagesRequest, ChatPlan]:
     """Parse the body (errors in its own names), then plan it as a chat (errors in chat's names, renamed)."""
-    req = parse_messages_body(parse_json(raw), count_only)
+    req = parse_messages_body(parse_json(raw), count_only, state.config.defaults)
     check_model(state, req.model)
     request.state.field_names = NAMES
     return req, plan_chat(req.chat_fields, req.messages, chat_format(state.llm.tokenizer), state.config.chat)

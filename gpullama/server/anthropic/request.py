@@ -15,6 +15,7 @@ from gpullama.chat.messages import message_items, role_of, text_of
 from ..http.errors import FieldNames
 from ..http.fields import bad, bool_field, kind, object_body, str_field
 from ..pipeline.sampling import OPENAI, Field, SamplingOptions, stop
+from ..state import NO_DEFAULTS, RequestDefaults
 
 FIELDS = OPENAI.select("max_tokens", "temperature", "top_p", "top_k", "seed").but(
     Field("stop_sequences", "stop", stop),
@@ -161,7 +162,7 @@ def _thinking(value: Any) -> dict[str, Any]:
     return {"enable_thinking": value["type"] != "disabled"}
 
 
-def parse_messages_body(body: Any, count_only: bool = False) -> MessagesRequest:
+def parse_messages_body(body: Any, count_only: bool = False, defaults: RequestDefaults = NO_DEFAULTS) -> MessagesRequest:
     """Validate a Messages body (`count_only`: a count_tokens body, without max_tokens and sampling); 400 naming
     the field."""
     body = object_body(body)
@@ -178,7 +179,7 @@ def parse_messages_body(body: Any, count_only: bool = False) -> MessagesRequest:
                    "chat_template_kwargs": _thinking(body.get("thinking")) or None}
     opts, stream = SamplingOptions(names=NAMES), False
     if not count_only:
-        opts = FIELDS.read(body)
+        opts = FIELDS.read(body, defaults=defaults)
         if opts.max_tokens is None:
             raise bad("max_tokens", "'max_tokens' is a required field")
         metadata = body.get("metadata")

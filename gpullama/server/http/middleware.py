@@ -66,7 +66,8 @@ class APIKeyMiddleware:
     metrics and the tokenizer endpoints stay open (as in vLLM). The 401 is in the shape of the route's API
     family."""
 
-    PROTECTED = ("/v1", "/api/", "/completion", "/infill", "/chat/", "/models", "/apply-template", "/props")
+    PROTECTED = ("/v1", "/api/", "/completion", "/infill", "/chat/", "/models", "/apply-template", "/props",
+                 "/embedding")
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app

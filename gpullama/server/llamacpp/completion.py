@@ -26,9 +26,10 @@ from ..http.streaming import ClientDisconnected, StreamResponse, event, unless_d
 from ..pipeline.generation import Generation, Job, start_generation
 from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import read_and_prepare
+from ..pipeline.prompts import tokenize_pieces
 from ..pipeline.sampling import sampling_params
 from ..state import ServerState, check_model
-from .request import NAMES, NativeRequest, finite, input_extra, parse_native, tokenize_pieces
+from .request import NAMES, NativeRequest, finite, input_extra, parse_native
 
 log = logging.getLogger("gpullama.server")
 
@@ -230,7 +231,7 @@ def _prepare_completion(state: ServerState, raw: bytes) -> tuple[NativeRequest, 
     body = object_body(parse_json(raw))
     check_model(state, body.get("model"))
     tok = state.llm.tokenizer
-    req = parse_native(body, tok)
+    req = parse_native(body, tok, defaults=state.config.defaults)
     return req, [tokenize_pieces(tok, pieces) for pieces in req.prompts]
 
 
@@ -243,7 +244,7 @@ def _prepare_infill(state: ServerState, raw: bytes) -> tuple[NativeRequest, list
             raise bad(name, f"'{name}' is required (a string)")
     prompt = str_field(body, "prompt") or ""
     extra = input_extra(body)
-    req = parse_native(body, tok, prompt_field=None)
+    req = parse_native(body, tok, prompt_field=None, defaults=state.config.defaults)
     ids = fim_prompt_ids(tok, state.llm.max_model_len, body["input_prefix"], body["input_suffix"], extra, prompt,
                          param="input_prefix")
     return req, [ids]

@@ -27,7 +27,7 @@ async def props(request: Request) -> Response:
     require_ready(state)
     llm, engine_args = state.llm, state.config.engine
     tok = llm.tokenizer
-    _, settings = sampling({}, tok)
+    _, settings = sampling({}, tok, state.config.defaults)
     return JSONResponse({
         "default_generation_settings": {"params": {**settings, "stream": False, "n_probs": 0, "grammar": "",
                                                    "max_tokens": settings["n_predict"]},

@@ -8,12 +8,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.checks import check_count
 from gpullama.fim import ExtraChunk
 
 from ..http.errors import FieldNames
 from ..http.fields import bad, bool_field, int_field, object_body, str_field
 from ..pipeline.chat_plan import response_format_spec
+from ..pipeline.prompts import Pieces, prompt_list
 from ..pipeline.sampling import (
     MAX_N,
     OPENAI,
@@ -29,6 +29,7 @@ from ..pipeline.sampling import (
     seed,
     top_count,
 )
+from ..state import NO_DEFAULTS, RequestDefaults
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed
 FIELDS = OPENAI.select("presence_penalty", "frequency_penalty", "stop", "ignore_eos").but(
@@ -71,48 +72,17 @@ class NativeRequest:
     settings: dict[str, Any] = field(default_factory=dict)  # the generation settings to echo
 
 
-def _is_token(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+def prompts(body: dict, name: str = "prompt") -> list[Pieces]:
+    """llama.cpp's prompt shapes (`gpullama.server.pipeline.prompts`): one prompt or a list of them, each as its
+    pieces."""
+    return prompt_list(body.get(name), name, MAX_N)
 
 
-def _prompt_pieces(value: Any, where: str) -> list[int | str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(_is_token(x) or isinstance(x, str) for x in value):
-        return list(value)
-    if isinstance(value, dict):
-        raise bad(where, f"'{where}': multimodal prompts (prompt_string, multimodal_data) are not supported")
-    raise bad(where, f"'{where}' must be a string, a list of token ids (strings may be mixed in), or a list of "
-              "those (non-empty)")
-
-
-def prompts(body: dict, name: str = "prompt") -> list[list[int | str]]:
-    """llama.cpp's prompt shapes: a string, token ids (mixed with strings), or a list of prompts (strings, token
-    lists, mixed lists); each prompt as its pieces."""
-    value = body.get(name)
-    if value is None:
-        raise bad(name, f"'{name}' is a required field")
-    if isinstance(value, list) and value and not any(_is_token(x) for x in value):  # a list of prompts
-        check_count(name, len(value), MAX_N)
-        return [_prompt_pieces(p, f"{name}[{i}]") for i, p in enumerate(value)]
-    return [_prompt_pieces(value, name)]
-
-
-def tokenize_pieces(tokenizer: Any, pieces: list[int | str]) -> list[int]:
-    """The ids of a prompt's pieces; BOS (and EOS) as the GGUF says when the prompt opens with text (llama.cpp's
-    rule), special-token names in the text parsed."""
-    ids: list[int] = []
-    for i, piece in enumerate(pieces):
-        if isinstance(piece, str):
-            ids += tokenizer.encode(piece, add_special_tokens=(i == 0))
-        else:
-            ids.append(piece)
-    return ids
-
-
-def sampling(body: dict, tokenizer: Any) -> tuple[SamplingOptions, dict[str, Any]]:
-    """The sampling options of a native body (llama.cpp's defaults where absent), and the settings to echo."""
-    opts = FIELDS.read(body, tokenizer)
+def sampling(body: dict, tokenizer: Any, defaults: RequestDefaults = NO_DEFAULTS
+             ) -> tuple[SamplingOptions, dict[str, Any]]:
+    """The sampling options of a native body (the server's `defaults`, else llama.cpp's, where absent), and the
+    settings to echo."""
+    opts = FIELDS.read(body, tokenizer, defaults)
     params = sampling_params(opts)
     settings = {
         "n_predict": -1 if params.max_tokens is None else params.max_tokens,
@@ -125,12 +95,13 @@ def sampling(body: dict, tokenizer: Any) -> tuple[SamplingOptions, dict[str, Any
     return opts, settings
 
 
-def parse_native(body: Any, tokenizer: Any, prompt_field: str | None = "prompt") -> NativeRequest:
-    """Validate a ``/completion`` body (``/infill``'s, with `prompt_field` None: the caller reads its prompt);
-    400 naming the bad field in llama.cpp's names."""
+def parse_native(body: Any, tokenizer: Any, prompt_field: str | None = "prompt",
+                 defaults: RequestDefaults = NO_DEFAULTS) -> NativeRequest:
+    """Validate a ``/completion`` body (``/infill``'s, with `prompt_field` None: the caller reads its prompt;
+    `defaults`: the server's values of fields it leaves out); 400 naming the bad field in llama.cpp's names."""
     body = object_body(body)
     pieces = prompts(body, prompt_field) if prompt_field else [[]]
-    opts, settings = sampling(body, tokenizer)
+    opts, settings = sampling(body, tokenizer, defaults)
     n_cmpl = int_field(body, "n_cmpl")
     n_cmpl = 1 if n_cmpl is None else n_cmpl
     check_choices(len(pieces), n_cmpl)

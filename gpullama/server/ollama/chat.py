@@ -173,7 +173,7 @@ def _prepare_chat(request: Request, state: ServerState, raw: bytes):
     body = object_body(parse_json(raw))
     check_model_name(state, body.get("model"))
     messages = chat_messages(body.get("messages"))
-    opts = options(body, state.llm.max_model_len)
+    opts = options(body, state.llm.max_model_len, state.config.defaults)
     stream = bool_field(body, "stream", default=True)
     chat_fields = {"tools": body.get("tools") or None, "response_format": response_format(body),
                    "chat_template_kwargs": think(body)}
@@ -200,7 +200,7 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
                 ": send the conversation to /api/chat" if name == "context" else ""))
     system = str_field(body, "system")
     raw_mode = bool_field(body, "raw")
-    opts = options(body, state.llm.max_model_len)
+    opts = options(body, state.llm.max_model_len, state.config.defaults)
     stream = bool_field(body, "stream", default=True)
     request.state.field_names = GENERATE_NAMES
     tok = state.llm.tokenizer

@@ -9,13 +9,11 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpullama.pooling_params import PoolingParams
-
 from ..http.body import JSONResponse
 from ..http.errors import FieldNames
 from ..http.fields import bad, int_field, kind, object_body
 from ..http.streaming import ClientDisconnected
-from ..pipeline.embedding import run_embeddings
+from ..pipeline.embedding import one_vector_pooling, run_embeddings
 from ..pipeline.intake import read_json
 from ..state import require_ready, server_state
 from .request import check_model_name
@@ -27,9 +25,9 @@ LEGACY_NAMES = FieldNames(fields=(("prompt", "prompt"),))
 async def _embed(request: Request, texts: list[str], dimensions: int | None) -> tuple[list[list[float]], int] | None:
     state = server_state(request)
     ids = [state.llm.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+    pooling = one_vector_pooling(state, dimensions)
     try:
-        return await run_embeddings(request, state, ids, PoolingParams(dimensions=dimensions),
-                                    f"embed-{uuid.uuid4().hex}")
+        return await run_embeddings(request, state, ids, pooling, f"embed-{uuid.uuid4().hex}")
     except ClientDisconnected:
         return None
 

@@ -14,7 +14,7 @@ from gpullama.chat.messages import message_items, role_of
 from ..http.errors import APIError, FieldNames
 from ..http.fields import bad, integer, kind
 from ..pipeline.sampling import OPENAI, Field, SamplingOptions, max_tokens, number
-from ..state import ServerState
+from ..state import NO_DEFAULTS, RequestDefaults, ServerState
 
 FIELDS = OPENAI.select("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                        "stop").but(
@@ -47,9 +47,10 @@ def check_model_name(state: ServerState, name: Any) -> None:
                        code="model_not_found")
 
 
-def options(body: dict, max_model_len: int) -> SamplingOptions:
-    """The sampling options of `options`, and its `num_ctx` checked against the server's context."""
-    opts = FIELDS.read(body)
+def options(body: dict, max_model_len: int, defaults: RequestDefaults = NO_DEFAULTS) -> SamplingOptions:
+    """The sampling options of `options` (`defaults`: the server's values of those it leaves out), and its
+    `num_ctx` checked against the server's context."""
+    opts = FIELDS.read(body, defaults=defaults)
     num_ctx = (body.get("options") or {}).get("num_ctx")
     if num_ctx is not None:
         if integer(num_ctx, "options.num_ctx") < 1:

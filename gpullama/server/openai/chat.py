@@ -12,7 +12,7 @@ from starlette.responses import Response
 from gpullama.chat.messages import message_items, role_of, text_of
 from gpullama.chat.model_format import chat_format
 
-from ..http.body import parse_json
+from ..http.body import JSONResponse, parse_json
 from ..http.errors import FieldNames
 from ..http.fields import bad, bool_field
 from ..pipeline.chat_output import ChatOutputShaper
@@ -20,7 +20,7 @@ from ..pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
 from ..pipeline.generation import Job
 from ..pipeline.intake import read_and_prepare
 from ..pipeline.sampling import OPENAI, Field, SamplingOptions, sampling_params, top_count, top_logprobs
-from ..state import ServerState, check_model
+from ..state import NO_DEFAULTS, RequestDefaults, ServerState, check_model
 from .choices import Answer, RequestHead, new_id, parse_head, serve_choices
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -67,25 +67,34 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    """Validate a chat completions body; raises ``APIError`` (400) naming the bad field."""
+def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ChatRequest:
+    """Validate a chat completions body (`defaults`: the server's values of fields it leaves out); raises
+    ``APIError`` (400) naming the bad field."""
     head: RequestHead = parse_head(body)
     messages = parse_messages(body)
-    opts = FIELDS.read(body)
+    opts = FIELDS.read(body, defaults=defaults)
     return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, opts.names,
-                       bool_field(body, "verbose"))
+                       bool_field(body, "verbose", defaults.verbose))
 
 
 def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan, str, list[int]]:
     """Parse and validate a chat body (with its response_format, tools, tool_choice and template kwargs), render
     the chat template and tokenize (a worker thread may run it)."""
     body = parse_json(raw)
-    req = parse_chat(body)
+    req = parse_chat(body, state.config.defaults)
     check_model(state, req.model)
     tok = state.llm.tokenizer
     plan = plan_chat(body, req.messages, chat_format(tok), state.config.chat)
     text, ids = render_planned_chat(tok, plan, req.options.kwargs)
     return req, plan, text, ids
+
+
+async def input_tokens(request: Request) -> Response:
+    """``POST /v1/chat/completions/input_tokens`` (llama.cpp's): a chat completions body -> the tokens of the prompt
+    it would run, as ``{"object": "response.input_tokens", "input_tokens": N}``."""
+    request.state.field_names = NAMES
+    _, _, (_, _, _, ids) = await read_and_prepare(request, prepare_chat)
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
 async def chat_completions(request: Request) -> Response:

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpullama.outputs import TokenLogprob
+from gpullama.outputs import StreamDelta, TokenLogprob
 
 from ..http.body import JSONResponse
 from ..http.errors import APIError, FieldNames, internal_error
@@ -296,6 +296,17 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> StreamRespo
     """Stream every choice's deltas as SSE chunks, then the usage chunk when asked, then ``[DONE]``."""
     chunks = ChunkBuilder(answer.chat, answer.id, now(), model, answer.include_usage)
 
+    first = answer.jobs[0].index
+    texts = {job.index: "" for job in answer.jobs}  # for "__verbose", on the first choice's last chunk
+
+    def last(index: int, chunk: dict, delta: StreamDelta) -> dict:
+        """A choice's last chunk, with llama.cpp's timings (and its native result, for the first choice)."""
+        chunk = {**chunk, "timings": generation_timings(gen)}
+        if answer.verbose and index == first:
+            chunk["__verbose"] = verbose_result(answer, gen, model, texts[index], delta.finish_reason,
+                                                delta.stop_reason)
+        return chunk
+
     async def events() -> AsyncIterator[bytes]:
         # every stream ends with [DONE]: after the finish reasons (and usage), or after one error event
         offsets = {job.index: 0 for job in answer.jobs}
@@ -308,6 +319,7 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> StreamRespo
                     yield event(chunks.content(job.index, text, None))
             shaper = answer.shaper
             async for index, delta in gen.deltas():
+                texts[index] += delta.text
                 if shaper is not None:  # reasoning, content and tool-call pieces
                     fields = shaper.delta(index, delta.text) if delta.text else None
                     if fields or delta.logprobs:
@@ -316,14 +328,14 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> StreamRespo
                         rest = shaper.finish(index)
                         if rest:
                             yield event(chunks.fields(index, rest, None))
-                        yield event({**chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)),
-                                     "timings": generation_timings(gen)})
+                        yield event(last(index, chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)),
+                                         delta))
                     continue
                 if delta.text or delta.logprobs:
                     yield event(chunks.content(index, delta.text, delta.logprobs, offsets[index]))
                     offsets[index] += len(delta.text)
                 if delta.finish_reason is not None:
-                    yield event({**chunks.finish(index, delta.finish_reason), "timings": generation_timings(gen)})
+                    yield event(last(index, chunks.finish(index, delta.finish_reason), delta))
             if answer.include_usage:
                 yield event(chunks.usage(generation_usage(gen)))
         except APIError as exc:

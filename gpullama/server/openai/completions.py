@@ -19,7 +19,7 @@ from ..pipeline.generation import Job
 from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import read_and_prepare
 from ..pipeline.sampling import MAX_N, OPENAI, Field, SamplingOptions, check_choices, sampling_params, top_count
-from ..state import ServerState, check_model
+from ..state import NO_DEFAULTS, RequestDefaults, ServerState, check_model
 from .choices import Answer, new_id, parse_head, serve_choices
 
 FIELDS = OPENAI.but(Field("logprobs", "logprobs", top_count()),
@@ -66,12 +66,13 @@ def _prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    """Validate a text completions body; raises ``APIError`` (400) naming the bad field."""
+def parse_completion(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> CompletionRequest:
+    """Validate a text completions body (`defaults`: the server's values of fields it leaves out); raises
+    ``APIError`` (400) naming the bad field."""
     head = parse_head(body)
     prompts = _prompts(body)
     check_choices(len(prompts), head.n)
-    opts = FIELDS.read(body)
+    opts = FIELDS.read(body, defaults=defaults)
     logprobs = opts.kwargs.get("logprobs")
     echo = bool_field(body, "echo")
     if echo and logprobs is not None:
@@ -85,13 +86,13 @@ def parse_completion(body: Any) -> CompletionRequest:
     if best_of is not None and best_of not in (1, head.n):
         raise bad("best_of", f"'best_of' other than 1 or n is not supported, got {best_of}")
     return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, opts.names, suffix,
-                             bool_field(body, "verbose"))
+                             bool_field(body, "verbose", defaults.verbose))
 
 
 def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
     """Parse and validate a completions body and tokenize its prompts (a worker thread may run it)."""
     body = parse_json(raw)
-    req = parse_completion(body)
+    req = parse_completion(body, state.config.defaults)
     check_model(state, req.model)
     spec = response_format_spec(body)
     if spec is not None:

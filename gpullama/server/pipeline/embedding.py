@@ -1,17 +1,25 @@
-"""Embedding inputs run on the engine (every API family's embeddings endpoint uses it): one engine request per
-input, all submitted together, their vectors collected in input order."""
+"""Embeddings every API family shares: their inputs read (`parse_inputs`, llama.cpp's prompt shapes) and tokenized,
+the pooling of the APIs that answer one vector per input, and the run on the engine: one engine request per input,
+all submitted together, their vectors collected in input order."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from starlette.requests import Request
 
 from gpullama.pooling_params import PoolingParams
 
+from ..http.errors import APIError
+from ..http.fields import bad
 from ..http.streaming import unless_disconnected
 from ..state import ServerState
 from .generation import Job, start_generation
+from .prompts import Pieces, prompt_list, tokenize_pieces
+
+MAX_INPUTS = 2048  # inputs per request, as the OpenAI API allows
+ENCODINGS = ("float", "base64")
 
 
 async def run_embeddings(request: Request, state: ServerState, inputs: list[list[int]], pooling: PoolingParams,
@@ -36,3 +44,29 @@ async def run_embeddings(request: Request, state: ServerState, inputs: list[list
         return [vectors[i] for i in range(len(inputs))]
 
     return await unless_disconnected(request.receive, collect), gen.num_prompt_tokens
+
+
+def one_vector_pooling(state: ServerState, dimensions: int | None = None) -> PoolingParams:
+    """The pooling of an API that answers one vector per input: the server's ``--pooling`` (else the model's);
+    ``--pooling none`` is a 400 here, as llama.cpp answers it (its native ``/embeddings`` gives per-token vectors)."""
+    if state.config.pooling == "none":
+        raise APIError(400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type (or "
+                       "llama.cpp's native POST /embeddings)", param="prompt")
+    return PoolingParams(dimensions=dimensions, kind=state.config.pooling)
+
+
+def parse_inputs(value: Any, name: str = "input", mixed: bool = False) -> list[Pieces]:
+    """The inputs (`gpullama.server.pipeline.prompts`): a string, a list of strings, token ids or lists of them,
+    and llama.cpp's forms (strings and ids mixed inside an input, ``{"prompt_string": ...}``, ``{"content": [text
+    parts]}``; `mixed`: a top-level list holding an id is one input, as llama.cpp reads it); at most `MAX_INPUTS`,
+    no empty string."""
+    inputs = prompt_list(value, name, MAX_INPUTS, content=True, mixed=mixed)
+    for i, pieces in enumerate(inputs):
+        if pieces == [""]:
+            raise bad(f"{name}[{i}]", f"'{name}[{i}]' is an empty string")
+    return inputs
+
+
+def tokenize_inputs(tokenizer: Any, inputs: list[Pieces]) -> list[list[int]]:
+    """Each input's token ids: its text tokenized as a completion prompt is (the model's BOS/EOS rules)."""
+    return [tokenize_pieces(tokenizer, pieces) for pieces in inputs]

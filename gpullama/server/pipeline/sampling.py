@@ -19,6 +19,7 @@ from gpullama.sampling_params import SamplingParams
 from ..http import fields
 from ..http.errors import CHAT_NAMES, APIError, FieldNames
 from ..http.fields import bad
+from ..state import NO_DEFAULTS, RequestDefaults
 
 MAX_N = 16  # choices per request (n, or n times the number of prompts)
 
@@ -93,9 +94,10 @@ class FieldTable:
         """This table with only the fields of these wire names."""
         return FieldTable(tuple(f for f in self.fields if f.wire in wires), self.under, self.others)
 
-    def read(self, body: dict, tokenizer: Any = None) -> SamplingOptions:
+    def read(self, body: dict, tokenizer: Any = None, defaults: RequestDefaults = NO_DEFAULTS) -> SamplingOptions:
         """The request's sampling options: each field read, the first of a target's names that gives a value
-        winning; fields the table does not name are ignored."""
+        winning; fields the table does not name are ignored. A target the request leaves out takes the server's
+        `defaults` (``--temp``, ``--seed``, ``-n``) when it sets one, else the family's default."""
         scope_fields = body
         if self.under is not None:
             scope_fields = body.get(self.under)
@@ -106,9 +108,12 @@ class FieldTable:
         scope = Scope(scope_fields, tokenizer)
         opts = SamplingOptions(names=self.names)
         chosen: dict[str, Field] = {}
+        given: set[str] = set()  # the targets the request itself sets
         for f in self.fields:
             where = self.path(f.wire)
             value = scope_fields.get(f.wire)
+            if value is not None and f.target is not None:
+                given.add(f.target)
             if value is None:
                 value = f.default
             value = f.read(value, where, scope)
@@ -119,6 +124,10 @@ class FieldTable:
             elif value is not None and f.target not in chosen:
                 chosen[f.target] = f
                 opts.kwargs[f.target] = value
+        targets = {f.target for f in self.fields}
+        for target, value in defaults.sampling().items():
+            if target in targets and target not in given:
+                opts.kwargs[target] = value
         opts.max_tokens = opts.kwargs.pop("max_tokens", None)
         used = {t: self.path(f.wire) for t, f in chosen.items() if f.alias}
         if used:

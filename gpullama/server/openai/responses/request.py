@@ -21,6 +21,7 @@ from ...http.fields import bad as _bad
 from ...http.fields import bool_field, object_body, str_field
 from ...http.fields import kind as _kind
 from ...pipeline.sampling import OPENAI, Field, SamplingOptions, max_tokens
+from ...state import NO_DEFAULTS, RequestDefaults
 from ..chat import CHAT_ROLES
 
 # message items' roles (tool results arrive as function_call_output items)
@@ -205,9 +206,10 @@ def _refuse_unsupported(body: dict) -> None:
         raise _bad("background", "'background' responses are not supported")
 
 
-def parse_responses(body: Any) -> ResponsesRequest:
-    """Validate a Responses body; raises ``APIError`` (400) naming the bad field. The tool and format fields are
-    checked further by `plan_chat` (whose errors `NAMES` renames)."""
+def parse_responses(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ResponsesRequest:
+    """Validate a Responses body (`defaults`: the server's values of sampling fields it leaves out); raises
+    ``APIError`` (400) naming the bad field. The tool and format fields are checked further by `plan_chat` (whose
+    errors `NAMES` renames)."""
     body = object_body(body)
     _refuse_unsupported(body)
     model = str_field(body, "model")
@@ -221,7 +223,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
     response_format, format_echo = _response_format(body.get("text"))
     chat_fields = {"tools": tools, "tool_choice": _tool_choice(body.get("tool_choice"), tools),
                    "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": response_format}
-    opts = FIELDS.read(body)
+    opts = FIELDS.read(body, defaults=defaults)
     stream = bool_field(body, "stream")
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):

@@ -91,7 +91,7 @@ async def create_response(request: Request) -> Response:
     request.state.field_names = NAMES
     state = server_state(request)
     require_ready(state)
-    req = parse_responses(await read_json(request))
+    req = parse_responses(await read_json(request), state.config.defaults)
     check_model(state, req.model)
     plan, prompt, ids = await off_loop_if_long(_input_size(req), prepare, state.llm.tokenizer, req, state.config.chat)
     response = ResponseObject(req, state.model_name)
