@@ -31,6 +31,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     logprobs: int | None = None
+    # what `logprobs` reports (vLLM's names): the model's distribution ("raw_logprobs"), or the one the sampler
+    # draws from after bias, penalties, temperature, min-p, top-k and top-p ("processed_logprobs": greedy is one
+    # token of probability 1; cut tokens have log 0, -inf; llama.cpp's post_sampling_probs)
+    logprobs_mode: str = "raw_logprobs"
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_output: StructuredOutput | None = None
     # special (control) tokens whose text stays in the output text, which otherwise drops every special token
@@ -38,6 +42,7 @@ class SamplingParams:
     preserved_token_ids: list[int] = field(default_factory=list)
 
     MAX_LOGPROBS = 20
+    LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +101,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be a number > 0")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}] or None")
+        if self.logprobs_mode not in self.LOGPROBS_MODES:
+            raise bad("logprobs_mode", f"must be one of {', '.join(self.LOGPROBS_MODES)}")
         if not isinstance(self.logit_bias, dict) or not all(
                 is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")

@@ -35,7 +35,8 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
 
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence], ops: TorchOps) -> tuple[list[int], torch.Tensor | None]:
     """Pick the next token of each row (greedy, or drawn with the sequence's own generator after temperature,
-    min-p, top-k and top-p); also return the rows' log-softmax when any sequence wants logprobs."""
+    min-p, top-k and top-p); also return the rows' log-probabilities when any sequence wants logprobs (the
+    log-softmax, or for `processed_logprobs` the log of the distribution the row is drawn from)."""
     logprobs = None
     if any(s.params.logprobs is not None for s in seqs):
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -44,6 +45,9 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], ops: TorchOps) -> t
         logits = logits.float().clone()
         for i in penalised:
             apply_penalties(logits[i], seqs[i])
+    for i, s in enumerate(seqs):
+        if s.params.logprobs is not None and s.params.logprobs_mode == "processed_logprobs":
+            logprobs[i] = torch.log(processed_probs(logits[i : i + 1], s.params))[0]
     device = logits.device
     params = [s.params for s in seqs]
     uniform = [float(torch.rand((), generator=s.generator)) if s.params.temperature > 0 else 0.0 for s in seqs]
@@ -76,8 +80,11 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], seq: Sequence, ops: T
     (temperature, min-p, top-k, top-p), else a token is drawn from p_j without the draft, renormalised, and the
     step ends; every draft kept, a bonus token is drawn from the last row. Each emitted token is distributed
     exactly as plain sampling's. Sequences with penalties or logit bias never draft (`needs_penalties`)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1) if seq.params.logprobs is not None else None
     p = seq.params
+    logprobs = None
+    if p.logprobs is not None:
+        logprobs = torch.log(processed_probs(logits, p)) if p.logprobs_mode == "processed_logprobs" else \
+            torch.log_softmax(logits.float(), dim=-1)
     rows = logits.shape[0]
     device = logits.device
     if p.temperature <= 0:
@@ -103,6 +110,15 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], seq: Sequence, ops: T
         return tokens, logprobs
     tokens.append(_draw(probs[len(drafts)], seq.generator))
     return tokens, logprobs
+
+
+def processed_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution a row is drawn from, ``[R, V]`` float32 (its bias and penalties already in `logits`):
+    `warped_probs`, or for greedy decoding all of it on the argmax (llama.cpp's temperature 0)."""
+    if params.temperature <= 0:
+        x = logits.float()
+        return torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+    return warped_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def warped_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

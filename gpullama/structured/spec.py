@@ -22,10 +22,36 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def tuple_items(schema: Any) -> Any:
+    """`schema` with every array-valued ``items`` (draft 4-7's tuple form) read as llama.cpp's converter reads it,
+    an exact tuple: ``prefixItems``, every one required (``minItems``, unless given), none after them (draft
+    2020-12 refuses an array there); ``items`` wins over a ``prefixItems`` beside it, as there."""
+    if isinstance(schema, list):
+        return [tuple_items(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas (a property may be named "enum")
+            out[key] = {name: tuple_items(sub) for name, sub in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else tuple_items(value)
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        out["items"] = False
+        out.setdefault("minItems", len(out["prefixItems"]))
+    return out
+
+
 def check_json_schema(schema: Any, param: str = "json_schema") -> dict:
     """`schema` as a dict (parsed from JSON text if a string); StructuredOutputError unless it is a valid schema.
 
-    The schema is checked against its own metaschema (its ``$schema``, else draft 2020-12) with `jsonschema`.
+    Array-valued ``items`` are read as ``prefixItems`` (`tuple_items`); the schema is then checked against its own
+    metaschema (its ``$schema``, else draft 2020-12) with `jsonschema`.
     """
     if isinstance(schema, (str, bytes)):
         try:
@@ -34,6 +60,7 @@ def check_json_schema(schema: Any, param: str = "json_schema") -> dict:
             raise StructuredOutputError(f"{param} is not valid JSON: {e}", param) from None
     if not isinstance(schema, dict):
         raise StructuredOutputError(f"{param} must be a JSON object, got {type(schema).__name__}", param)
+    schema = tuple_items(schema)
     import jsonschema  # imported here: only requests with a schema pay for it
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)

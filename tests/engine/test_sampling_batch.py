@@ -110,3 +110,30 @@ def test_logprobs_in_a_batch_match_the_solo_log_softmax(tiny_llm: LLM) -> None:
         top = torch.topk(row, 3)
         assert [t.token_id for t in entry.top] == top.indices.tolist()
         assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(entry.top, top.values.tolist()))
+
+
+def test_processed_logprobs_are_the_distribution_each_row_is_drawn_from(tiny_llm: LLM) -> None:
+    """`logprobs_mode="processed_logprobs"` (llama.cpp's post_sampling_probs): the log of the distribution after
+    temperature, top-k and top-p, in a batch with a raw-logprobs request; greedy puts all of it on the argmax."""
+    from gpullama.engine.sampler import warped_probs
+
+    prompts = prompts_of([15, 31], seed=6)
+    prompts.append(prompts[1])
+    sampled = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True, logprobs=8,
+                             logprobs_mode="processed_logprobs")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=4,
+                            logprobs_mode="processed_logprobs")
+    raw = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=4)
+    got = run_requests(batch_engine(tiny_llm), prompts, [sampled, greedy, raw])
+    seq = got[0]
+    logits = tiny_llm.logits(seq.token_ids)
+    for step, entry in enumerate(seq.logprobs):
+        want = warped_probs(logits[seq.num_prompt_tokens - 1 + step][None], 0.8, 5, 0.9, 0.0)[0].double()
+        kept = int((want > 0).sum())
+        assert 1 <= kept <= 5 and abs(entry.logprob - want[entry.token_id].log().item()) < 1e-4
+        finite = [t for t in entry.top if t.logprob > float("-inf")]
+        assert len(finite) == kept and abs(sum(torch.tensor([t.logprob for t in finite]).exp()).item() - 1) < 1e-4
+    for entry in got[1].logprobs:
+        assert entry.logprob == 0.0 and entry.top[0].token_id == entry.token_id
+        assert all(t.logprob == float("-inf") for t in entry.top[1:])
+    assert got[1].output_token_ids == got[2].output_token_ids and got[2].logprobs[0].top[1].logprob > float("-inf")

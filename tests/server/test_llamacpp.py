@@ -419,6 +419,45 @@ def test_chat_input_tokens_count_the_prompt(http, hf_tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].role"
 
 
+def test_post_sampling_probs_are_the_samplers_distribution(http):
+    """post_sampling_probs: prob and top_probs after the sampler chain (top_k 3 here: at most 3, summing to 1; the
+    cut tokens left out); greedy puts probability 1 on the chosen token alone."""
+    body = {"prompt": PROMPT, "n_predict": 4, "n_probs": 6, "top_k": 3, "seed": 5, "post_sampling_probs": True}
+    out = http.post("/completion", json=body).json()
+    assert out["generation_settings"]["post_sampling_probs"] is True
+    for tok in out["completion_probabilities"]:
+        assert "logprob" not in tok and "top_logprobs" not in tok
+        top = tok["top_probs"]
+        assert 1 <= len(top) <= 3 and abs(sum(t["prob"] for t in top) - 1) < 1e-4
+        assert all(t["prob"] > 0 and set(t) == {"id", "token", "bytes", "prob"} for t in top)
+        assert [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+        assert any(t["id"] == tok["id"] and abs(t["prob"] - tok["prob"]) < 1e-6 for t in top)
+    greedy = http.post("/completion", json={**body, "temperature": 0}).json()["completion_probabilities"]
+    assert all(t["prob"] == 1.0 and t["top_probs"] == [{"id": t["id"], "token": t["token"], "bytes": t["bytes"],
+                                                         "prob": 1.0}] for t in greedy)
+    with http.stream("POST", "/completion", json={**body, "temperature": 0, "stream": True}) as r:
+        streamed = [p for e in sse_events(r) if not e["stop"] for p in e["completion_probabilities"]]
+    assert streamed == greedy
+
+
+def test_generation_settings_show_logit_bias_pairs_and_the_end_tokens_ignore_eos_bans(http, hf_tokenizer):
+    token = hf_tokenizer.encode(" the")[0]
+    settings = _greedy(http, prompt=PROMPT, n_predict=1, logit_bias=[[token, 2.5]])["generation_settings"]
+    assert settings["logit_bias"] == [{"bias": 2.5, "token": token}]
+    settings = _greedy(http, prompt=PROMPT, n_predict=1, ignore_eos=True)["generation_settings"]
+    ends = [pair for pair in settings["logit_bias"] if pair["bias"] is None]
+    assert ends and {"bias": None, "token": hf_tokenizer.eos_token_id} in ends
+
+
+def test_an_array_valued_items_is_a_tuple(http):
+    import json
+
+    schema = {"type": "array", "items": [{"type": "string", "maxLength": 8}, {"type": "integer", "maximum": 99}]}
+    out = _greedy(http, prompt=PROMPT, n_predict=40, json_schema=schema)["content"]
+    value = json.loads(out)
+    assert len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
+
+
 def test_chat_takes_n_probs_and_the_rendering_flags(http, hf_tokenizer, model_name):
     messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
     body = {"model": model_name, "messages": messages, "max_tokens": 3, "temperature": 0}

@@ -122,3 +122,20 @@ def test_regex_classes_are_ascii_and_grammars_may_be_lark(smol):
     lark = 'start: "x=" NUM\nNUM: /[0-9]+/'
     assert _accepts(smol, StructuredOutput(grammar=lark), "x=42")
     assert not _accepts(smol, StructuredOutput(grammar=lark), "x=")
+
+
+def test_array_valued_items_are_a_tuple_as_llamacpp_reads_them(smol):
+    """Draft 4-7's ``"items": [...]`` (which draft 2020-12 refuses) is read as ``prefixItems`` with nothing after
+    them, all required, as llama.cpp's converter reads it; data under enum/default is left alone, a property named "default" is
+    still a schema."""
+    schema = {"type": "object", "properties": {
+        "pair": {"type": "array", "items": [{"type": "string"}, {"type": "integer"}], "default": {"items": [1]}},
+        "default": {"type": "array", "items": [{"type": "boolean"}]}}, "required": ["pair", "default"]}
+    spec = StructuredOutput(json_schema=schema)
+    pair = spec.json_schema["properties"]["pair"]
+    assert pair["prefixItems"] == [{"type": "string"}, {"type": "integer"}] and pair["items"] is False
+    assert pair["default"] == {"items": [1]} and spec.json_schema["properties"]["default"]["items"] is False
+    assert _accepts(smol, spec, '{"pair": ["a", 1], "default": [true]}')
+    assert not _accepts(smol, spec, '{"pair": ["a", 1, 2], "default": [true]}')
+    assert not _accepts(smol, spec, '{"pair": [1, "a"], "default": [true]}')
+    assert not _accepts(smol, spec, '{"pair": ["a"], "default": [true]}')  # every item, as llama.cpp's tuple

@@ -8,6 +8,7 @@ streamed, each event names its result by ``index``."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,8 +39,14 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def probabilities(items: list[TokenLogprob]) -> list[dict]:
-    """llama.cpp's ``completion_probabilities``: per token its id, text, bytes, logprob and top_logprobs."""
+def probabilities(items: list[TokenLogprob], post_sampling: bool = False) -> list[dict]:
+    """llama.cpp's ``completion_probabilities``: per token its id, text, bytes, logprob and top_logprobs; with
+    `post_sampling` (``post_sampling_probs``), prob and top_probs instead, the tokens the sampler cut left out."""
+    if post_sampling:
+        return [{"id": lp.token_id, "token": lp.token, "bytes": _bytes(lp.token), "prob": math.exp(lp.logprob),
+                 "top_probs": [{"id": t.token_id, "token": t.token, "bytes": _bytes(t.token),
+                                "prob": math.exp(t.logprob)} for t in lp.top if t.logprob > -math.inf]}
+                for lp in items]
     return [{"id": lp.token_id, "token": lp.token, "bytes": _bytes(lp.token), "logprob": finite(lp.logprob),
              "top_logprobs": [{"id": t.token_id, "token": t.token, "bytes": _bytes(t.token),
                                "logprob": finite(t.logprob)} for t in lp.top]}
@@ -129,7 +136,7 @@ class NativeAnswer:
             "tokens_cached": r.cached, "timings": r.timings(self.arrival),
         }
         if not streamed and self.req.n_probs:
-            out["completion_probabilities"] = probabilities(r.probs)
+            out["completion_probabilities"] = probabilities(r.probs, self.req.post_sampling_probs)
         return pick(out, self.req.response_fields)
 
     def partial(self, r: Result, delta: StreamDelta) -> dict:
@@ -139,7 +146,7 @@ class NativeAnswer:
         if self.req.timings_per_token:
             out["timings"] = r.timings(self.arrival)
         if self.req.n_probs and delta.logprobs:
-            out["completion_probabilities"] = probabilities(delta.logprobs)
+            out["completion_probabilities"] = probabilities(delta.logprobs, self.req.post_sampling_probs)
         return out
 
     def progress(self, r: Result) -> dict:

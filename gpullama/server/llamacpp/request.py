@@ -19,8 +19,8 @@ from ..pipeline.sampling import (
     OPENAI,
     Field,
     SamplingOptions,
-    boolean,
     check_choices,
+    flag,
     integer,
     logit_bias,
     max_tokens,
@@ -48,8 +48,7 @@ FIELDS = OPENAI.select("presence_penalty", "frequency_penalty", "stop", "ignore_
     *(Field(name, None, number(), off=off) for name, off in (
         ("typical_p", 1.0), ("dynatemp_range", 0.0), ("mirostat", 0), ("dry_multiplier", 0.0),
         ("xtc_probability", 0.0), ("top_n_sigma", -1.0))),
-    Field("post_sampling_probs", None, boolean, off=False,
-          note="n_probs gives log-probabilities of the model's distribution"),
+    Field("post_sampling_probs", "logprobs_mode", flag("processed_logprobs")),
     others=FieldNames(fields=(("n", "n_cmpl"),)))
 """llama.cpp's sampling fields, under its names and with its defaults."""
 NAMES = FIELDS.names
@@ -67,6 +66,7 @@ class NativeRequest:
     return_tokens: bool = False
     response_fields: list[str] = field(default_factory=list)
     n_probs: int = 0
+    post_sampling_probs: bool = False  # n_probs after the sampler chain, as probabilities
     timings_per_token: bool = False
     return_progress: bool = False
     settings: dict[str, Any] = field(default_factory=dict)  # the generation settings to echo
@@ -90,7 +90,10 @@ def sampling(body: dict, tokenizer: Any, defaults: RequestDefaults = NO_DEFAULTS
         "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
         "repeat_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty, "stop": params.stop, "ignore_eos": params.ignore_eos,
-        "logit_bias": [[t, b] for t, b in params.logit_bias.items()],
+        # llama.cpp's pairs; ignore_eos shows what it adds, every end token banned (its -inf bias, null in JSON)
+        "logit_bias": [{"bias": b, "token": t} for t, b in params.logit_bias.items()] + (
+            [{"bias": None, "token": t} for t in sorted(tokenizer.eos_token_ids)] if params.ignore_eos else []),
+        "post_sampling_probs": params.logprobs_mode == "processed_logprobs",
     }
     return opts, settings
 
@@ -116,8 +119,8 @@ def parse_native(body: Any, tokenizer: Any, prompt_field: str | None = "prompt",
     settings.update(stream=stream, n_probs=n_probs, grammar=str_field(body, "grammar") or "",
                     max_tokens=settings["n_predict"])
     return NativeRequest(pieces, opts, n_cmpl, stream, bool_field(body, "return_tokens"), list(fields or []),
-                         n_probs, bool_field(body, "timings_per_token"), bool_field(body, "return_progress"),
-                         settings)
+                         n_probs, settings["post_sampling_probs"], bool_field(body, "timings_per_token"),
+                         bool_field(body, "return_progress"), settings)
 
 
 def input_extra(body: dict) -> list[ExtraChunk]:

@@ -162,6 +162,14 @@ def boolean(value: Any, where: str, scope: Scope) -> bool | None:
     return None if value is None else fields.boolean(value, where)
 
 
+def flag(on: Any) -> Reader:
+    """A boolean that sets its target to `on` when true (llama.cpp's ``post_sampling_probs``: the processed
+    log-probabilities); false leaves the target's default."""
+    def read(value: Any, where: str, scope: Scope) -> Any:
+        return on if boolean(value, where, scope) else None
+    return read
+
+
 def seed(random: tuple[int, ...] = ()) -> Reader:
     """A seed: an integer that fits in a signed 64-bit one; the values in `random` draw one (llama.cpp's -1)."""
     def read(value: Any, where: str, scope: Scope) -> int | None:
