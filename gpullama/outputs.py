@@ -73,3 +73,5 @@ class StreamDelta:
     error: BaseException | None = None  # with finish_reason "error": why this request alone failed
     embedding: list[float] | None = None  # an embedding request's vector (its only delta, finish_reason "stop")
     stop_reason: str | int | None = None  # with finish_reason "stop": the stop string or stop token id, if one
+    # a progress delta (SamplingParams.return_progress): the prompt tokens processed so far, prefix-cache hits included
+    num_computed_prompt_tokens: int | None = None

@@ -40,6 +40,9 @@ class SamplingParams:
     # special (control) tokens whose text stays in the output text, which otherwise drops every special token
     # (llama.cpp's preserved_tokens): a chat format's tool-call markers, such as Mistral's [TOOL_CALLS]
     preserved_token_ids: list[int] = field(default_factory=list)
+    # deliver the prompt's progress while it prefills (llama.cpp's return_progress): a delta without tokens whose
+    # `num_computed_prompt_tokens` is set, before its first chunk (the prefix-cache hits) and after each chunk
+    return_progress: bool = False
 
     MAX_LOGPROBS = 20
     LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -73,6 +76,8 @@ class SamplingParams:
         def is_num(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v)
 
+        if not isinstance(self.return_progress, bool):
+            raise bad("return_progress", "must be True or False")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):

@@ -114,6 +114,9 @@ class LLMEngine:
                 self.structured_output.wait(self.scheduler.running + list(self.scheduler.waiting), GRAMMAR_WAIT_S)
             return deltas
         self.stats.observe(batch)
+        prefilling = [seq for seq in batch.seqs if seq.params.return_progress and seq.pooling is None
+                      and not seq.num_output_tokens and seq.num_computed_tokens < seq.num_prompt_tokens]
+        deltas += [self._progress(seq) for seq in prefilling if seq.num_computed_tokens == seq.num_cached_tokens]
         sampled, failed, pooled = self._run_isolated(batch)
         for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             if seq not in failed:
@@ -121,6 +124,7 @@ class LLMEngine:
                 seq.num_computed_tokens += n - len(drafts)  # accepted drafts count once they are appended
                 if seq.pooling is None:  # an embedding's blocks are not kept for the prefix cache
                     self.block_manager.commit_full_blocks(seq, old)
+        deltas += [self._progress(seq) for seq in prefilling if seq not in failed]
         for seq in batch.pooling:
             if seq in failed:
                 continue
@@ -330,6 +334,13 @@ class LLMEngine:
             values, ids = torch.topk(logprobs, top_n)
             top = [TopLogprob(int(i), tok.token_to_str(int(i)), float(v)) for v, i in zip(values, ids)]
         return TokenLogprob(token, tok.token_to_str(token), float(logprobs[token]), top)
+
+    def _progress(self, seq: Sequence) -> StreamDelta:
+        """A progress delta of a prefilling request (`SamplingParams.return_progress`): its prompt tokens processed
+        so far; before its first chunk, its prefix-cache hits."""
+        delta = self._delta(seq, "", [], None)
+        delta.num_computed_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        return delta
 
     def _delta(self, seq: Sequence, text: str, token_ids: list[int], reason: str | None, logprobs=None) -> StreamDelta:
         return StreamDelta(

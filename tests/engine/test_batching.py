@@ -185,3 +185,29 @@ def test_real_model_batched_logits_equal_solo(real_llm: LLM, real_batch) -> None
     """SmolLM2 in float32: each batched logits row is within 1e-4 (relative) of the same sequence scored alone."""
     _, _, recorder = real_batch
     assert_logits_match_solo(real_llm, recorder)
+
+
+def test_return_progress_reports_each_prefill_chunk_before_the_first_token(tiny_llm: LLM) -> None:
+    """`SamplingParams.return_progress` (llama.cpp's return_progress): a delta before the prompt's first chunk
+    (its prefix-cache hits), then one after each chunk until the whole prompt is processed, all before the first
+    token; the tokens are the ones the request gets without it, and other requests get no progress deltas."""
+    gen = torch.Generator().manual_seed(8)
+    prompt = [int(t) for t in torch.randint(3, 600, (70,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = make_engine(tiny_llm, max_num_batched_tokens=32)
+    engine.add_request("plain", prompt[:40], params)
+    seq = engine.add_request("progress", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                                return_progress=True))
+    events: list[tuple] = []
+    while engine.has_work():
+        for d in engine.step():
+            if d.num_computed_prompt_tokens is not None:
+                assert d.request_id == "progress" and not d.token_ids and d.finish_reason is None
+                events.append(("progress", d.num_computed_prompt_tokens))
+            elif d.request_id == "progress" and d.token_ids:
+                events.append(("tokens", len(d.token_ids)))
+    processed = [n for kind, n in events if kind == "progress"]
+    first_token = next(i for i, (kind, _) in enumerate(events) if kind == "tokens")
+    assert processed[0] == seq.num_cached_tokens and processed[-1] == len(prompt) and len(processed) >= 3
+    assert processed == sorted(processed) and first_token == len(processed)
+    assert seq.output_token_ids == solo_runs(tiny_llm, [prompt], params)[0].output_token_ids

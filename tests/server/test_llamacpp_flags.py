@@ -1,12 +1,16 @@
 """llama.cpp's server-wide flags against one real server started with all of them: ``--chat-template`` (llama.cpp's
 real DeepSeek-R1-Distill template, from its source tree), ``--reasoning off``, ``--no-prefill-assistant``,
 ``--pooling none``, ``--temp``, ``--seed``, ``-n`` and ``--verbose``; each checked in the shapes of llama.cpp's
-``tools/server/README.md``."""
+``tools/server/README.md``. Its steps hold 64 tokens, so a short prompt prefills in several chunks (the prompt
+progress of ``return_progress``)."""
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from tests.fixtures.llamacpp_source import llamacpp_source
@@ -23,7 +27,8 @@ def flagged(default_model_path, tmp_path_factory):
     template = llamacpp_source() / "models" / "templates" / R1
     srv = start_server(default_model_path, tmp_path_factory.mktemp("flagged") / "server.log",
                        ["--chat-template-file", str(template), "--reasoning", "off", "--no-prefill-assistant",
-                        "--pooling", "none", "--temp", "0.7", "--seed", "7", "-n", "6", "--verbose"])
+                        "--pooling", "none", "--temp", "0.7", "--seed", "7", "-n", "6", "--verbose",
+                        "--max-num-batched-tokens", "64"])
     with httpx.Client(base_url=srv.base_url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         yield http, template.read_text(encoding="utf-8")
     stop_server(srv)
@@ -99,3 +104,51 @@ def test_verbose_puts_the_native_result_on_every_answer(flagged):
     assert last["__verbose"]["prompt"] == prompt and last["__verbose"]["stop_type"] == "limit"
     text = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).json()
     assert text["__verbose"]["prompt"] == "Hello"
+
+
+def _long_prompt() -> str:
+    """A prompt of about 200 tokens no earlier request shares (so it prefills in 3 or more chunks of 64)."""
+    return f"{uuid.uuid4().hex} " + " ".join(f"item{i}" for i in range(50))
+
+
+def _chunked(progress: list[dict]) -> None:
+    """llama.cpp's progress: first the cached tokens (before any chunk), then one event per chunk to the total."""
+    processed = [p["processed"] for p in progress]
+    assert processed[0] == progress[0]["cache"] and progress[0]["time_ms"] == 0
+    assert len(processed) >= 3 and processed == sorted(set(processed)) and processed[-1] == progress[-1]["total"]
+    assert [p["time_ms"] for p in progress] == sorted(p["time_ms"] for p in progress)
+
+
+def test_return_progress_reports_each_prefill_chunk_on_every_streaming_api(flagged):
+    """return_progress with stream: a first event before prefill, then one per prefill chunk until processed ==
+    total, all before the first token: /completion's events, chat's chunks (an empty assistant delta), Responses'
+    response.in_progress events. Chat's timings go on the usage chunk with include_usage, on every delta with
+    timings_per_token."""
+    http, _ = flagged
+    with http.stream("POST", "/completion", json={"prompt": _long_prompt(), "n_predict": 2, "stream": True,
+                                                  "return_progress": True}) as r:
+        events = sse_events(r)
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    _chunked(progress)
+    assert all("prompt_progress" in e for e in events[: len(progress)])  # before any token
+    messages = [{"role": "user", "content": _long_prompt()}]
+    with http.stream("POST", "/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 2, "stream": True, "return_progress": True,
+            "timings_per_token": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    marked = [c for c in chunks if "prompt_progress" in c]
+    _chunked([c["prompt_progress"] for c in marked])
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": None} for c in marked)
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert content and all("timings" in c for c in content)
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert "timings" not in finish[0] and chunks[-1]["choices"] == [] and "timings" in chunks[-1]
+    assert chunks[-1]["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"]
+    whole = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "return_progress": True})
+    assert whole.status_code == 200 and "prompt_progress" not in whole.text  # progress is only streamed
+    with http.stream("POST", "/v1/responses", json={"input": _long_prompt(), "max_output_tokens": 2, "stream": True,
+                                                    "return_progress": True}) as r:
+        responses = [orjson.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    in_progress = [e for e in responses if e["type"] == "response.in_progress" and "prompt_progress" in e]
+    _chunked([e["prompt_progress"] for e in in_progress])
+    assert [e["sequence_number"] for e in responses] == list(range(len(responses)))

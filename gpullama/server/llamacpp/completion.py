@@ -24,7 +24,7 @@ from ..http.body import JSONResponse, parse_json
 from ..http.errors import APIError, internal_error
 from ..http.fields import bad, object_body, str_field
 from ..http.streaming import ClientDisconnected, StreamResponse, event, unless_disconnected
-from ..pipeline.generation import Generation, Job, start_generation
+from ..pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import read_and_prepare
 from ..pipeline.prompts import tokenize_pieces
@@ -72,6 +72,7 @@ class Result:
     cached: int = 0
     first_at: float | None = None
     last_at: float | None = None
+    progress_at: float | None = None  # when its first prompt-progress event came
 
     def add(self, delta: StreamDelta) -> None:
         """Take one engine delta."""
@@ -149,13 +150,14 @@ class NativeAnswer:
             out["completion_probabilities"] = probabilities(delta.logprobs, self.req.post_sampling_probs)
         return out
 
-    def progress(self, r: Result) -> dict:
-        """The prompt-progress event (``return_progress``): the prompt is processed once the first token exists."""
+    def progress(self, r: Result, delta: StreamDelta) -> dict:
+        """A prompt-progress event (``return_progress``): the prompt's tokens, its prefix-cache hits, the tokens
+        processed so far (the hits, before the first chunk) and the milliseconds since the first such event."""
+        now = time.perf_counter()
+        r.progress_at = r.progress_at or now
         total = len(r.prompt_ids)
         return {"index": r.index, "content": "", "tokens": [], "stop": False, "id_slot": -1, "tokens_predicted": 0,
-                "tokens_evaluated": total, "prompt_progress": {
-                    "total": total, "cache": r.cached, "processed": total,
-                    "time_ms": ((r.first_at or time.perf_counter()) - self.arrival) * 1e3}}
+                "tokens_evaluated": total, "prompt_progress": prompt_progress(delta, total, r.progress_at, now)}
 
 
 def pick(result: dict, fields: list[str]) -> dict:
@@ -213,14 +215,12 @@ async def _serve(request: Request, state: ServerState, req: NativeRequest, promp
 
 
 async def _events(answer: NativeAnswer, gen: Generation, results: dict[int, Result]) -> AsyncIterator[bytes]:
-    progressed: set[int] = set()
     try:
         async for index, delta in gen.deltas():
             r = results[index]
             r.add(delta)
-            if answer.req.return_progress and index not in progressed:
-                progressed.add(index)
-                yield event(answer.progress(r))
+            if delta.num_computed_prompt_tokens is not None:
+                yield event(answer.progress(r, delta))
             if delta.text or delta.token_ids:
                 yield event(answer.partial(r, delta))
             if delta.finish_reason is not None:

@@ -27,6 +27,7 @@ from ..pipeline.sampling import (
     number,
     sampling_params,
     seed,
+    streamed,
     top_count,
 )
 from ..state import NO_DEFAULTS, RequestDefaults
@@ -49,6 +50,7 @@ FIELDS = OPENAI.select("presence_penalty", "frequency_penalty", "stop", "ignore_
         ("typical_p", 1.0), ("dynatemp_range", 0.0), ("mirostat", 0), ("dry_multiplier", 0.0),
         ("xtc_probability", 0.0), ("top_n_sigma", -1.0))),
     Field("post_sampling_probs", "logprobs_mode", flag("processed_logprobs")),
+    Field("return_progress", "return_progress", streamed),
     others=FieldNames(fields=(("n", "n_cmpl"),)))
 """llama.cpp's sampling fields, under its names and with its defaults."""
 NAMES = FIELDS.names
@@ -68,7 +70,6 @@ class NativeRequest:
     n_probs: int = 0
     post_sampling_probs: bool = False  # n_probs after the sampler chain, as probabilities
     timings_per_token: bool = False
-    return_progress: bool = False
     settings: dict[str, Any] = field(default_factory=dict)  # the generation settings to echo
 
 
@@ -119,8 +120,7 @@ def parse_native(body: Any, tokenizer: Any, prompt_field: str | None = "prompt",
     settings.update(stream=stream, n_probs=n_probs, grammar=str_field(body, "grammar") or "",
                     max_tokens=settings["n_predict"])
     return NativeRequest(pieces, opts, n_cmpl, stream, bool_field(body, "return_tokens"), list(fields or []),
-                         n_probs, settings["post_sampling_probs"], bool_field(body, "timings_per_token"),
-                         bool_field(body, "return_progress"), settings)
+                         n_probs, settings["post_sampling_probs"], bool_field(body, "timings_per_token"), settings)
 
 
 def input_extra(body: dict) -> list[ExtraChunk]:

@@ -19,7 +19,7 @@ from ..pipeline.chat_output import ChatOutputShaper
 from ..pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
 from ..pipeline.generation import Job
 from ..pipeline.intake import read_and_prepare
-from ..pipeline.sampling import OPENAI, Field, SamplingOptions, sampling_params, top_count, top_logprobs
+from ..pipeline.sampling import OPENAI, Field, SamplingOptions, sampling_params, streamed, top_count, top_logprobs
 from ..state import NO_DEFAULTS, RequestDefaults, ServerState, check_model
 from .choices import Answer, RequestHead, new_id, parse_head, serve_choices
 
@@ -28,6 +28,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 PASSED_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning")
 FIELDS = OPENAI.but(Field("top_logprobs", "logprobs", top_logprobs("logprobs")),
                     Field("n_probs", "logprobs", top_count(zero_is_off=True), alias=True),  # llama.cpp's name
+                    Field("return_progress", "return_progress", streamed),  # llama.cpp's prompt progress
                     others=FieldNames(fields=(("prompt", "messages"),)))
 """Chat completions' sampling fields and names for the common plan's fields (the engine speaks of the prompt)."""
 NAMES = FIELDS.names
@@ -45,6 +46,7 @@ class ChatRequest:
     include_usage: bool
     names: FieldNames = NAMES  # with this request's own choices (max_completion_tokens, top_logprobs)
     verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
+    timings_per_token: bool = False  # llama.cpp's: every streamed delta carries timings
 
 
 def parse_messages(body: dict) -> list[dict[str, str]]:
@@ -74,7 +76,7 @@ def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ChatReques
     messages = parse_messages(body)
     opts = FIELDS.read(body, defaults=defaults)
     return ChatRequest(head.model, messages, opts, head.n, head.stream, head.include_usage, opts.names,
-                       bool_field(body, "verbose", defaults.verbose))
+                       bool_field(body, "verbose", defaults.verbose), head.timings_per_token)
 
 
 def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan, str, list[int]]:
@@ -106,5 +108,6 @@ async def chat_completions(request: Request) -> Response:
     shaper = ChatOutputShaper(plan, text)
     answer = Answer(chat=True, id=new_id("chatcmpl"), jobs=jobs, prompt_texts=[""], echo=False,
                     include_usage=req.include_usage, arrival=arrival, names=req.names,
-                    shaper=shaper if shaper.active else None, verbose=req.verbose)
+                    shaper=shaper if shaper.active else None, verbose=req.verbose,
+                    timings_per_token=req.timings_per_token)
     return await serve_choices(request, state, answer, req.stream)

@@ -20,7 +20,7 @@ from ..http.errors import APIError, FieldNames, internal_error
 from ..http.fields import bool_field, int_field, object_body, str_field
 from ..http.streaming import DONE, ClientDisconnected, StreamResponse, event, unless_disconnected
 from ..pipeline.chat_output import ChatOutputShaper
-from ..pipeline.generation import Generation, Job, start_generation
+from ..pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ..pipeline.sampling import check_choices
 from ..state import BUILD_INFO, ServerState
 
@@ -71,12 +71,14 @@ def generation_timings(gen: Generation) -> dict:
 
 @dataclass
 class RequestHead:
-    """The fields chat completions and completions share besides sampling: model, n, stream, include_usage."""
+    """The fields chat completions and completions share besides sampling: model, n, stream, include_usage, and
+    llama.cpp's timings_per_token."""
 
     model: str | None
     n: int
     stream: bool
     include_usage: bool
+    timings_per_token: bool = False  # llama.cpp's: streamed chunks carry timings on every delta
 
 
 def parse_head(body: Any) -> RequestHead:
@@ -95,7 +97,7 @@ def parse_head(body: Any) -> RequestHead:
         include_usage = bool_field(stream_options, "include_usage")
         if not stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return RequestHead(model, n, stream, include_usage)
+    return RequestHead(model, n, stream, include_usage, bool_field(body, "timings_per_token"))
 
 
 def _utf8(token: str) -> list[int]:
@@ -191,6 +193,11 @@ class ChunkBuilder:
                             "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
                             "finish_reason": None})
 
+    def progress(self, index: int) -> dict:
+        """A chunk of prompt progress (llama.cpp's): an empty assistant delta, as its first chunk is."""
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": None}, "logprobs": None,
+                            "finish_reason": None})
+
     def finish(self, index: int, reason: str | None) -> dict:
         """The last chunk of a choice: no new content, the finish reason."""
         if self.chat:
@@ -219,6 +226,7 @@ class Answer:
     names: FieldNames  # the request's field names, for errors in its stream
     shaper: ChatOutputShaper | None = None  # chat: reasoning and tool calls read out of the text
     verbose: bool = False  # llama.cpp's "verbose": add its native result as "__verbose"
+    timings_per_token: bool = False  # llama.cpp's: timings on every streamed delta, not only the last chunk
     prompt_text: str = ""  # the first choice's prompt as text (special tokens written), for "__verbose"
 
 
@@ -298,10 +306,17 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> StreamRespo
 
     first = answer.jobs[0].index
     texts = {job.index: "" for job in answer.jobs}  # for "__verbose", on the first choice's last chunk
+    progress_at: dict[int, float] = {}  # when each choice's first prompt-progress chunk went out
+
+    def timed(chunk: dict) -> dict:
+        """A chunk with llama.cpp's timings, when every delta carries them (timings_per_token)."""
+        return {**chunk, "timings": generation_timings(gen)} if answer.timings_per_token else chunk
 
     def last(index: int, chunk: dict, delta: StreamDelta) -> dict:
-        """A choice's last chunk, with llama.cpp's timings (and its native result, for the first choice)."""
-        chunk = {**chunk, "timings": generation_timings(gen)}
+        """A choice's last chunk, with llama.cpp's timings unless the usage chunk carries them (and its native
+        result, for the first choice)."""
+        if not answer.include_usage:
+            chunk = {**chunk, "timings": generation_timings(gen)}
         if answer.verbose and index == first:
             chunk["__verbose"] = verbose_result(answer, gen, model, texts[index], delta.finish_reason,
                                                 delta.stop_reason)
@@ -320,24 +335,31 @@ def _stream_response(answer: Answer, gen: Generation, model: str) -> StreamRespo
             shaper = answer.shaper
             async for index, delta in gen.deltas():
                 texts[index] += delta.text
+                if delta.num_computed_prompt_tokens is not None:  # return_progress: an empty assistant delta
+                    now = time.perf_counter()
+                    started = progress_at.setdefault(index, now)
+                    total = len(answer.jobs[index].prompt_ids)
+                    yield event({**chunks.progress(index), "prompt_progress": prompt_progress(delta, total, started,
+                                                                                              now)})
+                    continue
                 if shaper is not None:  # reasoning, content and tool-call pieces
                     fields = shaper.delta(index, delta.text) if delta.text else None
                     if fields or delta.logprobs:
-                        yield event(chunks.fields(index, fields or {}, delta.logprobs))
+                        yield event(timed(chunks.fields(index, fields or {}, delta.logprobs)))
                     if delta.finish_reason is not None:
                         rest = shaper.finish(index)
                         if rest:
-                            yield event(chunks.fields(index, rest, None))
+                            yield event(timed(chunks.fields(index, rest, None)))
                         yield event(last(index, chunks.finish(index, shaper.finish_reason(index, delta.finish_reason)),
                                          delta))
                     continue
                 if delta.text or delta.logprobs:
-                    yield event(chunks.content(index, delta.text, delta.logprobs, offsets[index]))
+                    yield event(timed(chunks.content(index, delta.text, delta.logprobs, offsets[index])))
                     offsets[index] += len(delta.text)
                 if delta.finish_reason is not None:
                     yield event(last(index, chunks.finish(index, delta.finish_reason), delta))
             if answer.include_usage:
-                yield event(chunks.usage(generation_usage(gen)))
+                yield event({**chunks.usage(generation_usage(gen)), "timings": generation_timings(gen)})
         except APIError as exc:
             yield event(answer.names.apply(exc).body())
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the client gets an error event, the log the detail

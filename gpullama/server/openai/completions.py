@@ -42,6 +42,7 @@ class CompletionRequest:
     names: FieldNames = NAMES
     suffix: str | None = None  # fill in the middle: the text after the completion
     verbose: bool = False  # llama.cpp's: the answer adds its native result as "__verbose"
+    timings_per_token: bool = False  # llama.cpp's: every streamed delta carries timings
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -86,7 +87,7 @@ def parse_completion(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> Comp
     if best_of is not None and best_of not in (1, head.n):
         raise bad("best_of", f"'best_of' other than 1 or n is not supported, got {best_of}")
     return CompletionRequest(head.model, prompts, opts, head.n, head.stream, head.include_usage, echo, opts.names, suffix,
-                             bool_field(body, "verbose", defaults.verbose))
+                             bool_field(body, "verbose", defaults.verbose), head.timings_per_token)
 
 
 def prepare_completion(state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
@@ -119,5 +120,6 @@ async def completions(request: Request) -> Response:
         for i in range(req.n):
             jobs.append(Job(p * req.n + i, ids, sampling_params(req.options, seed_offset=i), prompt_index=p))
     answer = Answer(chat=False, id=new_id("cmpl"), jobs=jobs, prompt_texts=texts, echo=req.echo,
-                    include_usage=req.include_usage, arrival=arrival, names=req.names, verbose=req.verbose)
+                    include_usage=req.include_usage, arrival=arrival, names=req.names, verbose=req.verbose,
+                    timings_per_token=req.timings_per_token)
     return await serve_choices(request, state, answer, req.stream)

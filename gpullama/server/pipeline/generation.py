@@ -262,6 +262,12 @@ class Generation:
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
 
 
+def prompt_progress(delta: StreamDelta, total: int, started: float, now: float) -> dict:
+    """llama.cpp's ``prompt_progress`` of a progress delta: ``total``, ``cache``, ``processed``, ``time_ms``."""
+    return {"total": total, "cache": delta.num_cached_tokens, "processed": delta.num_computed_prompt_tokens,
+            "time_ms": (now - started) * 1e3}
+
+
 async def start_generation(request: Request, state: ServerState, jobs: list[Job], arrival: float) -> Generation | None:
     """Submit a request's jobs under the server's limits: 429 past ``--max-queue``, a ``--request-timeout`` deadline,
     the engine's admission check (a bad job is a 400). None when the client left before every job was queued."""

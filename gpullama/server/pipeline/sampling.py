@@ -226,6 +226,13 @@ def top_logprobs(flag: str) -> Reader:
     return read
 
 
+def streamed(value: Any, where: str, scope: Scope) -> bool | None:
+    """A boolean that counts only when the body streams (llama.cpp's ``return_progress``: progress is streamed)."""
+    if not boolean(value, where, scope):
+        return None
+    return True if boolean(scope.fields.get("stream"), "stream", scope) else None
+
+
 def stop(value: Any, where: str, scope: Scope) -> list[str] | None:
     """A stop string or a list of them (at most `MAX_STOP`, none empty)."""
     if value is None:

@@ -20,7 +20,7 @@ from ...http.errors import FieldNames
 from ...http.fields import bad as _bad
 from ...http.fields import bool_field, object_body, str_field
 from ...http.fields import kind as _kind
-from ...pipeline.sampling import OPENAI, Field, SamplingOptions, max_tokens
+from ...pipeline.sampling import OPENAI, Field, SamplingOptions, max_tokens, streamed
 from ...state import NO_DEFAULTS, RequestDefaults
 from ..chat import CHAT_ROLES
 
@@ -30,7 +30,8 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 TOOL_CHOICES = ("none", "auto", "required")
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 FIELDS = OPENAI.but(
-    Field("max_output_tokens", "max_tokens", max_tokens()), without=("max_tokens", "max_completion_tokens"),
+    Field("max_output_tokens", "max_tokens", max_tokens()), Field("return_progress", "return_progress", streamed),
+    without=("max_tokens", "max_completion_tokens"),
     others=FieldNames(
         fields=(("prompt", "input"),),
         paths=((r"\btools\[(\d+)\]\.function\b", r"tools[\1]"), (r"\bresponse_format(\.json_schema)?\b", "text.format"),

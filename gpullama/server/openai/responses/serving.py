@@ -26,7 +26,7 @@ from ...http.errors import APIError
 from ...http.streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
 from ...pipeline.chat_output import ChatOutputShaper
 from ...pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
-from ...pipeline.generation import Generation, Job, start_generation
+from ...pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ...pipeline.intake import read_json
 from ...pipeline.sampling import sampling_params
 from ...state import ChatDefaults, check_model, require_ready, server_state
@@ -143,8 +143,16 @@ async def _events(response: ResponseObject, gen: Generation, items: OutputItems)
     yield _event(seq, "response.created", response=response.build("in_progress", []))
     yield _event(seq, "response.in_progress", response=response.build("in_progress", []))
     finish = None
+    started: float | None = None  # when the first prompt-progress event went out
     try:
         async for _, delta in gen.deltas():
+            if delta.num_computed_prompt_tokens is not None:  # return_progress: llama.cpp's in_progress events
+                now = time.perf_counter()
+                started = started or now
+                progress = prompt_progress(delta, gen.num_prompt_tokens, started, now)
+                yield _event(seq, "response.in_progress", response=response.build("in_progress", []),
+                             prompt_progress=progress)
+                continue
             for chunk in send(items.feed(delta.text)):
                 yield chunk
             finish = delta.finish_reason or finish
