@@ -2,7 +2,8 @@
 
 Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks; the moe-* formats a
 Qwen3-30B-A3B-shaped mixture-of-experts decoder, 4 layers of its 48, with Q8_0 or MXFP4 experts through the fused
-MoE kernel), compares the logits of a prefill
+MoE kernel; mla-q8_0 a DeepSeek-V2-Lite-shaped one, 4 layers of its 27: multi-head latent attention over its latent
+pool, sigmoid routing, a shared expert), compares the logits of a prefill
 and a decode step between the Triton kernels and the torch path, then times one decode step at each batch size:
 Triton eager, Triton replayed from the CUDA graphs of `gpullama.engine.decode_graphs.DecodeGraphs` (the model
 runner's decode path), and
@@ -32,16 +33,20 @@ from gpullama.ops import TorchOps  # noqa: E402
 from gpullama.ops.triton_ops import TritonOps  # noqa: E402
 from tests.kernel_tests.random_model import (  # noqa: E402
     batch_metadata,
+    deepseek_v2_lite_config,
     gpt_oss_like_config,
     llama_1b_config,
+    mla_like_config,
     qwen3_moe_config,
     random_tensors,
     tiny_config,
 )
 
 Q = gguf.GGMLQuantizationType
-FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "moe-q8_0": Q.Q8_0, "moe-mxfp4": Q.MXFP4}
-"""Weight formats; moe-*: the MoE decoder, its experts in that type, the other matrices Q8_0."""
+FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "moe-q8_0": Q.Q8_0, "moe-mxfp4": Q.MXFP4,
+           "mla-q8_0": Q.Q8_0}
+"""Weight formats; moe-*: the MoE decoder, its experts in that type, the other matrices Q8_0; mla-q8_0: the
+latent-attention MoE decoder in Q8_0."""
 log = logging.getLogger("gpu_check")
 
 
@@ -68,8 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of the check."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 and --tiny")
-    p.add_argument("--formats", default="bf16,q8_0,q4_k,moe-q8_0,moe-mxfp4", help=f"comma list of {', '.join(FORMATS)}")
-    p.add_argument("--moe-layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped MoE decoder")
+    p.add_argument("--formats", default="bf16,q8_0,q4_k,moe-q8_0,moe-mxfp4,mla-q8_0",
+                   help=f"comma list of {', '.join(FORMATS)}")
+    p.add_argument("--moe-layers", type=int, default=4,
+                   help="layers of the Qwen3-30B-A3B-shaped and DeepSeek-V2-Lite-shaped MoE decoders")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes to time")
     p.add_argument("--context", type=int, default=512, help="context length of every sequence while timing")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -90,12 +97,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_pools(config, num_seqs: int, context: int, block_size: int, device, dtype) -> tuple[list, list]:
-    """Random-filled k/v pools (per layer) for `num_seqs` sequences of `context` tokens, plus one scratch block."""
+    """Random-filled k/v pools (per layer) for `num_seqs` sequences of `context` tokens, plus one scratch block (no
+    v pools for latent attention)."""
     blocks = num_seqs * -(-context // block_size) + 1
     shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
     g = torch.Generator(device=device).manual_seed(5)
     k = [torch.randn(shape, device=device, generator=g).to(dtype) for _ in range(config.num_layers)]
-    v = [torch.randn(shape, device=device, generator=g).to(dtype) for _ in range(config.num_layers)]
+    v = [torch.randn(shape, device=device, generator=g).to(dtype)
+         for _ in range(config.num_layers if config.separate_values else 0)]
     return k, v
 
 
@@ -208,6 +217,9 @@ def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtyp
     if fmt.startswith("moe-"):
         config = gpt_oss_like_config(vocab_size=300) if args.tiny else qwen3_moe_config(args.moe_layers)
         tensors = random_tensors(config, Q.Q8_0, device, seed=0, expert_qtype=FORMATS[fmt])
+    elif fmt.startswith("mla-"):
+        config = mla_like_config(vocab_size=300) if args.tiny else deepseek_v2_lite_config(args.moe_layers)
+        tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
     else:
         tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
     log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
@@ -235,10 +247,15 @@ def step_bytes(decoder, batch: int) -> int:
     total = _nbytes(decoder.output)
     for layer in decoder.layers:
         total += sum(_nbytes(w) for w in (*layer.qkv, layer.o))
+        if layer.mla is not None:
+            total += sum(_nbytes(w) for w in (*layer.mla.x_a, layer.mla.k_b, layer.mla.v_b))
+            total += _nbytes(layer.mla.q_b) if layer.mla.q_b is not None else 0
         if layer.moe is None:
             total += sum(_nbytes(w) for w in (*layer.gate_up, layer.down))
             continue
         experts = layer.moe.experts
+        if layer.moe.shared_down is not None:
+            total += sum(_nbytes(w) for w in (*layer.moe.shared_gate_up, layer.moe.shared_down))
         used = c.num_experts * (1 - (1 - c.num_experts_used / c.num_experts) ** batch)
         total += _nbytes(layer.moe.router) + int((_nbytes(experts.gate_up) + _nbytes(experts.down)) * used / c.num_experts)
     return total

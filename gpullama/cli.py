@@ -297,7 +297,12 @@ def cmd_list(args) -> int:
 
 
 def kv_per_token(c) -> str:
-    """KV cache bytes of one token of model config `c` in each cache format (k and v of every layer)."""
+    """KV cache bytes of one token of model config `c` in each cache format (k and v of every layer; multi-head
+    latent attention: its one row a layer, rotary part and latent)."""
+    if c.is_mla:
+        values = c.num_layers * c.head_dim
+        return (f"{values * 4 / 1024:.1f} KiB float32, {values * 2 / 1024:.1f} KiB float16 (latent attention: "
+                f"{c.kv_lora_rank} latent + {c.rotary_dim} rope values a layer, no values cached)")
     values = 2 * c.num_layers * c.num_kv_heads * c.head_dim
     sizes = [f"{values * 2 / 1024:.1f} KiB float16 (the CPU fast path's default)", f"{values * 4 / 1024:.1f} KiB float32"]
     if c.head_dim % 32 == 0:
@@ -331,7 +336,11 @@ def cmd_info(args) -> int:
         ("weights", f"{size.bytes / 1e6:.1f} MB, {size.active_bytes / 1e6:.1f} MB read a token"),
         ("layers", c.num_layers),
         ("hidden size", c.hidden_size),
-        ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}"),
+        ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}") if not c.is_mla else
+        ("latent attention", f"{c.num_heads} heads of {c.qk_nope_dim} + {c.rotary_dim} rope key dims and "
+                             f"{c.v_head_dim} value dims, over one cached row of {c.kv_lora_rank} latent + "
+                             f"{c.rotary_dim} rope values" + (f"; queries through rank {c.q_lora_rank}"
+                                                              if c.q_lora_rank else "")),
         ("vocabulary", vocab),
         ("context length", c.context_length),
         ("KV cache a token", kv_per_token(c)),

@@ -10,16 +10,15 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe",
+    "glm4moe", "deepseek2",
 )
 
-_MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss, glm4moe and Mixtral "
-                  "(llama)")
+_MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss, glm4moe, deepseek2 and "
+                  "Mixtral (llama)")
 # Families llama.cpp knows that are not implemented here, with why (named in the refusal).
 _NOT_SUPPORTED = {
     "granitemoe": f"Granite MoE is not supported ({_MOE_SUPPORTED})",
     "phimoe": f"Phi-3.5-MoE is not supported ({_MOE_SUPPORTED})",
-    "deepseek2": "DeepSeek V2/V3's multi-head latent attention ('deepseek2.attention.kv_lora_rank') is not supported",
     "qwen3next": f"Qwen3-Next's linear attention is not supported ({_MOE_SUPPORTED})",
     "olmoe": f"OLMoE is not supported ({_MOE_SUPPORTED})",
     "gemma": "Gemma 1 is not supported (Gemma 2 and Gemma 3 are)",
@@ -31,8 +30,8 @@ _NOT_SUPPORTED = {
 @dataclass
 class ModelConfig:
     """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
-    phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3
-    and glm4moe (GLM-4.5)."""
+    phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3,
+    glm4moe (GLM-4.5) and deepseek2 (DeepSeek-V2/V3's multi-head latent attention)."""
 
     architecture: str
     num_layers: int
@@ -57,6 +56,8 @@ class ModelConfig:
     rope_base_swa: float = 0.0  # rope base of the sliding-window layers (gemma3: 10000); 0: rope_base
     rope_scale_swa: float = 1.0  # linear rope scaling of the sliding-window layers
     nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding (NoPE, smollm3); () when every layer rotates
+    rope_interleaved: bool = False  # the file's rotary pairs are adjacent dims (llama.cpp's NORM type, deepseek2),
+    # not halves: the rotary rows of q and k are reordered at load
     # attention
     sliding_window: int = 0  # a sliding layer attends to its last `sliding_window` positions; 0: none
     swa_layers: tuple[bool, ...] = ()  # per layer: sliding window (True) or full attention; () when none slide
@@ -98,10 +99,26 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     nextn_layers: int = 0  # glm4moe: next-token-prediction layers after the decoder's (in block_count; loaded, unused)
+    # multi-head latent attention (deepseek2): each token caches one row of `head_dim` = rotary_dim (its rotated key
+    # part, shared by every head) + kv_lora_rank (its normalized latent, which doubles as every head's values)
+    kv_lora_rank: int = 0  # 0: not MLA
+    q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck (attn_q_a, attn_q_b); 0: one attn_q
+    qk_nope_dim: int = 0  # each head's key dims without rotary (its rotary ones: rotary_dim)
+    v_head_dim: int = 0  # each head's value dims (after attn_v_b)
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
             self.rotary_dim = self.head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (the pool holds one latent row a token, no values)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def separate_values(self) -> bool:
+        """Whether the KV pool has a value pool beside the key pool (not for MLA: the values are in the key rows)."""
+        return not self.is_mla
 
     @property
     def is_moe(self) -> bool:
@@ -180,6 +197,10 @@ class ModelConfig:
         return config
 
 
+_YARN_LOG_MULTIPLIER = ("deepseek2",)
+"""The families whose reader applies `rope.scaling.yarn_log_multiplier` (DeepSeek's softmax scale)."""
+
+
 def _read_rope_scaling(config: ModelConfig, arch: str, opt, path: str) -> None:
     """`{arch}.rope.scaling.*`: linear scaling is applied; LongRoPE's factors are tensors (see `rope_factors`)."""
     kind = opt("rope.scaling.type")
@@ -194,8 +215,9 @@ def _read_rope_scaling(config: ModelConfig, arch: str, opt, path: str) -> None:
         config.rope_yarn_beta_slow = float(opt("rope.scaling.yarn_beta_slow") or 1.0)
         ext = opt("rope.scaling.yarn_ext_factor")
         config.rope_yarn_ext_factor = 1.0 if ext is None or float(ext) < 0 else float(ext)  # llama.cpp: -1 means 1
-        if opt("rope.scaling.yarn_log_multiplier"):
-            raise ValueError(f"{path}: '{arch}.rope.scaling.yarn_log_multiplier' (DeepSeek's YaRN) is not supported")
+        if opt("rope.scaling.yarn_log_multiplier") and arch not in _YARN_LOG_MULTIPLIER:
+            raise ValueError(f"{path}: '{arch}.rope.scaling.yarn_log_multiplier' (DeepSeek's YaRN) is only read for "
+                             f"{', '.join(_YARN_LOG_MULTIPLIER)}")
     else:  # the rest change the rotation in ways not implemented here: refuse rather than be wrong
         raise ValueError(
             f"{path}: '{arch}.rope.scaling.type' = {kind!r} is not supported (linear and yarn rope scaling are)"
@@ -355,7 +377,40 @@ def _glm4moe(config: ModelConfig, get, opt, path: str) -> None:
                          f"not supported")
 
 
+def _deepseek2(config: ModelConfig, get, opt, path: str) -> None:
+    """DeepSeek-V2/V3 (`deepseek2`, also Kimi K2 and GLM-4.7-Flash): multi-head latent attention. Each token's key
+    and values come from one row: `attn_kv_a_mqa` gives a latent of `kv_lora_rank` values (normalized by
+    `attn_kv_a_norm`) and `rope.dimension_count` rotary key dims shared by every head; queries come from `attn_q`
+    or through `attn_q_a`/`attn_q_a_norm`/`attn_q_b` (`attention.q_lora_rank`). `attention.key_length_mla` (nope +
+    rope dims of a head) and `attention.value_length_mla` name the heads' sizes after `attn_k_b`/`attn_v_b` (older
+    files: `key_length`/`value_length` and one `attn_kv_b`). Rotary pairs are interleaved (llama.cpp's NORM type);
+    YaRN's `yarn_log_multiplier` (0.1 x mscale_all_dim) scales the softmax by its mscale squared, as llama.cpp."""
+    arch = config.architecture
+    if opt("attention.temperature_scale"):
+        raise ValueError(f"{path}: '{arch}.attention.temperature_scale' (Mistral Large 3's attention temperature "
+                         f"tuning) is not supported")
+    config.kv_lora_rank = int(get("attention.kv_lora_rank"))
+    config.q_lora_rank = int(opt("attention.q_lora_rank") or 0)
+    mla_keys = opt("attention.key_length_mla") is not None
+    qk_head = int(opt("attention.key_length_mla") if mla_keys else get("attention.key_length"))
+    config.v_head_dim = int(opt("attention.value_length_mla") if mla_keys else get("attention.value_length"))
+    config.qk_nope_dim = qk_head - config.rotary_dim
+    if config.qk_nope_dim < 1:
+        raise ValueError(f"{path}: '{arch}.rope.dimension_count' = {config.rotary_dim} leaves no key dims without "
+                         f"rotary in heads of {qk_head}")
+    config.head_dim, config.num_kv_heads = config.rotary_dim + config.kv_lora_rank, 1
+    config.rope_interleaved = True
+    mscale = 1.0
+    if config.rope_yarn:  # llama.cpp's deepseek2 graph: cos and sin times attn_factor alone; the softmax scale
+        # times (1 + 0.1 mscale_all_dim ln factor)^2
+        log_mul = float(opt("rope.scaling.yarn_log_multiplier") or 0.0) / 0.1
+        config.rope_attn_factor /= 1.0 + 0.1 * math.log(config.rope_scale)
+        mscale = config.rope_attn_factor * (1.0 + 0.1 * math.log(config.rope_scale)) * (
+            1.0 + 0.1 * log_mul * math.log(config.rope_scale))
+    config.attention_scale = mscale * mscale / math.sqrt(qk_head)
+
+
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
-    "glm4moe": _glm4moe,
+    "glm4moe": _glm4moe, "deepseek2": _deepseek2,
 }

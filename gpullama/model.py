@@ -1,5 +1,5 @@
 """The decoder: one forward over a ragged batch, for llama (and Mixtral) / mistral / qwen2 / qwen3 / phi3 /
-granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe through config flags."""
+granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 through config flags."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class LayerWeights:
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    qkv: list  # one fused weight, or [q, k, v]
+    qkv: list  # one fused weight, or [q, k, v] ([] in an MLA layer)
     qkv_bias: torch.Tensor | None
     o: object
     gate_up: list | None  # one fused weight, or [gate, up] (None in a MoE layer)
@@ -39,6 +39,23 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None  # gpt-oss
     sinks: torch.Tensor | None = None  # gpt-oss: [Hq] attention sink logits
     moe: MoeWeights | None = None  # a MoE layer's router and experts (gate_up and down are then None)
+    mla: MlaWeights | None = None  # multi-head latent attention (DeepSeek) in place of q|k|v
+
+
+@dataclass
+class MlaWeights:
+    """A multi-head latent attention layer (DeepSeek-V2/V3). The hidden state x gives the queries (``attn_q``, or
+    ``attn_q_b(norm(attn_q_a x))``) and one row a token, ``attn_kv_a_mqa x`` = latent (normalized) | rotary key
+    part; the pool keeps ``rotary | latent`` of each token. Each head's no-rotary query dims are absorbed into the
+    latent's space (``attn_k_b``), so attention is one query row of ``rotary + kv_lora_rank`` dims a head over the
+    pool's rows, its output the weighted latents, which ``attn_v_b`` turns into the head's values."""
+
+    x_a: list  # x -> [queries (q_lora_rank, or Hq x (nope + rope) without the bottleneck) | latent | rotary]
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]; None without the bottleneck
+    q_b: object | None  # [Hq x (nope + rope), q_lora_rank]
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    k_b: torch.Tensor  # [Hq, kv_lora_rank, nope]: a head's no-rotary query dims -> its query in the latent space
+    v_b: torch.Tensor  # [Hq, v_head_dim, kv_lora_rank]: a head's weighted latent -> its values
 
 
 @dataclass
@@ -120,8 +137,11 @@ class Decoder:
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"blk.{i}."
+            mla = self._mla_weights(p, get, dense, fused) if c.is_mla else None
             fused_qkv = p + "attn_qkv.weight" in tensors
-            if not fused_qkv:
+            if mla is not None:
+                pass
+            elif not fused_qkv:
                 q = qk(p + "attn_q.weight", self.num_heads)
                 k = qk(p + "attn_k.weight", self.num_kv_heads)
             bias = None
@@ -139,7 +159,7 @@ class Decoder:
                 LayerWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
                     ffn_norm=dense(p + c.ffn_norm_tensor + ".weight"),
-                    qkv=[ops.prepare_weight(get(p + "attn_qkv.weight"))] if fused_qkv
+                    qkv=[] if mla is not None else [ops.prepare_weight(get(p + "attn_qkv.weight"))] if fused_qkv
                     else fused([q, k, get(p + "attn_v.weight")]),
                     qkv_bias=bias,
                     o=ops.prepare_weight(get(p + "attn_output.weight")),
@@ -155,6 +175,7 @@ class Decoder:
                     o_bias=dense(p + "attn_output.bias") if c.attn_output_bias else None,
                     sinks=dense(p + "attn_sinks.weight").reshape(-1) if c.attn_sinks else None,
                     moe=moe,
+                    mla=mla,
                 )
             )
         embedding = get("token_embd.weight")
@@ -172,6 +193,34 @@ class Decoder:
         # the loop below, one op at a time
         self.native_stack = True
         self._stack: tuple[tuple, object] | None = None
+
+    def _mla_weights(self, p: str, get, dense, fused) -> MlaWeights:
+        """Layer `p`'s latent attention weights, as llama.cpp's converter writes them (``attn_k_b``/``attn_v_b``, or
+        one ``attn_kv_b`` in older files); the interleaved rotary rows of q and of the rotary key part reordered to
+        halves (a row gather on the stored blocks, the same for q and k, so every score is unchanged)."""
+        c, ops, tensors = self.config, self.ops, self._tensors
+        r, nope, lora, hq = c.rotary_dim, c.qk_nope_dim, c.kv_lora_rank, self.num_heads
+        halves = unpermute_qk_rows(r, 1)
+        q_rows = torch.cat([h * (nope + r) + torch.cat((torch.arange(nope), nope + halves)) for h in range(hq)])
+        kv_rows = torch.cat((torch.arange(lora), lora + halves))
+        kv_a = get(p + "attn_kv_a_mqa.weight").take_rows(kv_rows)
+        bottleneck = c.q_lora_rank > 0
+        q = get(p + "attn_q_b.weight").take_rows(q_rows) if bottleneck else get(p + "attn_q.weight").take_rows(q_rows)
+        if p + "attn_k_b.weight" in tensors:
+            k_b, v_b = dense(p + "attn_k_b.weight"), dense(p + "attn_v_b.weight")
+        else:  # older files: attn_kv_b [Hq x (nope + v), kv_lora_rank], each head's k rows then its v rows
+            kv_b = dense(p + "attn_kv_b.weight").view(hq, nope + c.v_head_dim, lora)
+            k_b, v_b = kv_b[:, :nope].transpose(1, 2), kv_b[:, nope:]
+        if tuple(k_b.shape) != (hq, lora, nope) or tuple(v_b.shape) != (hq, c.v_head_dim, lora):
+            raise ValueError(f"{p}attn_k_b/attn_v_b have shapes {tuple(k_b.shape)}, {tuple(v_b.shape)}; the heads' "
+                             f"sizes make {(hq, lora, nope)}, {(hq, c.v_head_dim, lora)}")
+        return MlaWeights(
+            x_a=fused([get(p + "attn_q_a.weight"), kv_a] if bottleneck else [q, kv_a]),
+            q_a_norm=dense(p + "attn_q_a_norm.weight") if bottleneck else None,
+            q_b=ops.prepare_weight(q) if bottleneck else None,
+            kv_a_norm=dense(p + "attn_kv_a_norm.weight"),
+            k_b=ops.prepare_head_weights(k_b), v_b=ops.prepare_head_weights(v_b),
+        )
 
     def _moe_weights(self, p: str, get, dense, fused) -> MoeWeights:
         """Layer `p`'s router, experts (``ffn_{gate,up,down}_exps``, or a fused ``ffn_gate_up_exps``, with their
@@ -319,6 +368,11 @@ class Decoder:
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
+            if layer.mla is not None:
+                hidden = self._latent_attention(x, layer, k_caches[i], metas[layer.rope])
+                x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
+                hidden = self._mlp(x, layer, act)
+                continue
             qkv = self._linear_parts(x, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_size].view(t, self.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, c.head_dim)
@@ -334,18 +388,44 @@ class Decoder:
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
             x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
-            if layer.moe is not None:
-                hidden = tp.all_reduce(self._moe(x, layer.moe))
-            else:
-                hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
-            if layer.post_ffn_norm is not None:
-                hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
+            hidden = self._mlp(x, layer, act)
         return hidden, residual
+
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights, act) -> torch.Tensor:
+        """The MLP block of the normalized ``x [T, H]``: the experts or the dense MLP, all-reduced, post-normed."""
+        c, ops, tp = self.config, self.ops, self.tp
+        if layer.moe is not None:
+            hidden = tp.all_reduce(self._moe(x, layer.moe))
+        else:
+            hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
+        if layer.post_ffn_norm is not None:
+            hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
+        return hidden
+
+    def _latent_attention(self, x: torch.Tensor, layer: LayerWeights, cache: torch.Tensor,
+                          meta: BatchMetadata) -> torch.Tensor:
+        """Multi-head latent attention of the normalized ``x [T, H]`` (absorbed: the pool holds rotary | latent a
+        token, each head attends over those rows with its no-rotary query mapped into the latent space by k_b, and
+        v_b turns the weighted latents into its values), through o."""
+        c, ops, mla = self.config, self.ops, layer.mla
+        t, hq, r, lora = x.shape[0], self.num_heads, c.rotary_dim, c.kv_lora_rank
+        xa = self._linear_parts(x, mla.x_a)
+        split = xa.shape[1] - lora - r
+        q = xa[:, :split]
+        if mla.q_b is not None:
+            q = ops.linear(ops.post_norm(q, mla.q_a_norm, c.rms_eps), mla.q_b)
+        q = q.view(t, hq, c.qk_nope_dim + r)
+        latent = ops.post_norm(xa[:, split : split + lora], mla.kv_a_norm, c.rms_eps)
+        queries = torch.cat((q[..., c.qk_nope_dim :].float(), ops.heads_matmul(q[..., : c.qk_nope_dim], mla.k_b)), -1)
+        rows = torch.cat((xa[:, split + lora :].float(), latent), dim=-1)[:, None, :]
+        queries = ops.latent_rope_and_cache(queries, rows, self.rope_tables[layer.rope], cache, meta)
+        attn = ops.latent_attention(queries, cache, meta, self.scale, r)  # [T, Hq, kv_lora_rank]
+        return ops.linear(ops.heads_matmul(attn, mla.v_b).reshape(t, hq * c.v_head_dim), layer.o, layer.o_bias)
 
     def _layer_stack(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         """`ops.layer_stack` over this pool (None: the backend has none, or it does not take this model), built
         once per pool."""
-        key = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (k_caches[0], v_caches[0])) + (len(k_caches),)
+        key = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (k_caches[0], *v_caches[:1])) + (len(k_caches),)
         if self._stack is None or self._stack[0] != key:
             self._stack = (key, self.ops.layer_stack(self, k_caches, v_caches))
         return self._stack[1]

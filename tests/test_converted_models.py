@@ -13,9 +13,18 @@ from unittest import mock
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Glm4MoeConfig, LlamaConfig, SmolLM3Config
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    LlamaConfig,
+    SmolLM3Config,
+)
 
 from gpullama import LLM, SamplingParams
+from gpullama.config import ModelConfig
+from gpullama.gguf_file import read_header
 from gpullama.kernels import cpu_native
 from gpullama.ops import CpuOps
 from tests.engine.helpers import make_engine, run_requests, solo_runs
@@ -28,6 +37,10 @@ from tests.test_moe import hf_greedy
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
+MLA = COMMON | dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                    v_head_dim=16)
+DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                     beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
 MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
            routed_scaling_factor=2.5, norm_topk_prob=True)
 CONFIGS = {
@@ -37,11 +50,19 @@ CONFIGS = {
     # q/k/v biases, q/k norms; one next-token-prediction layer in the file (`with_mtp_layer`)
     "glm4moe": lambda **kw: Glm4MoeConfig(**COMMON, **MOE, first_k_dense_replace=1, use_qk_norm=True,
                                           attention_bias=True, **kw),
+    # multi-head latent attention: DeepSeek-V2-Lite's shape (queries from one attn_q, softmax routing, no
+    # renormalization) and V3's (queries through a rank-32 bottleneck, sigmoid routing with correction bias in 2
+    # groups, YaRN with DeepSeek's mscale); a dense first layer, a shared expert
+    "deepseek2": lambda **kw: DeepseekV2Config(**MLA, **MOE | dict(norm_topk_prob=False, routed_scaling_factor=2.0),
+                                               q_lora_rank=None, first_k_dense_replace=1, **kw),
+    "deepseek3": lambda **kw: DeepseekV3Config(**MLA, **MOE, q_lora_rank=32, first_k_dense_replace=1, n_group=2,
+                                               topk_group=1, scoring_func="sigmoid", rope_parameters=DEEPSEEK_YARN,
+                                               **kw),
 }
 """Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF)."""
 SPECIAL_TOKENS = {"glm4moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
 """Tokens a family's converter looks up by name (GLM's `_set_vocab_glm`), added to the tokenizer."""
-SUPPORTED = ("llama", "smollm3", "glm4moe")
+SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
 NATIVE_STACK = ("llama", "smollm3", "glm4moe")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
@@ -159,12 +180,13 @@ def test_converter_written_file_matches_transformers(converted, loaded, arch: st
 @pytest.mark.parametrize("arch", [a for a in SUPPORTED if a != "llama"])
 def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     """Chunked prefill, a cached prefix, requests joining as others leave: each request gets its solo greedy
-    tokens; on the exact path every sampled logits row also equals the sequence's scored alone."""
+    tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's decode
+    steps run on the static decode buffers (what CUDA graphs capture), over its latent pool."""
     llm = loaded(arch, fast)
     prompts = family_prompts(llm.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     solo = solo_runs(llm, prompts, params)
-    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48)
+    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48, static_decode=llm.config.is_mla)
     recorder = None if fast else LogitsRecorder(engine)
     seqs = run_requests(engine, prompts, params)
     assert_as_solo(seqs, solo, [params] * len(prompts), llm.tokenizer.eos_token_ids)
@@ -184,3 +206,36 @@ def test_two_ranks_match_one(converted, loaded, arch: str) -> None:
     with LLM(str(converted(arch)[1]), device="cpu", dtype="float32", tensor_parallel_size=2) as two:
         torch.testing.assert_close(two.logits(ids), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
         assert two.generate([ids], params)[0].token_ids == one.generate([ids], params)[0].token_ids
+
+
+def test_latent_attention_caches_one_row_a_token(converted, loaded, capsys) -> None:
+    """DeepSeek's pool holds kv_lora_rank + rope dims a token and layer (one row, no value pool), `gpullama info`
+    says so, and tensor parallelism is refused before any process starts, naming the reason."""
+    from gpullama.cli import main
+
+    llm = loaded("deepseek3")
+    c, runner = llm.config, llm.engine.runner
+    assert (c.kv_lora_rank, c.rotary_dim, c.head_dim, c.num_kv_heads) == (32, 16, 48, 1)
+    assert runner.v_caches == [] and all(k.shape[2:] == (1, 48) for k in runner.k_caches)
+    assert runner.kv_cache_bytes == c.num_layers * (runner.num_blocks + 1) * 16 * 48 * 4  # float32, block size 16
+    path = str(converted("deepseek3")[1])
+    assert main(["info", path]) == 0
+    info = capsys.readouterr().out
+    assert "32 latent + 16 rope values a layer" in info and "queries through rank 32" in info
+    with pytest.raises(ValueError, match="multi-head latent attention.*tensor_parallel_size 1"):
+        LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(("arch", "change", "match"), [
+    ("deepseek3", {"deepseek2.attention.kv_lora_rank": None}, "missing metadata key 'deepseek2.attention.kv_lora_rank'"),
+    ("deepseek3", {"deepseek2.attention.temperature_scale": 0.1}, "'deepseek2.attention.temperature_scale'"),
+    ("glm4moe", {"glm4moe.rope.dimension_sections": [4, 2, 2, 0]}, "'glm4moe.rope.dimension_sections'"),
+    ("glm4moe", {"glm4moe.expert_gating_func": 4}, "'glm4moe.expert_gating_func' = 4"),
+    ("glm4moe", {"glm4moe.expert_group_count": 3}, "'glm4moe.expert_group_count' = 3"),
+])
+def test_what_is_not_read_is_refused_by_key(converted, arch: str, change: dict, match: str) -> None:
+    """The keys of what these families' readers do not implement (or need) name themselves in the refusal."""
+    meta = read_header(str(converted(arch)[1])).metadata
+    meta = {k: v for k, v in {**meta, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_metadata(meta, "model.gguf")

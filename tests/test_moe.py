@@ -166,7 +166,6 @@ def test_configs_read_from_the_files(tiny_model) -> None:
 
 
 @pytest.mark.parametrize(("base", "meta", "match"), [
-    (None, {"general.architecture": "deepseek2"}, "'deepseek2.attention.kv_lora_rank'"),
     (None, {"general.architecture": "granitemoe"}, "Granite MoE is not supported"),
     ("qwen3moe", {"qwen3moe.expert_gating_func": 4}, "'qwen3moe.expert_gating_func' = 4"),
     ("qwen3moe", {"qwen3moe.expert_used_count": 9}, "'qwen3moe.expert_used_count' = 9"),

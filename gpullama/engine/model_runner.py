@@ -45,9 +45,11 @@ def kv_format_name(kv_dtype: torch.dtype) -> str:
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of one KV block: k and v of `block_size` tokens in every layer."""
+    """Bytes of one KV block: k and v of `block_size` tokens in every layer (the one latent row of multi-head
+    latent attention, which has no value pool)."""
     row = kv_row_size(config.head_dim, kv_dtype) * kv_dtype.itemsize
-    return 2 * config.num_layers * block_size * config.num_kv_heads * row
+    pools = 2 if config.separate_values else 1
+    return pools * config.num_layers * block_size * config.num_kv_heads * row
 
 
 def kv_pool_blocks(
@@ -114,7 +116,9 @@ class StepOutput:
 
 class ModelRunner:
     """Owns the KV pool and the static decode buffers of one model (of this rank's heads under tensor parallelism);
-    runs each scheduled batch's forward."""
+    runs each scheduled batch's forward. The pool is one k and one v tensor a layer, ``[num_blocks + 1,
+    block_size, kv_heads, head_dim]``; for multi-head latent attention one row a token and layer (rotary | latent,
+    ``head_dim`` = rope dims + kv_lora_rank) and no v tensors (`v_caches` is empty)."""
 
     def __init__(self, model: Decoder, config: EngineConfig):
         self.model = model
@@ -124,8 +128,8 @@ class ModelRunner:
         self.device = ops.device
         # the ops say what the pool holds: float16 on the CPU fast path by default, float32 on the exact CPU path,
         # the compute dtype on a GPU (uint8: Q8_0 rows)
-        self.kv_dtype = ops.kv_cache_dtype(config.kv_cache_dtype, model.config.head_dim, config.block_size)
         mc = model.config
+        self.kv_dtype = ops.kv_cache_dtype(config.kv_cache_dtype, mc.head_dim, config.block_size, latent=mc.is_mla)
         local = dataclasses.replace(mc, num_kv_heads=model.num_kv_heads)  # this rank's share of each block
         if config.num_blocks:
             self.num_blocks, self.kv_pool_limit = config.num_blocks, "num_blocks"
@@ -144,7 +148,9 @@ class ModelRunner:
         # one block past the managed ones: the scratch block that padded decode rows write into
         shape = (self.num_blocks + 1, config.block_size, model.num_kv_heads, kv_row_size(mc.head_dim, self.kv_dtype))
         self.k_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
-        self.v_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
+        # multi-head latent attention keeps no values: they are the latent part of each key row
+        self.v_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device)
+                         for _ in range(mc.num_layers if mc.separate_values else 0)]
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs
         self.decode_graphs = None
         if use_graphs or config.static_decode:

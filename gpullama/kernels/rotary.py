@@ -6,7 +6,9 @@ Llama-3-scaled, LongRoPE or linearly scaled frequencies and LongRoPE's attention
 registers, writes q and k back in place, and stores the rotated k and the v of the token at its slot
 ``slot_mapping[t] = block * block_size + offset`` of the ``[num_blocks, block_size, Hk, D]`` pools (a negative
 slot skips the write: padding tokens). R < D is partial rotary (Phi-4-mini): the last ``D - R`` dims of each head
-pass through unrotated (HAS_REST copies k's into the pool). Torch reference: `TorchOps.rope_and_cache`.
+pass through unrotated (HAS_REST copies k's into the pool). Without v (HAS_V false: multi-head latent attention,
+whose one row a token is rotary | latent and whose values are that latent) only k is written. Torch reference:
+`TorchOps.rope_and_cache` (`TorchOps.latent_rope_and_cache` without v).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ def _rope_and_cache_kernel(
     HQ, HK, HALF, D, block_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_cb, stride_cs_slot, stride_ch,
-    POOL_DTYPE: tl.constexpr, EMULATE: tl.constexpr, HAS_REST: tl.constexpr,
+    POOL_DTYPE: tl.constexpr, EMULATE: tl.constexpr, HAS_REST: tl.constexpr, HAS_V: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Rotate one token's q and k heads in place and write its k, v to the pool."""
+    """Rotate one token's q and k heads in place and write its k (and v, with HAS_V) to the pool."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     half_cols = tl.arange(0, BLOCK_HALF)
@@ -63,26 +65,30 @@ def _rope_and_cache_kernel(
             rest = (heads < HK) & (dims >= 2 * HALF) & (dims < D)
             k_rest = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=rest, other=0.0).to(tl.float32)
             tl.store(k_cache_ptr + row + dims, round_to(k_rest, POOL_DTYPE, EMULATE).to(POOL_DTYPE), mask=rest)
-        v_mask = (heads < HK) & (dims < D)
-        v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=v_mask, other=0.0).to(tl.float32)
-        tl.store(v_cache_ptr + row + dims, round_to(v, POOL_DTYPE, EMULATE).to(POOL_DTYPE), mask=v_mask)
+        if HAS_V:
+            v_mask = (heads < HK) & (dims < D)
+            v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=v_mask, other=0.0).to(tl.float32)
+            tl.store(v_cache_ptr + row + dims, round_to(v, POOL_DTYPE, EMULATE).to(POOL_DTYPE), mask=v_mask)
 
 
 def rope_and_cache(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     cos_sin: torch.Tensor,
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first R dims (`cos_sin` is ``[max_pos, R]``, R <= D) of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in
-    place and write k, v into the pools; returns (q, k)."""
+    place and write k, v into the pools (v and v_cache None: k only); returns (q, k)."""
     t, hq, d = q.shape
     hk = k.shape[1]
     r = cos_sin.shape[1]
+    has_v = v is not None
+    if not has_v:  # the kernel's v arguments go unread
+        v, v_cache = k, k_cache
     if d % 2 or k.shape != (t, hk, d) or v.shape != (t, hk, d):
         raise ValueError(f"rope_and_cache: q [T, Hq, D] and k, v [T, Hk, D] with even D, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k_cache.shape[2:] != (hk, d) or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
@@ -101,6 +107,7 @@ def rope_and_cache(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             POOL_DTYPE=tl_dtype(k_cache.dtype, "rope_and_cache KV pool"), EMULATE=interpreting(), HAS_REST=r < d,
+            HAS_V=has_v,
             BLOCK_HQ=pow2(hq), BLOCK_HK=pow2(hk), BLOCK_HALF=pow2(r // 2), BLOCK_D=pow2(d), num_warps=4,
         )
     return q, k

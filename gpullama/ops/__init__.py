@@ -8,7 +8,9 @@ callers then ask a backend's capabilities (``supports_cuda_graphs``), never its 
 
 Shape contract (T tokens in a ragged batch of B sequences; Hq query heads, Hk kv heads, D head dim):
 - hidden states are ``[T, H]``; q is ``[T, Hq, D]``, k and v ``[T, Hk, D]``;
-- the paged KV pool of one layer is ``[num_blocks, block_size, Hk, D]`` for k and for v;
+- the paged KV pool of one layer is ``[num_blocks, block_size, Hk, D]`` for k and for v; multi-head latent
+  attention's is one ``[num_blocks, block_size, 1, rope + kv_lora_rank]`` pool (`latent_rope_and_cache`,
+  `latent_attention`), its values the latent part of each row;
 - ``BatchMetadata`` says where each token sits (position, KV slot) and which sequence owns it.
 """
 

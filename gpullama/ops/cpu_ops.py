@@ -40,10 +40,13 @@ class CpuOps(TorchOps):
         """What the matmuls run on, for logs and benchmark labels."""
         return f"quantized weights, native kernels ({cpu_native.isa()}), float32 activations"
 
-    def kv_cache_dtype(self, name: str, head_dim: int, block_size: int) -> torch.dtype:
+    def kv_cache_dtype(self, name: str, head_dim: int, block_size: int, latent: bool = False) -> torch.dtype:
         """The KV pool's dtype for `kv_cache_dtype` `name`: ``"auto"`` is float16 (half the bytes each decode step
         reads at depth; the kernels widen it to float32 exactly), ``"q8_0"`` uint8 pools of Q8_0 rows; float32 where
-        the C attention does not take the head dim or block size (`TorchOps`' attention runs instead)."""
+        the C attention does not take the head dim or block size (`TorchOps`' attention runs instead), and for
+        multi-head latent attention's `latent` pool (read by `TorchOps`' latent ops: float32 by default)."""
+        if latent:
+            return super().kv_cache_dtype(name, head_dim, block_size, latent)
         kernel = head_dim % 16 == 0 and head_dim <= cpu_native.MAX_HEAD_DIM and block_size % 16 == 0
         if name == "q8_0":
             if not (kernel and head_dim % 32 == 0):

@@ -9,7 +9,7 @@ order as `Decoder.forward_pooled`'s loop, so a dense layer's results are the sam
 
 `NativeStack.build` returns None for what the loop handles and the stack does not: tensor parallelism, Granite's
 residual scale, qwen2moe's sigmoid-gated shared expert (GLM-4.5's ungated one runs here), grouped expert routing,
-a weight or shape the kernels do not take.
+multi-head latent attention (DeepSeek: its latent pool is read by torch), a weight or shape the kernels do not take.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class NativeStack:
             raise Unsupported("tensor parallelism")
         if c.residual_scale != 1.0:
             raise Unsupported("a residual scale")
+        if c.is_mla:
+            raise Unsupported("multi-head latent attention")
         if c.activation not in _ACTIVATIONS:
             raise Unsupported(f"activation {c.activation}")
         hidden, d = decoder.layers[0].attn_norm.numel(), c.head_dim

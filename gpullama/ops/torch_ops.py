@@ -38,11 +38,15 @@ class TorchOps:
         """What the matmuls run on, for logs and benchmark labels."""
         return f"dense {str(self.dtype).removeprefix('torch.')}"
 
-    def kv_cache_dtype(self, name: str, head_dim: int, block_size: int) -> torch.dtype:
+    def kv_cache_dtype(self, name: str, head_dim: int, block_size: int, latent: bool = False) -> torch.dtype:
         """The KV pool's dtype for the engine argument `kv_cache_dtype` (`name`): ``"auto"`` is float32 on the CPU
         (this path's attention computes in float32) and the compute dtype on a GPU; the CPU also takes float16 and
-        bfloat16 (read back as float32); ``"q8_0"`` needs the CPU fast path. Raises ValueError otherwise."""
+        bfloat16 (read back as float32); ``"q8_0"`` needs the CPU fast path, and not a `latent` pool (multi-head
+        latent attention's, which every backend reads with the torch layout). Raises ValueError otherwise."""
         dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if latent and name not in ("auto", *dtypes):
+            raise ValueError(f"kv_cache_dtype {name!r} is not available for multi-head latent attention's pool: use "
+                             f"auto, float32, float16 or bfloat16")
         if name == "auto":
             return torch.float32 if self.device.type == "cpu" else self.dtype
         if self.device.type != "cpu" and dtypes.get(name) != self.dtype:
@@ -75,6 +79,11 @@ class TorchOps:
             down.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous(),
             _on(gate_up_bias, self.device), _on(down_bias, self.device), e, rows // 2, hidden, activation, alpha, limit,
         )
+
+    def prepare_head_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """One matrix per head, ``[heads, N, K]`` float32 (MLA's attn_k_b and attn_v_b), as `heads_matmul` reads
+        them: in the compute dtype on the device."""
+        return weights.to(device=self.device, dtype=self.dtype).contiguous()
 
     def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor:
         """Embedding table as `embedding` consumes it (kept in GGUF blocks: rows are gathered, then dequantized);
@@ -164,6 +173,54 @@ class TorchOps:
         k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         return q, k
+
+    def heads_matmul(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each head's own matrix: ``x [T, heads, K]`` times ``weights [heads, N, K]`` (transposed) is ``[T, heads,
+        N]``, float32."""
+        return torch.einsum("thk,hnk->thn", x.to(weights.dtype), weights).float()
+
+    def latent_rope_and_cache(
+        self, q: torch.Tensor, rows: torch.Tensor, cos_sin: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """Multi-head latent attention's `rope_and_cache`: rotate the first R dims (`cos_sin` ``[max_pos, R]``) of
+        the queries ``q [T, Hq, D]`` and of each token's cache row ``rows [T, 1, D]`` (rotary | latent), and write
+        the rows into the pool ``cache [num_blocks, block_size, 1, D]`` at `meta.slot_mapping`; returns q. There
+        is no value pool: the values are the latent part of the same rows (`latent_attention`)."""
+        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else rope_rows(cos_sin, meta.positions)
+        q, rows = _rotate(q, cos, sin), _rotate(rows, cos, sin)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, rows.to(cache.dtype))
+        return q
+
+    def latent_attention(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, scale: float, value_start: int
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new queries ``q [T, Hq, D]`` over its rows in the latent pool
+        ``cache [num_blocks, block_size, 1, D]`` (every head reads the same rows), the values being each row's dims
+        from `value_start` on (the latent): float32 ``[T, Hq, D - value_start]``."""
+        d = cache.shape[-1]
+        if meta.is_decode:
+            slots, valid = meta.context_slots, meta.context_mask
+            if slots is None:
+                slots, valid = decode_context(meta, cache.shape[1])
+            rows = cache.view(-1, d).index_select(0, slots.view(-1)).view(slots.shape[0], 1, -1, d).float()
+            o = F.scaled_dot_product_attention(q[:, :, None, :], rows, rows[..., value_start:], attn_mask=valid,
+                                               scale=scale, enable_gqa=True)
+            return o[:, :, 0, :]
+        out = q.new_empty(q.shape[0], q.shape[1], d - value_start)
+        block_size = cache.shape[1]
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            q_start, q_end = starts[i], starts[i + 1]
+            if q_end == q_start:
+                continue
+            blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
+            rows = cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)  # [1, S, D]
+            positions = torch.arange(q_end - q_start, device=q.device)[:, None] + (seq_len - (q_end - q_start))
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= positions
+            o = F.scaled_dot_product_attention(q[q_start:q_end].transpose(0, 1), rows, rows[..., value_start:],
+                                               attn_mask=mask, scale=scale, enable_gqa=True)
+            out[q_start:q_end] = o.transpose(0, 1)
+        return out
 
     def attention(
         self,

@@ -114,6 +114,22 @@ class TritonOps(TorchOps):
         """Rotate q and k in place and write k, v into the paged pool, in one kernel."""
         return _rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
 
+    def latent_rope_and_cache(
+        self, q: torch.Tensor, rows: torch.Tensor, cos_sin: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """Rotate the queries and the latent rows in place and write the rows into the latent pool: the rotary
+        kernel without its value write."""
+        return _rope_and_cache(q, rows, None, cos_sin, meta.positions, meta.slot_mapping, cache, None)[0]
+
+    def latent_attention(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, scale: float, value_start: int
+    ) -> torch.Tensor:
+        """Attention over the latent pool: the paged attention kernels with the pool as both keys and values (one
+        kv head for every query head), the latent part of the output kept."""
+        return paged_attention(
+            q, cache, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
+        )[..., value_start:]
+
     def attention(
         self,
         q: torch.Tensor,

@@ -85,6 +85,29 @@ def gpt_oss_like_config(vocab_size: int = 72) -> ModelConfig:
     )
 
 
+def deepseek_v2_lite_config(num_layers: int = 27) -> ModelConfig:
+    """DeepSeek-V2-Lite shapes (hidden 2048, 16 heads of 128 + 64 rope key dims and 128 value dims over a latent
+    row of 512 + 64, 6 of 64 experts of 1408 rows and a shared expert of 2816, vocab 102400); every layer MoE."""
+    return ModelConfig(
+        "deepseek2", num_layers, 2048, 10944, 16, 1, 576, 102400, 32768, 10000.0, 1e-6, rotary_dim=64,
+        kv_lora_rank=512, qk_nope_dim=128, v_head_dim=128, attention_scale=192**-0.5, num_experts=64,
+        num_experts_used=6, expert_intermediate_size=1408, shared_expert_intermediate_size=2816,
+        expert_weights_scale=1.0,
+    )
+
+
+def mla_like_config(vocab_size: int = 72) -> ModelConfig:
+    """DeepSeek-V3's flags on a tiny shape: latent attention with a query bottleneck (4 heads of 32 + 32 rope key
+    dims, 32 value dims, a latent row of 64 + 32), 2 of 4 experts by sigmoid + correction bias in 2 groups, a
+    shared expert."""
+    return ModelConfig(
+        "deepseek2", 2, 256, 256, 4, 1, 96, vocab_size, 512, 10000.0, 1e-6, rotary_dim=32, kv_lora_rank=64,
+        q_lora_rank=64, qk_nope_dim=32, v_head_dim=32, attention_scale=64**-0.5, num_experts=4, num_experts_used=2,
+        expert_intermediate_size=64, shared_expert_intermediate_size=64, expert_gating="sigmoid", expert_groups=2,
+        expert_weights_norm=True, expert_weights_scale=2.5,
+    )
+
+
 def gemma_like_config(vocab_size: int = 72) -> ModelConfig:
     """Every Gemma flag at once on a tiny shape: q/k norms, post-norms, GeGLU, embedding scale, a sliding layer
     (window 4, its own rope base) beside a full one (linear rope scaling), attention and final soft-capping."""
@@ -131,6 +154,20 @@ def random_tensors(
         tensors["output.weight"] = random_weight(qtype, c.vocab_size, c.hidden_size, device, g)
     for i in range(c.num_layers):
         p = f"blk.{i}."
+        if c.is_mla:  # latent attention in place of q/k/v (attn_k_b, attn_v_b: F16, per head)
+            h, lora, r = c.num_heads, c.kv_lora_rank, c.rotary_dim
+            q_rows = h * (c.qk_nope_dim + r)
+            if c.q_lora_rank:
+                tensors[p + "attn_q_a.weight"] = random_weight(qtype, c.q_lora_rank, c.hidden_size, device, g)
+                tensors[p + "attn_q_a_norm.weight"] = norm(c.q_lora_rank)
+                tensors[p + "attn_q_b.weight"] = random_weight(qtype, q_rows, c.q_lora_rank, device, g)
+            else:
+                tensors[p + "attn_q.weight"] = random_weight(qtype, q_rows, c.hidden_size, device, g)
+            tensors[p + "attn_kv_a_mqa.weight"] = random_weight(qtype, lora + r, c.hidden_size, device, g)
+            tensors[p + "attn_kv_a_norm.weight"] = norm(lora)
+            tensors[p + "attn_k_b.weight"] = random_experts(Q.F16, h, lora, c.qk_nope_dim, device, g)
+            tensors[p + "attn_v_b.weight"] = random_experts(Q.F16, h, c.v_head_dim, lora, device, g)
+            q_rows = h * c.v_head_dim  # the output projection's input
         if fused:
             shapes = {
                 "attn_qkv.weight": (q_rows + 2 * kv_rows, c.hidden_size),
@@ -144,6 +181,9 @@ def random_tensors(
                 "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
                 "ffn_up.weight": (c.intermediate_size, c.hidden_size),
             }
+        if c.is_mla:
+            for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
+                shapes.pop(name, None)
         shapes["attn_output.weight"] = (c.hidden_size, q_rows)
         shapes["ffn_down.weight"] = (c.hidden_size, c.intermediate_size)
         if c.is_moe:  # experts stacked (`expert_qtype`, default `qtype`); the router F32, as llama.cpp keeps it
@@ -154,6 +194,13 @@ def random_tensors(
             tensors[p + "ffn_up_exps.weight"] = random_experts(kind, e, i, h, device, g)
             tensors[p + "ffn_down_exps.weight"] = random_experts(kind, e, h, i, device, g)
             tensors[p + "ffn_gate_inp.weight"] = vector(e, h, scale=0.05)
+            if c.shared_expert_intermediate_size:  # always on (DeepSeek), beside the routed ones
+                s = c.shared_expert_intermediate_size
+                tensors[p + "ffn_gate_shexp.weight"] = random_weight(qtype, s, h, device, g)
+                tensors[p + "ffn_up_shexp.weight"] = random_weight(qtype, s, h, device, g)
+                tensors[p + "ffn_down_shexp.weight"] = random_weight(qtype, h, s, device, g)
+            if c.expert_gating == "sigmoid":  # the choice's correction bias
+                tensors[p + "exp_probs_b.bias"] = vector(e)
             if c.expert_activation == "swiglu_oai":  # gpt-oss's biases
                 tensors[p + "ffn_gate_inp.bias"] = vector(e)
                 tensors[p + "ffn_gate_exps.bias"], tensors[p + "ffn_up_exps.bias"] = vector(e, i), vector(e, i)
@@ -171,7 +218,7 @@ def random_tensors(
         names += ["post_attention_norm.weight", "post_ffw_norm.weight"] if c.post_norms else []
         for name in names:
             tensors[p + name] = norm(c.hidden_size)
-        if c.qk_norm:
+        if c.qk_norm and not c.is_mla:
             tensors[p + "attn_q_norm.weight"] = norm(c.head_dim)
             tensors[p + "attn_k_norm.weight"] = norm(c.head_dim)
     return tensors

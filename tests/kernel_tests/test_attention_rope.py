@@ -151,3 +151,30 @@ def test_attention_rejects_mismatched_pool(device):
     meta = meta_to(make_batch([1], [1], 4, 2), device)
     with pytest.raises(ValueError, match="Hk dividing 6"):
         paged_attention(q, pool, pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1, 0.25)
+
+
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([9, 20, 3], [1, 1, 1]), ([9, 20, 3], [4, 20, 1])],
+                         ids=["decode", "prefill"])
+def test_latent_rope_cache_and_attention_match_torch(seq_lens, q_lens, device):
+    """Multi-head latent attention's ops (DeepSeek): queries and one row a token (16 rotary dims | 32 latent: a
+    48-wide row, not a power of two) rotated, the rows written into the one-head pool (no value pool), then every
+    head's attention over those rows with the latent as values: the rotary kernel without its value write and the
+    paged attention kernels with the pool as keys and values, against TorchOps' latent ops."""
+    hq, r, lora, block_size = 4, 16, 32, 4
+    d = r + lora
+    meta = make_batch(seq_lens, q_lens, block_size, num_blocks=16, seed=4)
+    t = meta.positions.shape[0]
+    g = torch.Generator().manual_seed(6)
+    cos_sin = rope_cos_sin(r, 32, 10000.0)
+    q, rows = torch.randn(t, hq, d, generator=g), torch.randn(t, 1, d, generator=g)
+    pool = torch.randn(16, block_size, 1, d, generator=g)
+    want_pool, got_pool = pool.clone(), pool.to(device)
+    torch_ops, triton_ops = TorchOps(CPU), TritonOps(device)
+    want_q = torch_ops.latent_rope_and_cache(q.clone(), rows.clone(), cos_sin, want_pool, meta)
+    m = meta_to(meta, device)
+    got_q = triton_ops.latent_rope_and_cache(q.to(device), rows.to(device), cos_sin.to(device), got_pool, m)
+    assert rel_err(got_q, want_q) < 1e-5 and rel_err(got_pool, want_pool) < 1e-6
+    want = torch_ops.latent_attention(want_q, want_pool, meta, d**-0.5, r)
+    got = triton_ops.latent_attention(got_q, got_pool, m, d**-0.5, r)
+    assert want.shape == got.shape == (t, hq, lora)
+    assert rel_err(got, want) < 1e-5
