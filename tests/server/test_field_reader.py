@@ -105,7 +105,7 @@ def test_llamacpp_still_biases_a_text_and_an_ascii_digit_key(http: httpx.Client,
     token = hf_tokenizer.encode(" Paris", add_special_tokens=False)[0]
     out = http.post("/completion", json={"prompt": "The capital of France is", "n_predict": 1, "temperature": 0,
                                          "logit_bias": {str(token): -100}}).json()
-    assert out["generation_settings"]["logit_bias"] == [[token, -100.0]]
+    assert out["generation_settings"]["logit_bias"] == [{"bias": -100.0, "token": token}]  # llama.cpp's pairs
     out = http.post("/completion", json={"prompt": "hi", "n_predict": 1, "logit_bias": [[" Paris", False]]}).json()
-    assert [t for t, _ in out["generation_settings"]["logit_bias"]] == hf_tokenizer.encode(" Paris",
-                                                                                          add_special_tokens=False)
+    assert [p["token"] for p in out["generation_settings"]["logit_bias"]] == hf_tokenizer.encode(
+        " Paris", add_special_tokens=False)
