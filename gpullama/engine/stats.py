@@ -19,14 +19,17 @@ class EngineStats:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     generation_tokens: int = 0  # tokens sampled
     steps: int = 0
+    scheduled_seqs: int = 0  # sequences in each step, summed over the steps (over `steps`: the average batch)
     draft_tokens: int = 0  # n-gram draft tokens checked (speculative decoding)
     accepted_tokens: int = 0  # of which the model accepted
+    draft_checks: int = 0  # sequence steps that checked drafts
 
     def observe_drafts(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
         """Count one sequence's checked drafts: `num_accepted` of `num_drafts` accepted, `num_emitted` tokens
         generated in the step (one more than the accepted drafts, unless the sequence finished before)."""
         self.draft_tokens += num_drafts
         self.accepted_tokens += num_accepted
+        self.draft_checks += 1
         self.generation_tokens += num_emitted - 1  # `observe` counted one
 
     def observe(self, batch: ScheduledBatch) -> None:
@@ -38,6 +41,7 @@ class EngineStats:
                 self.cached_tokens += seq.num_cached_tokens
         self.generation_tokens += len(batch.sampling)
         self.steps += 1
+        self.scheduled_seqs += len(batch.seqs)
 
 
 @dataclass(frozen=True)

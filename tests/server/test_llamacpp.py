@@ -459,6 +459,52 @@ def test_an_array_valued_items_is_a_tuple(http):
     assert len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
 
 
+LLAMACPP_FAMILIES = {
+    "prompt_tokens_total": "counter", "prompt_tokens_cached_total": "counter", "prompt_seconds_total": "counter",
+    "tokens_predicted_total": "counter", "tokens_predicted_seconds_total": "counter", "n_decode_total": "counter",
+    "n_tokens_max": "counter", "spec_decode_num_draft_tokens_total": "counter",
+    "spec_decode_num_accepted_tokens_total": "counter", "spec_decode_num_drafts_total": "counter",
+    "prompt_tokens_seconds": "gauge", "predicted_tokens_seconds": "gauge", "requests_processing": "gauge",
+    "requests_deferred": "gauge", "n_busy_slots_per_decode": "gauge"}
+
+
+def _llamacpp_metrics(server) -> tuple[dict[str, float], httpx.Response]:
+    answer = httpx.get(f"{server.base_url}/metrics")
+    lines = answer.text.splitlines()
+    values = {}
+    for name, kind in LLAMACPP_FAMILIES.items():
+        full = f"llamacpp:{name}"
+        at = lines.index(f"# TYPE {full} {kind}")  # llama-server's lines: HELP, TYPE, the value
+        assert lines[at - 1].startswith(f"# HELP {full} ") and lines[at + 1].startswith(full + " ")
+        values[name] = float(lines[at + 1].split()[1])
+    return values, answer
+
+
+def test_metrics_export_llamacpps_families(server, http):
+    """/metrics adds llama.cpp's llamacpp:* families (HELP, TYPE and value, as llama-server writes them) and its
+    Process-Start-Time-Unix header; a completion moves the counters by what it did."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before, answer = _llamacpp_metrics(server)
+    assert 0 < int(answer.headers["Process-Start-Time-Unix"]) <= time.time()
+    list(text_string_to_metric_families(answer.text))  # the whole text still parses
+    out = _greedy(http, prompt=f"{time.time()} {PROMPT}", n_predict=5, ignore_eos=True)
+    after, _ = _llamacpp_metrics(server)
+    assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == 5
+    computed = out["tokens_evaluated"] - out["tokens_cached"]
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == computed
+    assert after["prompt_tokens_cached_total"] - before["prompt_tokens_cached_total"] == out["tokens_cached"]
+    assert after["n_decode_total"] - before["n_decode_total"] >= 5 and after["n_busy_slots_per_decode"] >= 1
+    assert after["prompt_seconds_total"] > before["prompt_seconds_total"]
+    assert after["tokens_predicted_seconds_total"] > before["tokens_predicted_seconds_total"]
+    assert after["n_tokens_max"] >= out["tokens_evaluated"] + 5
+    assert after["predicted_tokens_seconds"] > 0 and after["prompt_tokens_seconds"] > 0  # since the last scrape
+    assert after["requests_processing"] == after["requests_deferred"] == 0
+    assert _llamacpp_metrics(server)[0]["predicted_tokens_seconds"] == 0  # nothing generated since
+
+
 def test_chat_takes_n_probs_and_the_rendering_flags(http, hf_tokenizer, model_name):
     messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
     body = {"model": model_name, "messages": messages, "max_tokens": 3, "temperature": 0}

@@ -61,6 +61,11 @@ def test_speculative_server_answers_as_the_plain_one(speculative: Server, server
         metrics = spec.get("/metrics").text
     accepted = _metric(metrics, "gpullama_spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= _metric(metrics, "gpullama_spec_decode_num_draft_tokens_total")
+    # llama.cpp's names of the same counters, and its count of verification steps
+    assert _metric(metrics, "llamacpp:spec_decode_num_accepted_tokens_total") == accepted
+    assert _metric(metrics, "llamacpp:spec_decode_num_draft_tokens_total") == _metric(
+        metrics, "gpullama_spec_decode_num_draft_tokens_total")
+    assert _metric(metrics, "llamacpp:spec_decode_num_drafts_total") > 0
 
 
 def test_bad_speculative_config_is_refused_before_loading() -> None:

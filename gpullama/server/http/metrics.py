@@ -6,19 +6,93 @@ llm-d, AIBrix and Dynamo read): ``vllm:num_requests_waiting`` (TotalQueuedReques
 (TotalRunningRequests), ``vllm:kv_cache_usage_perc`` (KVCacheUtilization, 0 to 1; also under its older name
 ``vllm:gpu_cache_usage_perc``) and ``vllm:cache_config_info`` (the optional BlockSize and NumGPUBlocks labels of
 the prefix-cache scorer). The LoRA-info gauge is not exported: gpullama serves no LoRA adapters.
+
+llama.cpp's ``llamacpp:*`` families are written as llama-server writes them (`LlamaCppCounters.text`: each with
+HELP and TYPE, its counters named with their ``_total`` as given, ``n_tokens_max`` without), for the dashboards
+and scripts made for it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
                 "/tokenize", "/detokenize", "/version"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass
+class LlamaCppCounters:
+    """The totals behind llama.cpp's ``llamacpp:*`` families that the requests give (the engine's counters give
+    the rest): prompt tokens computed and their seconds (arrival to each choice's first token), tokens generated
+    and their seconds (first to last token), the longest sequence; and the same since the last scrape, for the
+    throughput gauges (llama.cpp averages them over the window between two scrapes)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    longest: int = 0  # prompt + generation of the longest sequence seen
+    window: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)  # the four totals at the last scrape
+
+    def observe_prompt(self, tokens: int, seconds: float) -> None:
+        """One choice's prompt is processed: `tokens` computed (its prefix-cache hits left out) in `seconds`."""
+        self.prompt_tokens += tokens
+        self.prompt_seconds += seconds
+
+    def observe_choice(self, prompt_tokens: int, tokens: int, seconds: float) -> None:
+        """One choice ended: `tokens` generated in `seconds` after its first, after a prompt of `prompt_tokens`."""
+        self.predicted_tokens += tokens
+        self.predicted_seconds += seconds
+        self.longest = max(self.longest, prompt_tokens + tokens)
+
+    def text(self, engine: Any | None) -> bytes:
+        """The families in llama-server's text exposition, with the engine's step counters and queue now (an
+        engine that has not loaded yet counts as idle); the throughput gauges cover the time since the last call."""
+        stats = engine.engine.stats if engine is not None else None
+        totals = (self.prompt_tokens, self.prompt_seconds, self.predicted_tokens, self.predicted_seconds)
+        d_prompt, d_prompt_s, d_predicted, d_predicted_s = (a - b for a, b in zip(totals, self.window))
+        self.window = totals
+        steps = stats.steps if stats else 0
+        counters = (
+            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+             stats.prompt_tokens if stats else 0),
+            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+             stats.cached_tokens if stats else 0),
+            ("prompt_seconds_total", "Total time spent processing prompts", self.prompt_seconds),
+            ("tokens_predicted_total", "Number of generation tokens processed", self.predicted_tokens),
+            ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.predicted_seconds),
+            ("n_decode_total", "Total number of engine steps (llama.cpp: llama_decode() calls)", steps),
+            ("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.longest),
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated",
+             stats.draft_tokens if stats else 0),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model",
+             stats.accepted_tokens if stats else 0),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps",
+             stats.draft_checks if stats else 0),
+        )
+        gauges = (
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
+             d_prompt / d_prompt_s if d_prompt_s > 0 else 0.0),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+             d_predicted / d_predicted_s if d_predicted_s > 0 else 0.0),
+            ("requests_processing", "Number of requests processing", engine.num_running if engine else 0),
+            ("requests_deferred", "Number of requests deferred", engine.num_waiting if engine else 0),
+            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+             (stats.scheduled_seqs if stats else 0) / max(steps, 1)),
+        )
+        lines = []
+        for kind, items in (("counter", counters), ("gauge", gauges)):
+            for name, help_text, value in items:
+                lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
+                          f"llamacpp:{name} {floatToGoString(value)}"]
+        return ("\n".join(lines) + "\n").encode()
 
 
 class ServerMetrics:
@@ -61,6 +135,7 @@ class ServerMetrics:
         self.cache_config = Gauge("vllm:cache_config_info", "KV-cache layout: block size in tokens and pool blocks.",
                                   ["block_size", "num_gpu_blocks"], registry=r)
         self._cache_config_set = False
+        self.llamacpp = LlamaCppCounters()
 
     def observe_request(self, path: str, status: int) -> None:
         """Count one finished HTTP request (unknown paths share one label)."""
@@ -89,4 +164,4 @@ class ServerMetrics:
         if engine is not None and not self._cache_config_set:
             self.cache_config.labels(str(engine.kv_block_size), str(total)).set(1)
             self._cache_config_set = True
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + self.llamacpp.text(engine)

@@ -80,6 +80,8 @@ class Generation:
         self._queue: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._last_time: dict[int, float] = {}
+        self._first_time: dict[int, float] = {}  # choice index -> its first token's time
+        self._choice_tokens: dict[int, int] = {}  # choice index -> tokens generated
         self._closed = False
         self._generated = 0
         self._cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
@@ -211,27 +213,36 @@ class Generation:
     def _observe(self, index: int, delta: StreamDelta) -> None:
         count = len(delta.token_ids)
         self._generated += count
-        p = self.jobs[index].prompt_index
-        self._cached[p] = max(self._cached.get(p, 0), delta.num_cached_tokens)
+        job = self.jobs[index]
+        self._cached[job.prompt_index] = max(self._cached.get(job.prompt_index, 0), delta.num_cached_tokens)
+        self._choice_tokens[index] = self._choice_tokens.get(index, 0) + count
+        if count:
+            self._observe_tokens(index, delta, count)
         if delta.finish_reason is not None:
             self.finished.add(index)
             self.finish_reasons[index] = delta.finish_reason
-        if not count:
-            return
+            if index in self._first_time:  # llama.cpp's generation counters, once per choice
+                self.metrics.llamacpp.observe_choice(len(job.prompt_ids), self._choice_tokens[index],
+                                                     self._last_time[index] - self._first_time[index])
+
+    def _observe_tokens(self, index: int, delta: StreamDelta, count: int) -> None:
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
         self.last_token_at = now
+        self.metrics.generation_tokens.inc(count)
         last = self._last_time.get(index)
         if last is None:
+            self._first_time[index] = now
             self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.llamacpp.observe_prompt(len(self.jobs[index].prompt_ids) - delta.num_cached_tokens,
+                                                 now - self.arrival)
             count -= 1
         else:
             gap = (now - last) / count
             for _ in range(count):
                 self.metrics.itl.observe(gap)
         self._last_time[index] = now
-        self.metrics.generation_tokens.inc(len(delta.token_ids))
 
     async def close(self) -> None:
         """Abort every unfinished choice on the engine and stop the merge tasks (idempotent)."""

@@ -23,6 +23,8 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """``GET /metrics``: Prometheus text exposition."""
+    """``GET /metrics``: Prometheus text exposition, with llama.cpp's ``Process-Start-Time-Unix`` header (when the
+    server started, in Unix seconds)."""
     state = server_state(request)
-    return Response(state.metrics.render(state.engine), media_type=METRICS_CONTENT_TYPE)
+    return Response(state.metrics.render(state.engine), media_type=METRICS_CONTENT_TYPE,
+                    headers={"Process-Start-Time-Unix": str(state.created)})
