@@ -3,7 +3,8 @@
 Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks; the moe-* formats a
 Qwen3-30B-A3B-shaped mixture-of-experts decoder, 4 layers of its 48, with Q8_0 or MXFP4 experts through the fused
 MoE kernel; mla-q8_0 a DeepSeek-V2-Lite-shaped one, 4 layers of its 27: multi-head latent attention over its latent
-pool, sigmoid routing, a shared expert), compares the logits of a prefill
+pool, sigmoid routing, a shared expert; lfm2-q8_0 an LFM2-1.2B-shaped one: short convolutions with their state
+slots beside attention layers), compares the logits of a prefill
 and a decode step between the Triton kernels and the torch path, then times one decode step at each batch size:
 Triton eager, Triton replayed from the CUDA graphs of `gpullama.engine.decode_graphs.DecodeGraphs` (the model
 runner's decode path), and
@@ -35,6 +36,8 @@ from tests.kernel_tests.random_model import (  # noqa: E402
     batch_metadata,
     deepseek_v2_lite_config,
     gpt_oss_like_config,
+    lfm2_1b_config,
+    lfm2_like_config,
     llama_1b_config,
     mla_like_config,
     qwen3_moe_config,
@@ -44,9 +47,9 @@ from tests.kernel_tests.random_model import (  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "moe-q8_0": Q.Q8_0, "moe-mxfp4": Q.MXFP4,
-           "mla-q8_0": Q.Q8_0}
+           "mla-q8_0": Q.Q8_0, "lfm2-q8_0": Q.Q8_0}
 """Weight formats; moe-*: the MoE decoder, its experts in that type, the other matrices Q8_0; mla-q8_0: the
-latent-attention MoE decoder in Q8_0."""
+latent-attention MoE decoder in Q8_0; lfm2-q8_0: the short-convolution hybrid in Q8_0."""
 log = logging.getLogger("gpu_check")
 
 
@@ -73,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of the check."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 and --tiny")
-    p.add_argument("--formats", default="bf16,q8_0,q4_k,moe-q8_0,moe-mxfp4,mla-q8_0",
+    p.add_argument("--formats", default="bf16,q8_0,q4_k,moe-q8_0,moe-mxfp4,mla-q8_0,lfm2-q8_0",
                    help=f"comma list of {', '.join(FORMATS)}")
     p.add_argument("--moe-layers", type=int, default=4,
                    help="layers of the Qwen3-30B-A3B-shaped and DeepSeek-V2-Lite-shaped MoE decoders")
@@ -102,10 +105,18 @@ def make_pools(config, num_seqs: int, context: int, block_size: int, device, dty
     blocks = num_seqs * -(-context // block_size) + 1
     shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
     g = torch.Generator(device=device).manual_seed(5)
-    k = [torch.randn(shape, device=device, generator=g).to(dtype) for _ in range(config.num_layers)]
+    k = [torch.randn(shape, device=device, generator=g).to(dtype) for _ in config.kv_layers]
     v = [torch.randn(shape, device=device, generator=g).to(dtype)
-         for _ in range(config.num_layers if config.separate_values else 0)]
+         for _ in (config.kv_layers if config.separate_values else ())]
     return k, v
+
+
+def with_state_slots(meta, decoder):
+    """`meta` with sequence i in state slot i when the decoder has recurrent layers (their states: slot count =
+    sequences + 1, the last the scratch slot DecodeGraphs pads with)."""
+    if decoder.config.has_recurrent_state:
+        meta.state_slots = torch.arange(meta.seq_lens.shape[0], device=meta.seq_lens.device)
+    return meta
 
 
 def synchronize(device: torch.device) -> None:
@@ -138,11 +149,14 @@ def run_logits(ops: TorchOps, config, tensors, block_size: int) -> torch.Tensor:
     decoder = Decoder(config, tensors, ops, max_positions=64)
     pool_dtype = torch.float32 if ops.dtype == torch.float32 else torch.bfloat16
     k, v = make_pools(config, 2, 40, block_size, ops.device, pool_dtype)
+    states = decoder.new_states(3)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, config.vocab_size, (24,), generator=g).to(ops.device)
     step = torch.randint(0, config.vocab_size, (2,), generator=g).to(ops.device)
-    first = decoder.forward(prompt, batch_metadata([16, 8], [16, 8], block_size, ops.device), k, v)
-    second = decoder.forward(step, batch_metadata([17, 9], [1, 1], block_size, ops.device), k, v)
+    first = decoder.forward(prompt, with_state_slots(batch_metadata([16, 8], [16, 8], block_size, ops.device), decoder),
+                            k, v, states)
+    second = decoder.forward(step, with_state_slots(batch_metadata([17, 9], [1, 1], block_size, ops.device), decoder),
+                             k, v, states)
     return torch.cat([first, second]).float()
 
 
@@ -171,17 +185,19 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype, rows: list[Ro
             weight_bytes = step_bytes(decoder, batch)
             floor_ms = weight_bytes / args.bandwidth * 1e3
             k, v = make_pools(config, batch, args.context, args.block_size, device, dtype)
-            meta = batch_metadata([args.context] * batch, [1] * batch, args.block_size, device)
+            states = decoder.new_states(batch + 1)
+            meta = with_state_slots(batch_metadata([args.context] * batch, [1] * batch, args.block_size, device),
+                                    decoder)
             ids = torch.randint(0, config.vocab_size, (batch,), device=device)
 
-            def step(decoder=decoder, ids=ids, meta=meta, k=k, v=v) -> torch.Tensor:
-                return decoder.forward(ids, meta, k, v)
+            def step(decoder=decoder, ids=ids, meta=meta, k=k, v=v, states=states) -> torch.Tensor:
+                return decoder.forward(ids, meta, k, v, states)
 
             ms = time_step(step, device, args.iters)
             rows.append(Row(fmt, batch, f"{name} eager" if name == "triton" else name, ms, weight_bytes / 1e9, floor_ms))
             log.info("%s", rows[-1].markdown())
             if name == "triton":
-                label, graph_ms, error = _plan_time(decoder, k, v, ids, meta, device, args.iters)
+                label, graph_ms, error = _plan_time(decoder, k, v, states, ids, meta, device, args.iters)
                 graph_error = max(graph_error, error)
                 rows.append(Row(fmt, batch, label, graph_ms, weight_bytes / 1e9, floor_ms))
                 log.info("%s", rows[-1].markdown())
@@ -191,7 +207,7 @@ def decode_timings(args, config, tensors, fmt: str, device, dtype, rows: list[Ro
     return graph_error
 
 
-def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tuple[str, float, float]:
+def _plan_time(decoder, k, v, states, ids, meta, device: torch.device, iters: int) -> tuple[str, float, float]:
     """(label, ms, error) of a decode step through `gpullama.engine.decode_graphs.DecodeGraphs`, the model runner's
     decode path (CUDA graphs on CUDA, padded static buffers run eagerly elsewhere), host inputs copied in each step;
     error: max |graph - eager| / max |eager| of the step's logits (the step rewrites the same k/v, so both agree)."""
@@ -200,10 +216,15 @@ def _plan_time(decoder, k, v, ids, meta, device: torch.device, iters: int) -> tu
     use_graphs = device.type == "cuda"
     batch = meta.seq_lens.shape[0]
     graphs = DecodeGraphs(decoder, k, v, max_num_seqs=batch, max_blocks_per_seq=meta.block_tables.shape[1],
-                          scratch_block=k[0].shape[0] - 1, use_graphs=use_graphs)
-    host = (ids.tolist(), meta.positions.tolist(), meta.slot_mapping.tolist(), meta.block_tables.tolist())
+                          scratch_block=k[0].shape[0] - 1, use_graphs=use_graphs, states=states,
+                          scratch_state_slot=batch)
+    slots = meta.state_slots.tolist() if meta.state_slots is not None else []
+    host = (ids.tolist(), meta.positions.tolist(), meta.slot_mapping.tolist(), meta.block_tables.tolist(), slots)
     label = "triton graph (DecodeGraphs)" if use_graphs else "triton DecodeGraphs eager"
-    want = decoder.forward(ids, meta, k, v).float()
+    saved = [s.clone() for s in states]  # the eager step and the graph start from the same states
+    want = decoder.forward(ids, meta, k, v, states).float()
+    for s, copy in zip(states, saved):
+        s.copy_(copy)
     got = graphs.run(*host).float()
     error = float((got - want).abs().max() / want.abs().max()) if torch.isfinite(got).all() else float("inf")
     log.info("batch %d: DecodeGraphs logits vs eager: %.1e", batch, error)
@@ -219,6 +240,9 @@ def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtyp
         tensors = random_tensors(config, Q.Q8_0, device, seed=0, expert_qtype=FORMATS[fmt])
     elif fmt.startswith("mla-"):
         config = mla_like_config(vocab_size=300) if args.tiny else deepseek_v2_lite_config(args.moe_layers)
+        tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
+    elif fmt.startswith("lfm2-"):
+        config = lfm2_like_config(vocab_size=300) if args.tiny else lfm2_1b_config()
         tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
     else:
         tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
@@ -246,7 +270,9 @@ def step_bytes(decoder, batch: int) -> int:
     c = decoder.config
     total = _nbytes(decoder.output)
     for layer in decoder.layers:
-        total += sum(_nbytes(w) for w in (*layer.qkv, layer.o))
+        total += sum(_nbytes(w) for w in (*layer.qkv, layer.o) if w is not None)
+        if layer.conv is not None:
+            total += sum(_nbytes(w) for w in (layer.conv.in_proj, layer.conv.out_proj))
         if layer.mla is not None:
             total += sum(_nbytes(w) for w in (*layer.mla.x_a, layer.mla.k_b, layer.mla.v_b))
             total += _nbytes(layer.mla.q_b) if layer.mla.q_b is not None else 0

@@ -297,17 +297,22 @@ def cmd_list(args) -> int:
 
 
 def kv_per_token(c) -> str:
-    """KV cache bytes of one token of model config `c` in each cache format (k and v of every layer; multi-head
-    latent attention: its one row a layer, rotary part and latent)."""
+    """KV cache bytes of one token of model config `c` in each cache format (k and v of every layer with attention;
+    multi-head latent attention: its one row a layer, rotary part and latent)."""
     if c.is_mla:
         values = c.num_layers * c.head_dim
         return (f"{values * 4 / 1024:.1f} KiB float32, {values * 2 / 1024:.1f} KiB float16 (latent attention: "
                 f"{c.kv_lora_rank} latent + {c.rotary_dim} rope values a layer, no values cached)")
-    values = 2 * c.num_layers * c.num_kv_heads * c.head_dim
+    values = 2 * len(c.kv_layers) * c.num_kv_heads * c.head_dim
     sizes = [f"{values * 2 / 1024:.1f} KiB float16 (the CPU fast path's default)", f"{values * 4 / 1024:.1f} KiB float32"]
     if c.head_dim % 32 == 0:
         sizes.insert(1, f"{values * 34 / 32 / 1024:.1f} KiB q8_0")
     return ", ".join(sizes)
+
+
+def state_per_sequence(c) -> int:
+    """Bytes of one sequence's recurrent state (LFM2: each short-convolution layer's last inputs, float32)."""
+    return 4 * sum(c.conv_layers) * (c.conv_kernel - 1) * c.hidden_size
 
 
 def cmd_info(args) -> int:
@@ -343,7 +348,11 @@ def cmd_info(args) -> int:
                                                               if c.q_lora_rank else "")),
         ("vocabulary", vocab),
         ("context length", c.context_length),
-        ("KV cache a token", kv_per_token(c)),
+        ("KV cache a token", kv_per_token(c) + (f" ({len(c.kv_layers)} of the {c.num_layers} layers)"
+                                                 if len(c.kv_layers) < c.num_layers else "")),
+        *([("recurrent state", f"{state_per_sequence(c) / 1024:.1f} KiB a sequence, float32 (the last "
+                               f"{c.conv_kernel - 1} inputs of {sum(c.conv_layers)} short-convolution layers; "
+                               f"no prefix caching)")] if c.has_recurrent_state else []),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
         ("chat template", "yes" if meta.get("tokenizer.chat_template") else "no (ChatML fallback)"),
     ]

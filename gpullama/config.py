@@ -10,7 +10,7 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2",
+    "glm4moe", "deepseek2", "lfm2",
 )
 
 _MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss, glm4moe, deepseek2 and "
@@ -24,6 +24,9 @@ _NOT_SUPPORTED = {
     "gemma": "Gemma 1 is not supported (Gemma 2 and Gemma 3 are)",
     "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
     "granitehybrid": "Granite 4 hybrid (Mamba) models are not supported (Granite 3.x is)",
+    "lfm2moe": "LFM2-MoE is not supported (the dense LFM2 is)",
+    "qwen35": "Qwen3.5's gated delta-net layers are not supported",
+    "qwen35moe": "Qwen3.5-MoE's gated delta-net layers are not supported",
 }
 
 
@@ -31,7 +34,8 @@ _NOT_SUPPORTED = {
 class ModelConfig:
     """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
     phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3,
-    glm4moe (GLM-4.5) and deepseek2 (DeepSeek-V2/V3's multi-head latent attention)."""
+    glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2/V3's multi-head latent attention) and lfm2 (LFM2's short
+    convolutions beside attention layers)."""
 
     architecture: str
     num_layers: int
@@ -105,10 +109,29 @@ class ModelConfig:
     q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck (attn_q_a, attn_q_b); 0: one attn_q
     qk_nope_dim: int = 0  # each head's key dims without rotary (its rotary ones: rotary_dim)
     v_head_dim: int = 0  # each head's value dims (after attn_v_b)
+    # short convolutions (lfm2): per layer, a gated depthwise causal convolution over the last `conv_kernel` tokens
+    # in place of attention; its state (the last conv_kernel - 1 inputs) lives in a per-sequence slot
+    conv_layers: tuple[bool, ...] = ()  # () when every layer attends
+    conv_kernel: int = 0
+    output_norm_tensor: str = "output_norm"  # the final norm's tensor (lfm2: token_embd_norm, llama.cpp's name)
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
             self.rotary_dim = self.head_dim
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep a KV pool (all but the short-convolution ones), in order."""
+        return tuple(i for i in range(self.num_layers) if not self.is_conv(i))
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether some layer keeps a per-sequence state (a recurrent layer: LFM2's short convolutions)."""
+        return any(self.conv_layers)
+
+    def is_conv(self, layer: int) -> bool:
+        """Whether `layer` is a short convolution (no KV pool; a per-sequence state)."""
+        return bool(self.conv_layers) and self.conv_layers[layer]
 
     @property
     def is_mla(self) -> bool:
@@ -155,8 +178,13 @@ class ModelConfig:
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         kv_heads = get("attention.head_count_kv", heads)
-        if isinstance(kv_heads, list):  # some files store one count per layer
-            kv_heads = kv_heads[0]
+        kv_per_layer = kv_heads if isinstance(kv_heads, list) else None
+        if kv_per_layer is not None:  # some files store one count per layer (0: a layer without attention, lfm2)
+            counts = {int(n) for n in kv_per_layer if n}
+            if len(counts) != 1:
+                raise ValueError(f"{path}: '{arch}.attention.head_count_kv' = {kv_per_layer}: layers with different "
+                                 f"KV head counts are not supported")
+            kv_heads = counts.pop()
         head_dim = int(opt("attention.key_length") or hidden // heads)
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = int(opt("vocab_size") or (len(tokens) if tokens else 0))
@@ -377,6 +405,28 @@ def _glm4moe(config: ModelConfig, get, opt, path: str) -> None:
                          f"not supported")
 
 
+def _lfm2(config: ModelConfig, get, opt, path: str) -> None:
+    """LFM2 (`lfm2`): short-convolution layers (those with 0 in `attention.head_count_kv`) beside attention layers
+    with q/k norms; a conv layer maps x to B, C and x' (`shortconv.in_proj`), convolves B * x' over the last
+    `shortconv.l_cache` tokens per channel (`shortconv.conv`, causal), multiplies by C and projects
+    (`shortconv.out_proj`). The final norm is `token_embd_norm` (llama.cpp's name)."""
+    arch = config.architecture
+    counts = get("attention.head_count_kv")
+    if not isinstance(counts, list) or len(counts) != config.num_layers:
+        raise ValueError(f"{path}: '{arch}.attention.head_count_kv' must give each of the {config.num_layers} layers' "
+                         f"count (0 for a short-convolution layer)")
+    config.conv_layers = tuple(int(n) == 0 for n in counts)
+    config.conv_kernel = int(get("shortconv.l_cache"))
+    if config.conv_kernel < 2:
+        raise ValueError(f"{path}: '{arch}.shortconv.l_cache' = {config.conv_kernel} must be at least 2")
+    if opt("attention.sliding_window"):
+        raise ValueError(f"{path}: '{arch}.attention.sliding_window' (LFM2 with sliding-window attention) is not "
+                         f"supported")
+    if opt("causal_attention") is False:
+        raise ValueError(f"{path}: '{arch}.causal_attention' = false (a bidirectional LFM2 encoder) is not supported")
+    config.output_norm_tensor = "token_embd_norm"
+
+
 def _deepseek2(config: ModelConfig, get, opt, path: str) -> None:
     """DeepSeek-V2/V3 (`deepseek2`, also Kimi K2 and GLM-4.7-Flash): multi-head latent attention. Each token's key
     and values come from one row: `attn_kv_a_mqa` gives a latent of `kv_lora_rank` values (normalized by
@@ -412,5 +462,5 @@ def _deepseek2(config: ModelConfig, get, opt, path: str) -> None:
 
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
-    "glm4moe": _glm4moe, "deepseek2": _deepseek2,
+    "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2,
 }

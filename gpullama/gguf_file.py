@@ -156,11 +156,12 @@ def _parse_header(path: str, buf: mmap.mmap, max_array: int | None) -> tuple[dic
 
 def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """Flags and sizes that the tensors present decide, not the metadata."""
-    config.attention_bias = "blk.0.attn_q.bias" in shapes
-    config.qk_norm = "blk.0.attn_q_norm.weight" in shapes
+    first = next((i for i in range(config.num_layers) if not config.is_conv(i)), 0)  # the first attention layer
+    config.attention_bias = f"blk.{first}.attn_q.bias" in shapes
+    config.qk_norm = f"blk.{first}.attn_q_norm.weight" in shapes
     config.tied_embeddings = "output.weight" not in shapes
-    config.attn_output_bias = "blk.0.attn_output.bias" in shapes
-    config.attn_sinks = "blk.0.attn_sinks.weight" in shapes
+    config.attn_output_bias = f"blk.{first}.attn_output.bias" in shapes
+    config.attn_sinks = f"blk.{first}.attn_sinks.weight" in shapes
     if "token_embd.weight" in shapes:
         config.vocab_size = shapes["token_embd.weight"][0]
     if config.is_moe:

@@ -1,5 +1,6 @@
 """The decoder: one forward over a ragged batch, for llama (and Mixtral) / mistral / qwen2 / qwen3 / phi3 /
-granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 through config flags."""
+granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 / lfm2 through config
+flags."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ class LayerWeights:
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    qkv: list  # one fused weight, or [q, k, v] ([] in an MLA layer)
+    qkv: list  # one fused weight, or [q, k, v] ([] in an MLA or short-convolution layer)
     qkv_bias: torch.Tensor | None
-    o: object
+    o: object  # None in a short-convolution layer
     gate_up: list | None  # one fused weight, or [gate, up] (None in a MoE layer)
     down: object | None
     q_norm: torch.Tensor | None = None
@@ -40,6 +41,18 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # gpt-oss: [Hq] attention sink logits
     moe: MoeWeights | None = None  # a MoE layer's router and experts (gate_up and down are then None)
     mla: MlaWeights | None = None  # multi-head latent attention (DeepSeek) in place of q|k|v
+    conv: ConvWeights | None = None  # a short convolution (LFM2) in place of attention
+    cache: int = 0  # this layer's KV pool in k_caches / v_caches, or (a conv layer) its state in `states`
+
+
+@dataclass
+class ConvWeights:
+    """A short-convolution layer (LFM2): ``in_proj x`` = B | C | x', then ``C * conv(B * x')`` through
+    ``out_proj``; the convolution is causal and per channel, over the last `kernel`'s width of tokens."""
+
+    in_proj: object  # [3H, H]
+    kernel: torch.Tensor  # [L, H] float32: channel c's output at t is sum_j kernel[j, c] * input[t - L + 1 + j, c]
+    out_proj: object  # [H, H]
 
 
 @dataclass
@@ -135,11 +148,16 @@ class Decoder:
         self._tensors = tensors
         self.rope_tables, table_of_layer = self._rope_tables(tensors, max_positions, device)
         self.layers: list[LayerWeights] = []
+        kv_layers = c.kv_layers
+        conv_layers = [i for i in range(c.num_layers) if c.is_conv(i)]
         for i in range(c.num_layers):
             p = f"blk.{i}."
             mla = self._mla_weights(p, get, dense, fused) if c.is_mla else None
+            conv = ConvWeights(ops.prepare_weight(get(p + "shortconv.in_proj.weight")), dense(
+                p + "shortconv.conv.weight").t().contiguous(), ops.prepare_weight(get(p + "shortconv.out_proj.weight"))) \
+                if c.is_conv(i) else None
             fused_qkv = p + "attn_qkv.weight" in tensors
-            if mla is not None:
+            if mla is not None or conv is not None:
                 pass
             elif not fused_qkv:
                 q = qk(p + "attn_q.weight", self.num_heads)
@@ -159,15 +177,15 @@ class Decoder:
                 LayerWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
                     ffn_norm=dense(p + c.ffn_norm_tensor + ".weight"),
-                    qkv=[] if mla is not None else [ops.prepare_weight(get(p + "attn_qkv.weight"))] if fused_qkv
-                    else fused([q, k, get(p + "attn_v.weight")]),
+                    qkv=[] if mla is not None or conv is not None else [ops.prepare_weight(get(
+                        p + "attn_qkv.weight"))] if fused_qkv else fused([q, k, get(p + "attn_v.weight")]),
                     qkv_bias=bias,
-                    o=ops.prepare_weight(get(p + "attn_output.weight")),
+                    o=None if conv is not None else ops.prepare_weight(get(p + "attn_output.weight")),
                     gate_up=None if moe is not None else [ops.prepare_weight(get(p + "ffn_up.weight"))]
                     if gate_up_fused else fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
                     down=None if moe is not None else ops.prepare_weight(get(p + "ffn_down.weight")),
-                    q_norm=dense(p + "attn_q_norm.weight") if c.qk_norm else None,
-                    k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm else None,
+                    q_norm=dense(p + "attn_q_norm.weight") if c.qk_norm and conv is None else None,
+                    k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm and conv is None else None,
                     post_attn_norm=dense(p + "post_attention_norm.weight") if c.post_norms else None,
                     post_ffn_norm=dense(p + "post_ffw_norm.weight") if c.post_norms else None,
                     window=c.sliding_window if c.is_sliding(i) else 0,
@@ -176,11 +194,13 @@ class Decoder:
                     sinks=dense(p + "attn_sinks.weight").reshape(-1) if c.attn_sinks else None,
                     moe=moe,
                     mla=mla,
+                    conv=conv,
+                    cache=conv_layers.index(i) if conv is not None else kv_layers.index(i),
                 )
             )
         embedding = get("token_embd.weight")
         self.embedding = ops.prepare_embedding(embedding)
-        self.output_norm = dense("output_norm.weight")
+        self.output_norm = dense(c.output_norm_tensor + ".weight")
         head_name = "token_embd.weight" if c.tied_embeddings else "output.weight"
         self.output = ops.prepare_weight(get(head_name))
         # this rank's vocabulary slice (all of it with one rank) and the real vocabulary the gathered logits keep
@@ -317,14 +337,24 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+        self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+        states: list[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """Run the batch's tokens through the decoder, writing their k/v into the pool; logits of `meta.logits_indices`."""
-        return self.forward_pooled(token_ids, meta, k_caches, v_caches)[0]
+        """Run the batch's tokens through the decoder, writing their k/v into the pool (and a short-convolution
+        layer's state into its `states` tensor, at `meta.state_slots`); logits of `meta.logits_indices`."""
+        return self.forward_pooled(token_ids, meta, k_caches, v_caches, states)[0]
+
+    def new_states(self, num_slots: int) -> list[torch.Tensor]:
+        """Zeroed per-sequence states of the recurrent layers, one tensor a short-convolution layer: ``[num_slots,
+        conv_kernel - 1, H]`` float32 (its last inputs); [] for a model without such layers."""
+        c = self.config
+        return [torch.zeros(num_slots, c.conv_kernel - 1, c.hidden_size, device=self.ops.device)
+                for i in range(c.num_layers) if c.is_conv(i)]
 
     @torch.inference_mode()
     def forward_pooled(
-        self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+        self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+        states: list[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and the final hidden states (after the output norm) of `meta.pool_indices`, summed into
         `meta.num_pools` rows by `meta.pool_segments` (float32 ``[num_pools, H]``; None without such rows)."""
@@ -335,7 +365,7 @@ class Decoder:
         if stack is not None:
             hidden, residual = stack(hidden, meta)
         else:
-            hidden, residual = self._layers(hidden, meta, k_caches, v_caches)
+            hidden, residual = self._layers(hidden, meta, k_caches, v_caches, states)
         rows = meta.logits_indices
         pooled = None
         if meta.pool_indices is not None:  # the embedding rows share the output norm with the sampling rows
@@ -354,7 +384,8 @@ class Decoder:
         return tp.gather_last_dim(logits.float())[:, : self.vocab_size], pooled
 
     def _layers(
-        self, hidden: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+        self, hidden: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+        states: list[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers over the embeddings `hidden`, one op at a time: (the last layer's output, the residual
         stream before it)."""
@@ -366,10 +397,11 @@ class Decoder:
         # rotary rows of each further rope table, once per step (the first one's come with `meta`)
         metas = [meta] + [ops.prepare_rope(meta, table) for table in self.rope_tables[1:]]
         residual = None
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
-            if layer.mla is not None:
-                hidden = self._latent_attention(x, layer, k_caches[i], metas[layer.rope])
+            if layer.mla is not None or layer.conv is not None:
+                hidden = self._latent_attention(x, layer, k_caches[layer.cache], metas[layer.rope]) \
+                    if layer.mla is not None else self._short_conv(x, layer.conv, states[layer.cache], meta)
                 x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
                 hidden = self._mlp(x, layer, act)
                 continue
@@ -381,9 +413,9 @@ class Decoder:
                 q = ops.head_rms_norm(q, layer.q_norm, c.rms_eps)
                 k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
             table = self.rope_tables[layer.rope]
-            q, k = ops.rope_and_cache(q, k, v, table, k_caches[i], v_caches[i], metas[layer.rope])
-            attn = ops.attention(q, k_caches[i], v_caches[i], meta, self.scale, layer.window, c.attn_softcap,
-                                 layer.sinks)
+            k_cache, v_cache = k_caches[layer.cache], v_caches[layer.cache]
+            q, k = ops.rope_and_cache(q, k, v, table, k_cache, v_cache, metas[layer.rope])
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale, layer.window, c.attn_softcap, layer.sinks)
             hidden = tp.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o, layer.o_bias))
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
@@ -401,6 +433,14 @@ class Decoder:
         if layer.post_ffn_norm is not None:
             hidden = ops.post_norm(hidden, layer.post_ffn_norm, c.rms_eps)
         return hidden
+
+    def _short_conv(self, x: torch.Tensor, conv: ConvWeights, state: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        """LFM2's short convolution of the normalized ``x [T, H]``: ``out_proj(C * conv(B * x'))`` where in_proj
+        gives B | C | x'; the convolution reads and updates each sequence's state (`meta.state_slots`)."""
+        h = x.shape[1]
+        bcx = self.ops.linear(x, conv.in_proj)
+        conv_out = self.ops.short_conv(bcx[:, :h] * bcx[:, 2 * h :], conv.kernel, state, meta)
+        return self.ops.linear(bcx[:, h : 2 * h] * conv_out, conv.out_proj)
 
     def _latent_attention(self, x: torch.Tensor, layer: LayerWeights, cache: torch.Tensor,
                           meta: BatchMetadata) -> torch.Tensor:

@@ -16,8 +16,9 @@ Rank r of N holds:
   the all-reduce adds them once; attention sinks per head, with the heads;
 - everything else (norms, rope factors, routers) whole.
 
-Multi-head latent attention (deepseek2) is refused for more than one rank: each token's one latent row serves every
-head, so a split by heads would repeat the whole cache on each rank.
+Multi-head latent attention (deepseek2) and short convolutions (lfm2) are refused for more than one rank (the
+former's one latent row a token serves every head, so a split by heads would repeat the whole cache on each rank;
+the latter's per-sequence states are not split yet).
 
 Every cut is a view of the file's rows or a copy of whole blocks, made before `ops.prepare_weight`, so each rank
 reads and prepares only its own part, whatever the backend makes of it.
@@ -55,6 +56,11 @@ class ShardPlan:
             raise ValueError(
                 f"tensor_parallel_size {n}: multi-head latent attention ('{arch}.attention.kv_lora_rank') is not split "
                 f"over ranks (its latent cache row is shared by every head); run {arch} with tensor_parallel_size 1"
+            )
+        if c.has_recurrent_state and n > 1:
+            raise ValueError(
+                f"tensor_parallel_size {n}: the short-convolution layers of {arch} ('{arch}.shortconv.l_cache') are not "
+                f"split over ranks; run {arch} with tensor_parallel_size 1"
             )
         if c.num_heads % n:
             raise ValueError(

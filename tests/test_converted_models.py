@@ -18,6 +18,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeConfig,
+    Lfm2Config,
     LlamaConfig,
     SmolLM3Config,
 )
@@ -58,11 +59,14 @@ CONFIGS = {
     "deepseek3": lambda **kw: DeepseekV3Config(**MLA, **MOE, q_lora_rank=32, first_k_dense_replace=1, n_group=2,
                                                topk_group=1, scoring_func="sigmoid", rope_parameters=DEEPSEEK_YARN,
                                                **kw),
+    # short convolutions (kernel 3, their state in a per-sequence slot) in layers 0, 1, 3, attention in layer 2
+    "lfm2": lambda **kw: Lfm2Config(**COMMON, block_auto_adjust_ff_dim=False, layer_types=[
+        "conv", "conv", "full_attention", "conv"], **kw),
 }
 """Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF)."""
 SPECIAL_TOKENS = {"glm4moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
 """Tokens a family's converter looks up by name (GLM's `_set_vocab_glm`), added to the tokenizer."""
-SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3")
+SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
 NATIVE_STACK = ("llama", "smollm3", "glm4moe")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
@@ -180,17 +184,20 @@ def test_converter_written_file_matches_transformers(converted, loaded, arch: st
 @pytest.mark.parametrize("arch", [a for a in SUPPORTED if a != "llama"])
 def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     """Chunked prefill, a cached prefix, requests joining as others leave: each request gets its solo greedy
-    tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's decode
-    steps run on the static decode buffers (what CUDA graphs capture), over its latent pool."""
+    tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's and
+    LFM2's decode steps run on the static decode buffers (what CUDA graphs capture), over the latent pool and the
+    state slots; LFM2's recurrent state leaves the prefix cache off (no cached tokens)."""
     llm = loaded(arch, fast)
     prompts = family_prompts(llm.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     solo = solo_runs(llm, prompts, params)
-    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48, static_decode=llm.config.is_mla)
+    c = llm.config
+    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48,
+                         static_decode=c.is_mla or c.has_recurrent_state)
     recorder = None if fast else LogitsRecorder(engine)
     seqs = run_requests(engine, prompts, params)
     assert_as_solo(seqs, solo, [params] * len(prompts), llm.tokenizer.eos_token_ids)
-    assert sum(s.num_cached_tokens for s in seqs) > 0
+    assert (sum(s.num_cached_tokens for s in seqs) > 0) == (not c.has_recurrent_state)
     if recorder is not None:
         assert_logits_match_solo(llm, recorder)
 
@@ -239,3 +246,54 @@ def test_what_is_not_read_is_refused_by_key(converted, arch: str, change: dict, 
     meta = {k: v for k, v in {**meta, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_metadata(meta, "model.gguf")
+
+
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
+def test_recurrent_state_through_preemption_and_failures(loaded, fast: bool) -> None:
+    """LFM2's short-convolution state lives in a slot per running sequence: with a KV pool too small for the batch,
+    sequences are preempted (their slot given back) and recomputed from their first token, and a step whose
+    sampling fails for one request runs its other rows again from the states they had before it; every request
+    still gets its solo greedy tokens, and every slot is free at the end."""
+    import gpullama.engine.llm_engine as llm_engine
+
+    llm = loaded("lfm2", fast)
+    prompts = family_prompts(llm.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    solo = solo_runs(llm, prompts, params)
+    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48, num_blocks=14)
+    bad = prompts[3]
+    sample_batch = llm_engine.sample_batch
+
+    def failing_sample_batch(logits, seqs, ops):
+        if any(s.prompt_token_ids == bad and s.num_output_tokens == 2 for s in seqs):
+            raise RuntimeError("injected fault")
+        return sample_batch(logits, seqs, ops)
+
+    with mock.patch.object(llm_engine, "sample_batch", failing_sample_batch):
+        seqs = run_requests(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert seqs[3].finish_reason == "error"
+    keep = [i for i in range(len(prompts)) if i != 3]
+    assert_as_solo([seqs[i] for i in keep], [solo[i] for i in keep], [params] * len(keep),
+                   llm.tokenizer.eos_token_ids)
+    assert sorted(engine.scheduler.free_state_slots) == [0, 1, 2, 3]
+    assert engine.runner.state_bytes == 3 * 2 * 64 * 4  # 3 conv layers, kernel 3: two inputs of 64 a layer
+
+
+def test_recurrent_state_is_reported_and_refuses_what_it_cannot_follow(converted, loaded, capsys) -> None:
+    """LFM2: `gpullama info` gives the state a sequence holds and the layers with a KV pool; the pool has none for
+    the short-convolution layers; tensor parallelism and speculative decoding are refused by name."""
+    from gpullama.cli import main
+    from gpullama.engine.args import SpeculativeConfig
+
+    llm = loaded("lfm2")
+    c, runner = llm.config, llm.engine.runner
+    assert c.kv_layers == (2,) and len(runner.k_caches) == len(runner.v_caches) == 1 and len(runner.states) == 3
+    path = str(converted("lfm2")[1])
+    assert main(["info", path]) == 0
+    info = capsys.readouterr().out
+    assert "1.5 KiB a sequence" in info and "(1 of the 4 layers)" in info
+    with pytest.raises(ValueError, match="short-convolution layers of lfm2.*tensor_parallel_size 1"):
+        LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative decoding is not supported for lfm2"):
+        make_engine(llm, speculative=SpeculativeConfig(num_speculative_tokens=3))

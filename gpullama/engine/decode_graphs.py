@@ -3,7 +3,7 @@
 A decode step (one new token per sequence, every row sampling) copies its inputs into buffers allocated once,
 padded up to the smallest size of the ladder that holds the batch; with graphs, each size was captured once and
 is replayed, so a decode step launches no kernel from Python and allocates nothing. Padded rows write their k/v
-into a reserved scratch block and their logits are dropped.
+into a reserved scratch block (their recurrent state into the scratch state slot) and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         scratch_block: int,
         use_graphs: bool,
+        states: list[torch.Tensor] = (),
+        scratch_state_slot: int = 0,
     ):
         self.model = model
         self.k_caches = k_caches
         self.v_caches = v_caches
+        self.states = states
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
@@ -57,6 +60,8 @@ class DecodeGraphs:
         self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.long, device=device)
+        self.scratch_state_slot = scratch_state_slot
+        self.state_slots = torch.full((n,), scratch_state_slot, dtype=torch.long, device=device)
         if use_graphs:
             self._capture()
 
@@ -75,13 +80,14 @@ class DecodeGraphs:
             logits_indices=self.logits_indices[:size],
             max_query_len=1,
             max_seq_len=max_seq_len,
+            state_slots=self.state_slots[:size] if self.states else None,
         )
 
     def captured_forward(self, size: int) -> torch.Tensor:
         """The forward a graph of `size` rows records: the first `size` rows of the static buffers, full-width block
         tables (replays read the values the buffers hold then, so one graph serves every context length)."""
         meta = self._meta(size, self.max_blocks_per_seq * self.block_size, self.max_blocks_per_seq)
-        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)
+        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches, self.states)
 
     def _capture(self) -> None:
         """Capture one decode graph per batch size (largest first, sharing one memory pool)."""
@@ -104,19 +110,22 @@ class DecodeGraphs:
         positions: list[int],
         slot_mapping: list[int],
         block_tables: list[list[int]],
+        state_slots: list[int] = (),
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` of one decode step: row i adds `token_ids[i]` at `positions[i]` (its k/v go to
-        `slot_mapping[i]`) and attends over the blocks of `block_tables[i]`."""
+        `slot_mapping[i]`, its recurrent state is slot `state_slots[i]`) and attends over the blocks of
+        `block_tables[i]`."""
         batch = len(token_ids)
-        size, width = self.load(token_ids, positions, slot_mapping, block_tables)
+        size, width = self.load(token_ids, positions, slot_mapping, block_tables, state_slots)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.graph_logits[size][:batch]
         meta = self.model.ops.prepare_step(self._meta(size, max(positions) + 1, width), self.model.cos_sin, self.block_size)
-        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches)[:batch]
+        return self.model.forward(self.token_ids[:size], meta, self.k_caches, self.v_caches, self.states)[:batch]
 
     def load(
-        self, token_ids: list[int], positions: list[int], slot_mapping: list[int], block_tables: list[list[int]]
+        self, token_ids: list[int], positions: list[int], slot_mapping: list[int], block_tables: list[list[int]],
+        state_slots: list[int] = (),
     ) -> tuple[int, int]:
         """Copy one decode step's inputs into the static buffers, padded rows after them; returns (the padded
         size, the widest block table)."""
@@ -134,6 +143,9 @@ class DecodeGraphs:
         self.slot_mapping[:batch].copy_(host[2])
         self.seq_lens[:batch].copy_(host[3])
         self.block_tables[:batch, :width].copy_(rows)
+        if self.states:
+            self.state_slots[:batch].copy_(torch.tensor(state_slots, dtype=torch.long).to(device, non_blocking=True))
+            self.state_slots[batch:size].fill_(self.scratch_state_slot)
         # padded rows: one token at position 0 of the scratch block
         self.positions[batch:size].zero_()
         self.slot_mapping[batch:size].fill_(self.scratch_slot)

@@ -34,9 +34,17 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        if model.config.has_recurrent_state and config.speculative is not None:
+            raise ValueError(f"speculative decoding is not supported for {model.config.architecture}: its recurrent "
+                             f"layers' state cannot be rolled back past rejected draft tokens")
         self.runner = ModelRunner(model, config)
         self.detokenizer = Detokenizer(tokenizer)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # a prefix hit would skip the tokens a recurrent layer's state is made of: no reuse for those models
+        prefix_caching = config.enable_prefix_caching and not model.config.has_recurrent_state
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: %s keeps a recurrent state a prefix hit could not restore",
+                     model.config.architecture)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.limits = AdmissionLimits(model.config.vocab_size, config.max_model_len, self.kv_capacity_tokens,
                                       model.config.hidden_size, model.config.pooling_type)
@@ -194,8 +202,10 @@ class LLMEngine:
 
     def _run_isolated(self, batch: ScheduledBatch):
         """`_forward_and_sample` over the batch; when it raises, over halves of it, down to the rows at fault.
-        Returns (sampled rows, {failed sequence: exception}, pooled rows)."""
+        Returns (sampled rows, {failed sequence: exception}, pooled rows). A re-run starts from the same state: the
+        same generators, and the recurrent layers' states of its rows as they were before the step."""
         rng = {seq: seq.generator.get_state() for seq in batch.sampling if seq.generator is not None}
+        states = self.runner.save_states(batch.seqs)
         try:
             return self._forward_and_sample(batch)
         except Exception as exc:  # noqa: BLE001 - isolated below
@@ -218,6 +228,7 @@ class LLMEngine:
             for seq in part.sampling:
                 if seq in rng:
                     seq.generator.set_state(rng[seq])  # the same draws as in the full step
+            self.runner.restore_states(states, [batch.seqs[i] for i in rows])
             try:
                 part_sampled, part_failed, part_pooled = self._forward_and_sample(part)
                 sampled.update(part_sampled)

@@ -45,11 +45,11 @@ def kv_format_name(kv_dtype: torch.dtype) -> str:
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of one KV block: k and v of `block_size` tokens in every layer (the one latent row of multi-head
-    latent attention, which has no value pool)."""
+    """Bytes of one KV block: k and v of `block_size` tokens in every layer with a KV pool (the one latent row of
+    multi-head latent attention, which has no value pool; none in a short-convolution layer)."""
     row = kv_row_size(config.head_dim, kv_dtype) * kv_dtype.itemsize
     pools = 2 if config.separate_values else 1
-    return pools * config.num_layers * block_size * config.num_kv_heads * row
+    return pools * len(config.kv_layers) * block_size * config.num_kv_heads * row
 
 
 def kv_pool_blocks(
@@ -116,9 +116,11 @@ class StepOutput:
 
 class ModelRunner:
     """Owns the KV pool and the static decode buffers of one model (of this rank's heads under tensor parallelism);
-    runs each scheduled batch's forward. The pool is one k and one v tensor a layer, ``[num_blocks + 1,
-    block_size, kv_heads, head_dim]``; for multi-head latent attention one row a token and layer (rotary | latent,
-    ``head_dim`` = rope dims + kv_lora_rank) and no v tensors (`v_caches` is empty)."""
+    runs each scheduled batch's forward. The pool is one k and one v tensor a layer with attention, ``[num_blocks +
+    1, block_size, kv_heads, head_dim]``; for multi-head latent attention one row a token and layer (rotary |
+    latent, ``head_dim`` = rope dims + kv_lora_rank) and no v tensors (`v_caches` is empty). Recurrent layers (LFM2's
+    short convolutions) keep `states` instead: one tensor a layer with a slot for each of `max_num_seqs` running
+    sequences (`Sequence.state_slot`) and a scratch slot for scoring and padded decode rows."""
 
     def __init__(self, model: Decoder, config: EngineConfig):
         self.model = model
@@ -147,18 +149,42 @@ class ModelRunner:
             self.steps = StepBroadcast(self.tp, step_buffer_size(config.max_num_seqs, max_tokens, max_blocks_per_seq))
         # one block past the managed ones: the scratch block that padded decode rows write into
         shape = (self.num_blocks + 1, config.block_size, model.num_kv_heads, kv_row_size(mc.head_dim, self.kv_dtype))
-        self.k_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in range(mc.num_layers)]
+        self.k_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in mc.kv_layers]
         # multi-head latent attention keeps no values: they are the latent part of each key row
         self.v_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device)
-                         for _ in range(mc.num_layers if mc.separate_values else 0)]
+                         for _ in (mc.kv_layers if mc.separate_values else ())]
+        self.scratch_state_slot = config.max_num_seqs
+        self.states = model.new_states(config.max_num_seqs + 1)
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs
         self.decode_graphs = None
         if use_graphs or config.static_decode:
             self.decode_graphs = DecodeGraphs(
-                model, self.k_caches, self.v_caches, max_num_seqs=config.max_num_seqs,
+                model, self.k_caches, self.v_caches, states=self.states, scratch_state_slot=self.scratch_state_slot,
+                max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=max_blocks_per_seq,
                 scratch_block=self.num_blocks, use_graphs=use_graphs,
             )
+
+    def save_states(self, seqs: list[Sequence]) -> dict[int, list[torch.Tensor]]:
+        """Copies of these sequences' slots of the recurrent layers' states ({slot: a copy per layer}; {} without
+        such layers), for `restore_states`."""
+        slots = [seq.state_slot for seq in seqs if seq.state_slot >= 0] if self.states else []
+        if not slots:
+            return {}
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        rows = [state.index_select(0, index) for state in self.states]
+        return {slot: [r[j] for r in rows] for j, slot in enumerate(slots)}
+
+    def restore_states(self, saved: dict[int, list[torch.Tensor]], seqs: list[Sequence]) -> None:
+        """Put these sequences' states back as `save_states` copied them (a step run again starts where it did)."""
+        for seq in seqs:
+            for state, row in zip(self.states, saved.get(seq.state_slot, ())):
+                state[seq.state_slot].copy_(row)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's slot of the recurrent layers' states (0 without such layers)."""
+        return sum(s[0].nbytes for s in self.states)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -225,7 +251,7 @@ class ModelRunner:
         if step.decode and self.decode_graphs is not None:
             return StepOutput(self._decode(step))
         token_ids, meta = self._prepare(step)
-        return StepOutput(*self.model.forward_pooled(token_ids, meta, self.k_caches, self.v_caches))
+        return StepOutput(*self.model.forward_pooled(token_ids, meta, self.k_caches, self.v_caches, self.states))
 
     def _decode(self, step: StepInputs) -> torch.Tensor:
         bs = self.config.block_size
@@ -236,7 +262,15 @@ class ModelRunner:
             positions,
             [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)],
             tables,
+            self._state_slots(step),
         )
+
+    def _state_slots(self, step: StepInputs) -> list[int]:
+        """Each sequence's slot of the recurrent layers' states (the scratch slot for scoring); [] without them."""
+        if not self.states:
+            return []
+        return [slot if slot >= 0 else self.scratch_state_slot
+                for slot in step.state_slots or [-1] * len(step.num_new)]
 
     def _prepare(self, step: StepInputs) -> tuple[torch.Tensor, BatchMetadata]:
         """Token ids and metadata of a ragged batch; logits rows: each sampling sequence's last token (or every
@@ -279,6 +313,8 @@ class ModelRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
+        if self.states:
+            meta.state_slots = torch.tensor(self._state_slots(step), dtype=torch.long, device=device)
         if step.pool_rows:
             meta.pool_indices = torch.tensor(pool_indices, dtype=torch.long, device=device)
             meta.pool_segments = torch.tensor(pool_segments, dtype=torch.long, device=device)

@@ -69,7 +69,11 @@ class ScheduledBatch:
 
 class Scheduler:
     """Fills each step under a token budget: running sequences first (decode or the next prefill chunk),
-    then waiting ones; preempts the newest running sequence when the KV pool is full."""
+    then waiting ones; preempts the newest running sequence when the KV pool is full.
+
+    A running sequence also holds one of `max_num_seqs` state slots (`Sequence.state_slot`: where the recurrent
+    layers keep its state), taken when it joins the batch and given back when it finishes, is aborted or
+    preempted; a preempted sequence recomputes from its first token, so its state starts again from zero."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -78,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.free_state_slots = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: slot 0 first
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; it joins the batch at the next step with room."""
@@ -90,6 +95,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and send it back to the front of the queue (recomputed later)."""
         self.running.remove(seq)
+        self._release_state_slot(seq)
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
         seq.pooled = None  # an embedding request is recomputed from its first token
@@ -131,12 +137,19 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.state_slot = self.free_state_slots.pop()  # running sequences never outnumber the slots
             self.running.append(seq)
             n = self._num_new_tokens(seq, budget)
             if n:
                 batch.add(seq, n)
                 budget -= n
         return batch
+
+    def _release_state_slot(self, seq: Sequence) -> None:
+        """Give a sequence's state slot back."""
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
     @staticmethod
     def _num_new_tokens(seq: Sequence, budget: int) -> int:
@@ -151,6 +164,7 @@ class Scheduler:
         """Take a sequence out of the engine and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release_state_slot(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free_sequence(seq)

@@ -39,6 +39,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose k/v sit in the pool
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
+        self.state_slot = -1  # its slot of the recurrent layers' states while it runs (-1: none)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None

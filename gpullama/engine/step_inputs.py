@@ -26,7 +26,9 @@ class StepInputs:
     sequence (0: none; 1: its last token; more: its last token and its draft tokens), or for every token with
     `every_row` (scoring). `pool_rows` (rank 0 only, never broadcast:
     pooling reads the hidden states rank 0 has after the last all-reduce) names the rows whose final hidden states
-    come back pooled: (sequence i, "all" | "last" | "first" | "each" of its new rows)."""
+    come back pooled: (sequence i, "all" | "last" | "first" | "each" of its new rows). `state_slots` (rank 0 only:
+    tensor parallelism refuses models with recurrent layers) are the sequences' slots of the recurrent layers'
+    states (-1: the runner's scratch slot, as for scoring)."""
 
     token_ids: list[int]
     num_computed: list[int]
@@ -36,6 +38,7 @@ class StepInputs:
     every_row: bool = False
     decode: bool = False  # every sequence adds one token and samples: the shape of the static decode buffers
     pool_rows: list[tuple[int, str]] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
@@ -56,6 +59,7 @@ class StepInputs:
             samples=samples,
             decode=batch.is_decode,
             pool_rows=list(batch.pool_rows),
+            state_slots=[seq.state_slot for seq in batch.seqs],
         )
 
     @classmethod

@@ -1103,6 +1103,44 @@ void gl_soft_cap(float *x, int64_t T, int64_t n, int64_t ldx, float scale, float
 }
 
 /* ------------------------------------------------------------------------------------------------------------
+   short convolution (LFM2)
+   ------------------------------------------------------------------------------------------------------------ */
+
+#define MAX_CONV_KERNEL 8
+
+/* causal depthwise convolution of each sequence's new rows x [T, H] (row stride ldx): out[t][c] = sum over taps j
+   of kernel[j][c] * input[t - L + 1 + j][c], added in order j = 0 .. L-1 (a product, then sums of products, as
+   gpullama.ops.torch_ops' reference); the inputs before sequence b's first row (query_start[b]) are its state
+   states[slots[b]] ([L - 1][H]: its last inputs), zeros when that row is at position 0; afterwards the state holds
+   its last L - 1 inputs. L <= MAX_CONV_KERNEL. Sequences and 16-channel groups are independent: any thread split
+   gives the same bits. */
+void gl_short_conv(const float *x, int64_t ldx, int64_t H, int64_t L, const float *kernel, float *states,
+                   const int64_t *slots, const int64_t *positions, const int32_t *query_start, int64_t B, float *out,
+                   int threads) {
+    int64_t groups = (H + 15) / 16;
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) schedule(static) if (B * groups >= 64))
+    for (int64_t u = 0; u < B * groups; u++) {
+        int64_t b = u / groups, c = (u % groups) * 16, n = H - c < 16 ? H - c : 16;
+        int64_t first = query_start[b], end = query_start[b + 1];
+        if (first == end) continue;
+        float *state = states + slots[b] * (L - 1) * H;
+        int fresh = positions[first] == 0;
+        vf win[MAX_CONV_KERNEL], k[MAX_CONV_KERNEL];
+        for (int64_t j = 0; j < L; j++) k[j] = vf_load_n(kernel + j * H + c, (int)n);
+        for (int64_t j = 0; j < L - 1; j++) win[j] = fresh ? vf_zero() : vf_load_n(state + j * H + c, (int)n);
+        for (int64_t t = first; t < end; t++) {
+            win[L - 1] = vf_load_n(x + t * ldx + c, (int)n);
+            vf acc = vf_mul(win[0], k[0]);
+            for (int64_t j = 1; j < L; j++) acc = vf_add(acc, vf_mul(win[j], k[j]));
+            vf_store_n(out + t * H + c, acc, (int)n);
+            for (int64_t j = 0; j < L - 1; j++) win[j] = win[j + 1];
+        }
+        for (int64_t j = 0; j < L - 1; j++) vf_store_n(state + j * H + c, win[j], (int)n);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------
    paged attention
    ------------------------------------------------------------------------------------------------------------ */
 

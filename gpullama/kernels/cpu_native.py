@@ -33,6 +33,8 @@ FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1, FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K =
 FMT_MXFP4 = 12
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
 MAX_HEAD_DIM = 256
+MAX_CONV_KERNEL = 8
+"""The widest short convolution `short_conv` takes (LFM2's is 3)."""
 """`attention` needs a head dim that is a multiple of 16 (of 32 for a Q8_0 cache) and at most this, and a block size
 a multiple of 16."""
 KV_F32, KV_F16, KV_Q8 = 0, 1, 2
@@ -49,6 +51,7 @@ _SIGNATURES = {
     "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
     "gl_gelu_tanh_mul": [_P, _I64, _I64, _P, _I32],
     "gl_soft_cap": [_P, _I64, _I64, _I64, _F32, _F32, _I32],
+    "gl_short_conv": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _I32],
     "gl_attention": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P,
                      _I32],
     "gl_attention_sinks": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32,
@@ -270,6 +273,18 @@ def soft_cap(x: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
     """In place on x ``[T, n]`` (unit column stride): ``x * scale``, then ``cap * tanh(. / cap)`` when cap > 0."""
     _lib.gl_soft_cap(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), scale, cap, torch.get_num_threads())
     return x
+
+
+def short_conv(x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """LFM2's causal depthwise convolution of x ``[T, H]`` (unit column stride) with ``kernel [L, H]`` over each
+    sequence's rows (``query_start [B + 1]`` int32), the earlier inputs from ``states [slots, L - 1, H]`` at
+    ``slots [B]`` (zeros where the sequence's first row is at position 0), which are then updated; `out` ``[T,
+    H]`` float32 (contiguous)."""
+    _lib.gl_short_conv(x.data_ptr(), x.stride(0), x.shape[1], kernel.shape[0], kernel.data_ptr(), states.data_ptr(),
+                       slots.data_ptr(), positions.data_ptr(), query_start.data_ptr(), slots.shape[0], out.data_ptr(),
+                       torch.get_num_threads())
+    return out
 
 
 def attention(

@@ -93,6 +93,16 @@ class CpuOps(TorchOps):
                               x.contiguous(), experts.intermediate_size, ids.contiguous(),
                               weights.float().contiguous(), act, experts.alpha, experts.limit, out)
 
+    def short_conv(
+        self, x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """LFM2's short convolution over each sequence's rows and its state slot, in C (`TorchOps.short_conv`'s
+        arithmetic, the same bits); torch's for a wider kernel than the C one takes."""
+        if kernel.shape[0] > cpu_native.MAX_CONV_KERNEL or x.dtype != torch.float32 or x.stride(-1) != 1:
+            return super().short_conv(x, kernel, states, meta)
+        return cpu_native.short_conv(x, kernel, states, meta.state_slots, meta.positions, meta.query_start_loc,
+                                     x.new_empty(x.shape))
+
     def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> Any:
         """The decoder's layers as one C call a step (`NativeStack`), or None where it does not take them."""
         return NativeStack.build(decoder, k_caches, v_caches)

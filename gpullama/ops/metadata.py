@@ -32,6 +32,8 @@ class BatchMetadata:
     pool_indices: torch.Tensor | None = None  # [P] int64 token rows
     pool_segments: torch.Tensor | None = None  # [P] int64 pool of each row, in [0, num_pools)
     num_pools: int = 0
+    # recurrent layers (LFM2's short convolutions): each sequence's state slot in their `states` tensors
+    state_slots: torch.Tensor | None = None  # [B] int64
 
     @property
     def is_decode(self) -> bool:

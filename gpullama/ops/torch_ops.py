@@ -174,6 +174,33 @@ class TorchOps:
         v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         return q, k
 
+    def short_conv(
+        self, x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """LFM2's causal depthwise convolution of each sequence's new rows ``x [T, H]``: row t of channel c is
+        ``sum_j kernel[j, c] * input[t - L + 1 + j, c]`` (``kernel [L, H]``, the taps added in order j = 0 .. L-1),
+        the inputs before the step's first row read from the sequence's slot of ``states [slots, L - 1, H]``
+        (zeros for a sequence starting at position 0), which then holds its last L - 1 inputs; float32 ``[T, H]``."""
+        lk, slots = kernel.shape[0], meta.state_slots
+        if meta.is_decode:  # one row a sequence: gather the states, convolve, write them back (no host values)
+            past = states.index_select(0, slots)
+            past = torch.where((meta.positions == 0)[:, None, None], 0.0, past)
+            window = torch.cat((past, x[:, None, :].float()), dim=1)  # [B, L, H]
+            states.index_copy_(0, slots, window[:, 1:])
+            return _taps(window, kernel, 1)
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            a, b = starts[i], starts[i + 1]
+            if a == b:
+                continue
+            slot = slots[i]
+            past = states[slot] if seq_len > b - a else states.new_zeros(lk - 1, x.shape[1])
+            full = torch.cat((past, x[a:b].float()))  # [L - 1 + n, H]
+            out[a:b] = _taps(full.unfold(0, lk, 1).transpose(1, 2), kernel, 1)
+            states[slot] = full[-(lk - 1) :]
+        return out
+
     def heads_matmul(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each head's own matrix: ``x [T, heads, K]`` times ``weights [heads, N, K]`` (transposed) is ``[T, heads,
         N]``, float32."""
@@ -381,6 +408,14 @@ class TorchOps:
         (Gemma 2's soft-capping); float32."""
         x = x.float() * scale if scale != 1.0 else x.float()
         return torch.tanh(x / cap) * cap if cap else x
+
+
+def _taps(window: torch.Tensor, kernel: torch.Tensor, dim: int) -> torch.Tensor:
+    """``sum_j kernel[j] * window[..., j, ...]`` along `dim` (of size L), added in order j = 0 .. L-1."""
+    out = window.select(dim, 0) * kernel[0]
+    for j in range(1, kernel.shape[0]):
+        out = out + window.select(dim, j) * kernel[j]
+    return out
 
 
 def _plain_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from gpullama.kernels.rms_norm import head_rms_norm as _head_rms_norm
 from gpullama.kernels.rms_norm import rms_norm as _rms_norm
 from gpullama.kernels.rotary import rope_and_cache as _rope_and_cache
 from gpullama.kernels.sampling import sample as _sample
+from gpullama.kernels.short_conv import short_conv as _short_conv
 from gpullama.kernels.silu_mul import gelu_tanh_mul as _gelu_tanh_mul
 from gpullama.kernels.silu_mul import silu_mul as _silu_mul
 from gpullama.kernels.soft_cap import soft_cap as _soft_cap
@@ -113,6 +114,12 @@ class TritonOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k in place and write k, v into the paged pool, in one kernel."""
         return _rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
+
+    def short_conv(
+        self, x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """LFM2's short convolution over each sequence's rows and its state slot, one kernel launch."""
+        return _short_conv(x, kernel, states, meta.state_slots, meta.positions, meta.query_start_loc)
 
     def latent_rope_and_cache(
         self, q: torch.Tensor, rows: torch.Tensor, cos_sin: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata

@@ -108,6 +108,26 @@ def mla_like_config(vocab_size: int = 72) -> ModelConfig:
     )
 
 
+def lfm2_1b_config(num_layers: int = 16) -> ModelConfig:
+    """LFM2-1.2B shapes (hidden 2048, 10 short-convolution layers of kernel 3 and 6 attention layers of 32 heads, 8
+    kv heads of 64, q/k norms, intermediate 8192, vocab 65536, tied embeddings); fewer layers keep its pattern."""
+    attention = {2, 5, 8, 10, 12, 14}
+    return ModelConfig(
+        "lfm2", num_layers, 2048, 8192, 32, 8, 64, 65536, 128000, 1e6, 1e-5, qk_norm=True, tied_embeddings=True,
+        conv_layers=tuple(i not in attention for i in range(num_layers)), conv_kernel=3,
+        output_norm_tensor="token_embd_norm",
+    )
+
+
+def lfm2_like_config(vocab_size: int = 72) -> ModelConfig:
+    """LFM2's flags on a tiny shape: two short-convolution layers (kernel 3) around an attention layer with q/k
+    norms, the final norm as token_embd_norm."""
+    return ModelConfig(
+        "lfm2", 3, 256, 256, 4, 2, 64, vocab_size, 512, 1e6, 1e-5, qk_norm=True, tied_embeddings=True,
+        conv_layers=(True, False, True), conv_kernel=3, output_norm_tensor="token_embd_norm",
+    )
+
+
 def gemma_like_config(vocab_size: int = 72) -> ModelConfig:
     """Every Gemma flag at once on a tiny shape: q/k norms, post-norms, GeGLU, embedding scale, a sliding layer
     (window 4, its own rope base) beside a full one (linear rope scaling), attention and final soft-capping."""
@@ -148,7 +168,7 @@ def random_tensors(
 
     tensors = {
         "token_embd.weight": random_weight(qtype, c.vocab_size, c.hidden_size, device, g),
-        "output_norm.weight": norm(c.hidden_size),
+        c.output_norm_tensor + ".weight": norm(c.hidden_size),
     }
     if not c.tied_embeddings:
         tensors["output.weight"] = random_weight(qtype, c.vocab_size, c.hidden_size, device, g)
@@ -168,6 +188,11 @@ def random_tensors(
             tensors[p + "attn_k_b.weight"] = random_experts(Q.F16, h, lora, c.qk_nope_dim, device, g)
             tensors[p + "attn_v_b.weight"] = random_experts(Q.F16, h, c.v_head_dim, lora, device, g)
             q_rows = h * c.v_head_dim  # the output projection's input
+        if c.is_conv(i):  # a short convolution in place of attention
+            h = c.hidden_size
+            tensors[p + "shortconv.in_proj.weight"] = random_weight(qtype, 3 * h, h, device, g)
+            tensors[p + "shortconv.out_proj.weight"] = random_weight(qtype, h, h, device, g)
+            tensors[p + "shortconv.conv.weight"] = vector(h, c.conv_kernel, scale=0.5)
         if fused:
             shapes = {
                 "attn_qkv.weight": (q_rows + 2 * kv_rows, c.hidden_size),
@@ -181,10 +206,11 @@ def random_tensors(
                 "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
                 "ffn_up.weight": (c.intermediate_size, c.hidden_size),
             }
-        if c.is_mla:
+        if c.is_mla or c.is_conv(i):
             for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
                 shapes.pop(name, None)
-        shapes["attn_output.weight"] = (c.hidden_size, q_rows)
+        if not c.is_conv(i):
+            shapes["attn_output.weight"] = (c.hidden_size, q_rows)
         shapes["ffn_down.weight"] = (c.hidden_size, c.intermediate_size)
         if c.is_moe:  # experts stacked (`expert_qtype`, default `qtype`); the router F32, as llama.cpp keeps it
             del shapes["ffn_gate.weight"], shapes["ffn_up.weight"], shapes["ffn_down.weight"]
@@ -218,7 +244,7 @@ def random_tensors(
         names += ["post_attention_norm.weight", "post_ffw_norm.weight"] if c.post_norms else []
         for name in names:
             tensors[p + name] = norm(c.hidden_size)
-        if c.qk_norm and not c.is_mla:
+        if c.qk_norm and not c.is_mla and not c.is_conv(i):
             tensors[p + "attn_q_norm.weight"] = norm(c.head_dim)
             tensors[p + "attn_k_norm.weight"] = norm(c.head_dim)
     return tensors

@@ -178,3 +178,22 @@ def test_latent_rope_cache_and_attention_match_torch(seq_lens, q_lens, device):
     got = triton_ops.latent_attention(got_q, got_pool, m, d**-0.5, r)
     assert want.shape == got.shape == (t, hq, lora)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([5, 1, 9, 2], [5, 1, 2, 1]), ([7, 1, 3], [1, 1, 1])],
+                         ids=["prefill", "decode"])
+def test_short_conv_matches_torch(seq_lens, q_lens, device):
+    """LFM2's short convolution (kernel 3, 40 channels over 16-channel programs): chunks after earlier ones (their
+    inputs from the state slot, one chunk shorter than the state), a fresh sequence at position 0, decode rows; the
+    outputs and the updated slots against TorchOps' (slots no sequence holds untouched)."""
+    h, lk = 40, 3
+    meta = make_batch(seq_lens, q_lens, 4, num_blocks=16, seed=1)
+    meta.state_slots = torch.tensor([3, 0, 4, 1][: len(seq_lens)])
+    g = torch.Generator().manual_seed(2)
+    x, kernel = torch.randn(meta.positions.shape[0], h, generator=g), torch.randn(lk, h, generator=g)
+    states = torch.randn(6, lk - 1, h, generator=g)
+    want_states, got_states = states.clone(), states.to(device)
+    want = TorchOps(CPU).short_conv(x, kernel, want_states, meta)
+    got = TritonOps(device).short_conv(x.to(device), kernel.to(device), got_states, meta_to(meta, device))
+    assert rel_err(got, want) < 1e-5 and rel_err(got_states, want_states) < 1e-6
+    assert torch.equal(got_states.cpu()[[2, 5]], states[[2, 5]])

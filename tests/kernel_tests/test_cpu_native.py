@@ -155,6 +155,36 @@ def run_python(code: str, env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([5, 1, 9], [5, 1, 2]), ([7, 1, 3], [1, 1, 1])],
+                         ids=["prefill", "decode"])
+def test_short_conv_matches_torch_and_updates_the_states(seq_lens, q_lens) -> None:
+    """LFM2's short convolution (kernel 3, 40 channels: two full 16-lane groups and a partial one) over a ragged
+    batch: chunks after earlier ones (their inputs from the state slot), a sequence starting at position 0 (zeros,
+    whatever its slot holds), decode rows; the outputs and the updated slots equal TorchOps' (the same sums in the
+    same order)."""
+    h, lk, num_slots = 40, 3, 5
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    meta = BatchMetadata(
+        positions=torch.tensor([p for s, n in zip(seq_lens, q_lens) for p in range(s - n, s)]),
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.zeros(3, 1, dtype=torch.int32),
+        logits_indices=torch.tensor(starts[1:]) - 1, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, state_slots=torch.tensor([3, 0, 4]),
+    )
+    x = torch.randn(starts[-1], h, generator=gen(1))
+    kernel = torch.randn(lk, h, generator=gen(2))
+    states = torch.randn(num_slots, lk - 1, h, generator=gen(3))
+    want_states, got_states = states.clone(), states.clone()
+    want = TorchOps(torch.device("cpu")).short_conv(x, kernel, want_states, meta)
+    got = cpu_native.short_conv(x, kernel, got_states, meta.state_slots, meta.positions, meta.query_start_loc,
+                                torch.empty_like(x))
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(got_states, want_states, rtol=0, atol=0)
+    assert torch.equal(got_states[[1, 2]], states[[1, 2]])  # slots no sequence holds are untouched
+
+
 def test_without_a_compiler_auto_loads_the_exact_path_and_says_why(tmp_path: Path, tiny_model) -> None:
     """No C compiler (CC names a missing binary, an empty kernel cache): `library()` gives None, `build_error()`
     the reason, a warning says the torch path is used, and ``dtype="auto"`` on a quantized file loads the exact
