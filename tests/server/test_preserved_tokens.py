@@ -19,6 +19,7 @@ from gpullama.server.openai.responses.request import parse_responses
 from gpullama.server.openai.responses.serving import prepare
 from gpullama.server.pipeline.chat_output import ChatOutputShaper
 from gpullama.server.pipeline.sampling import sampling_params
+from gpullama.server.state import ServerConfig
 from gpullama.tokenizer import Tokenizer
 from tests.chat.test_tool_parsers import TOOLS
 from tests.fixtures.vocabs import vocab_metadata
@@ -41,7 +42,7 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 def mistral_state() -> SimpleNamespace:
     """What `prepare_chat` reads of the server state: a served model whose tokenizer is Mistral-style."""
     tok = Tokenizer.from_metadata(dict(vocab_metadata("tekken"), **{"tokenizer.chat_template": MISTRAL_TEMPLATE}))
-    return SimpleNamespace(llm=SimpleNamespace(tokenizer=tok), model_name="mistral-tiny")
+    return SimpleNamespace(llm=SimpleNamespace(tokenizer=tok), model_name="mistral-tiny", config=ServerConfig())
 
 
 def _generate(state: SimpleNamespace, body: dict, output: str,

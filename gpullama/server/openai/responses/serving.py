@@ -25,7 +25,7 @@ from ...http.body import JSONResponse, off_loop_if_long
 from ...http.errors import APIError
 from ...http.streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
 from ...pipeline.chat_output import ChatOutputShaper
-from ...pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
+from ...pipeline.chat_plan import DEFAULTS, ChatPlan, plan_chat, render_planned_chat
 from ...pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ...pipeline.intake import read_json
 from ...pipeline.sampling import sampling_params
@@ -69,7 +69,7 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def prepare(tokenizer: Any, req: ResponsesRequest, defaults: ChatDefaults) -> tuple[ChatPlan, str, list[int]]:
+def prepare(tokenizer: Any, req: ResponsesRequest, defaults: ChatDefaults = DEFAULTS) -> tuple[ChatPlan, str, list[int]]:
     """Plan the request's tools and format as chat's (errors in chat's names), render the chat template and
     tokenize (a worker thread may run it)."""
     plan = plan_chat(req.chat_fields, req.messages, chat_format(tokenizer), defaults)
