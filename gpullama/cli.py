@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import threading
 import time
@@ -311,8 +312,19 @@ def kv_per_token(c) -> str:
 
 
 def state_per_sequence(c) -> int:
-    """Bytes of one sequence's recurrent state (LFM2: each short-convolution layer's last inputs, float32)."""
-    return 4 * sum(c.conv_layers) * (c.conv_kernel - 1) * c.hidden_size
+    """Bytes of one sequence's recurrent states (float32; `ModelConfig.state_shapes` of every layer)."""
+    return 4 * sum(math.prod(shape) for i in range(c.num_layers) for shape in c.state_shapes(i))
+
+
+def state_contents(c) -> str:
+    """What a sequence's recurrent state holds, in words."""
+    parts = []
+    if any(c.conv_layers):
+        parts.append(f"the last {c.conv_kernel - 1} inputs of each short convolution")
+    if any(c.delta_layers):
+        parts.append(f"each delta-net's last {c.conv_kernel - 1} convolution inputs and {c.ssm_heads} state matrices "
+                     f"of {c.ssm_state_size} x {c.ssm_inner_size // c.ssm_heads}")
+    return ", ".join(parts)
 
 
 def cmd_info(args) -> int:
@@ -350,9 +362,9 @@ def cmd_info(args) -> int:
         ("context length", c.context_length),
         ("KV cache a token", kv_per_token(c) + (f" ({len(c.kv_layers)} of the {c.num_layers} layers)"
                                                  if len(c.kv_layers) < c.num_layers else "")),
-        *([("recurrent state", f"{state_per_sequence(c) / 1024:.1f} KiB a sequence, float32 (the last "
-                               f"{c.conv_kernel - 1} inputs of {sum(c.conv_layers)} short-convolution layers; "
-                               f"no prefix caching)")] if c.has_recurrent_state else []),
+        *([("recurrent state", f"{state_per_sequence(c) / 1024:.1f} KiB a sequence, float32 (in "
+                               f"{c.recurrent_layers_named}: {state_contents(c)}; no prefix caching)")]
+          if c.has_recurrent_state else []),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
         ("chat template", "yes" if meta.get("tokenizer.chat_template") else "no (ChatML fallback)"),
     ]

@@ -10,7 +10,7 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2", "lfm2",
+    "glm4moe", "deepseek2", "lfm2", "qwen35",
 )
 
 _MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss, glm4moe, deepseek2 and "
@@ -25,7 +25,6 @@ _NOT_SUPPORTED = {
     "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
     "granitehybrid": "Granite 4 hybrid (Mamba) models are not supported (Granite 3.x is)",
     "lfm2moe": "LFM2-MoE is not supported (the dense LFM2 is)",
-    "qwen35": "Qwen3.5's gated delta-net layers are not supported",
     "qwen35moe": "Qwen3.5-MoE's gated delta-net layers are not supported",
 }
 
@@ -34,8 +33,8 @@ _NOT_SUPPORTED = {
 class ModelConfig:
     """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
     phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3,
-    glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2/V3's multi-head latent attention) and lfm2 (LFM2's short
-    convolutions beside attention layers)."""
+    glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2/V3's multi-head latent attention), lfm2 (LFM2's short
+    convolutions beside attention layers) and qwen35 (Qwen3.5's gated delta-net layers beside gated attention)."""
 
     architecture: str
     num_layers: int
@@ -112,8 +111,18 @@ class ModelConfig:
     # short convolutions (lfm2): per layer, a gated depthwise causal convolution over the last `conv_kernel` tokens
     # in place of attention; its state (the last conv_kernel - 1 inputs) lives in a per-sequence slot
     conv_layers: tuple[bool, ...] = ()  # () when every layer attends
-    conv_kernel: int = 0
+    conv_kernel: int = 0  # the causal convolution's width (lfm2's short convolutions, qwen35's delta-net inputs)
     output_norm_tensor: str = "output_norm"  # the final norm's tensor (lfm2: token_embd_norm, llama.cpp's name)
+    # gated delta-net layers (qwen35): linear attention whose state, a [ssm_state_size, value dims] matrix per value
+    # head, and its input convolution's last conv_kernel - 1 inputs live in a per-sequence slot; llama.cpp's
+    # `ssm.*` keys give the sizes
+    delta_layers: tuple[bool, ...] = ()  # () when no layer is one
+    ssm_state_size: int = 0  # a key head's dims
+    ssm_groups: int = 0  # key heads (each serves ssm_heads / ssm_groups value heads)
+    ssm_heads: int = 0  # value heads
+    ssm_inner_size: int = 0  # value heads x a value head's dims
+    attn_output_gate: bool = False  # qwen35: each query head's rows are followed by a gate's; the attention output
+    # is multiplied by sigmoid(gate) before o
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -121,17 +130,47 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep a KV pool (all but the short-convolution ones), in order."""
-        return tuple(i for i in range(self.num_layers) if not self.is_conv(i))
+        """The layers that keep a KV pool (those with attention), in order."""
+        return tuple(i for i in range(self.num_layers) if self.has_attention(i))
 
     @property
     def has_recurrent_state(self) -> bool:
-        """Whether some layer keeps a per-sequence state (a recurrent layer: LFM2's short convolutions)."""
-        return any(self.conv_layers)
+        """Whether some layer keeps a per-sequence state (a recurrent layer: LFM2's short convolutions, Qwen3.5's
+        gated delta-nets)."""
+        return any(self.conv_layers) or any(self.delta_layers)
 
     def is_conv(self, layer: int) -> bool:
         """Whether `layer` is a short convolution (no KV pool; a per-sequence state)."""
         return bool(self.conv_layers) and self.conv_layers[layer]
+
+    def is_delta(self, layer: int) -> bool:
+        """Whether `layer` is a gated delta-net (linear attention: no KV pool; a per-sequence state)."""
+        return bool(self.delta_layers) and self.delta_layers[layer]
+
+    def has_attention(self, layer: int) -> bool:
+        """Whether `layer` attends over a KV pool (not a recurrent layer)."""
+        return not self.is_conv(layer) and not self.is_delta(layer)
+
+    @property
+    def recurrent_layers_named(self) -> str:
+        """The recurrent layers in words, for logs and refusals: "3 short-convolution layers" ("" without any)."""
+        kinds = [(sum(self.conv_layers), "short-convolution"), (sum(self.delta_layers), "gated delta-net")]
+        return " and ".join(f"{n} {kind} layer{'s' if n > 1 else ''}" for n, kind in kinds if n)
+
+    @property
+    def delta_conv_channels(self) -> int:
+        """Channels of a delta-net layer's input convolution: its queries, keys and values."""
+        return 2 * self.ssm_groups * self.ssm_state_size + self.ssm_inner_size
+
+    def state_shapes(self, layer: int) -> list[tuple[int, ...]]:
+        """The shapes of one sequence's recurrent states in `layer` (float32; [] for a layer with attention): a
+        short convolution's last inputs; a delta-net's input convolution's last inputs and its state matrices."""
+        if self.is_conv(layer):
+            return [(self.conv_kernel - 1, self.hidden_size)]
+        if self.is_delta(layer):
+            return [(self.conv_kernel - 1, self.delta_conv_channels),
+                    (self.ssm_heads, self.ssm_state_size, self.ssm_inner_size // self.ssm_heads)]
+        return []
 
     @property
     def is_mla(self) -> bool:
@@ -460,7 +499,41 @@ def _deepseek2(config: ModelConfig, get, opt, path: str) -> None:
     config.attention_scale = mscale * mscale / math.sqrt(qk_head)
 
 
+def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
+    """Qwen3.5 (`qwen35`): gated delta-net layers (`attention.recurrent_layers`, else every layer but each
+    `full_attention_interval`-th) beside full-attention layers whose queries carry a sigmoid gate (each head's rows
+    in `attn_q` are its query then its gate) and q/k norms; partial multi-axis rotary (`rope.dimension_sections`:
+    a text token has the same position on every axis, so the sections rotate as one plain partial rotary); the
+    pre-MLP norm in post_attention_norm; a next-token-prediction layer (`nextn_predict_layers`) is left out. A
+    delta-net layer: `attn_qkv` gives q | k | v (`ssm.group_count` key heads of `ssm.state_size` dims,
+    `ssm.time_step_rank` value heads in `ssm.inner_size` values; the converter orders the value heads so value
+    head h reads key head h mod the key heads), a causal convolution over them (`ssm_conv1d`, `ssm.conv_kernel`
+    wide) then SiLU, the delta rule with decay `ssm_a * softplus(alpha + ssm_dt)` and rate `sigmoid(beta)`, a
+    per-head RMSNorm (`ssm_norm`) times `silu(attn_gate x)`, and `ssm_out`."""
+    arch = config.architecture
+    recurrent = opt("attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(opt("full_attention_interval") or 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(config.num_layers)]
+    if len(recurrent) < config.num_layers:
+        raise ValueError(f"{path}: '{arch}.attention.recurrent_layers' has {len(recurrent)} entries for "
+                         f"{config.num_layers} layers")
+    config.delta_layers = tuple(bool(r) for r in recurrent[: config.num_layers])
+    config.conv_kernel = int(get("ssm.conv_kernel"))
+    config.ssm_state_size = int(get("ssm.state_size"))
+    config.ssm_groups = int(get("ssm.group_count"))
+    config.ssm_heads = int(get("ssm.time_step_rank"))
+    config.ssm_inner_size = int(get("ssm.inner_size"))
+    if (config.conv_kernel < 2 or config.ssm_groups < 1 or config.ssm_heads % config.ssm_groups
+            or config.ssm_inner_size % config.ssm_heads):
+        raise ValueError(f"{path}: '{arch}.ssm.*' = conv kernel {config.conv_kernel}, {config.ssm_groups} key heads, "
+                         f"{config.ssm_heads} value heads, inner size {config.ssm_inner_size}: the key heads must "
+                         f"divide the value heads, the value heads the inner size, and the kernel be at least 2")
+    config.attn_output_gate = True
+    config.ffn_norm_tensor = "post_attention_norm"
+
+
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
-    "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2,
+    "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "qwen35": _qwen35,
 }

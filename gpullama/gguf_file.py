@@ -156,7 +156,7 @@ def _parse_header(path: str, buf: mmap.mmap, max_array: int | None) -> tuple[dic
 
 def _set_tensor_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """Flags and sizes that the tensors present decide, not the metadata."""
-    first = next((i for i in range(config.num_layers) if not config.is_conv(i)), 0)  # the first attention layer
+    first = config.kv_layers[0] if config.kv_layers else 0  # the first layer with attention
     config.attention_bias = f"blk.{first}.attn_q.bias" in shapes
     config.qk_norm = f"blk.{first}.attn_q_norm.weight" in shapes
     config.tied_embeddings = "output.weight" not in shapes

@@ -1,6 +1,6 @@
 """The decoder: one forward over a ragged batch, for llama (and Mixtral) / mistral / qwen2 / qwen3 / phi3 /
-granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 / lfm2 through config
-flags."""
+granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 / lfm2 / qwen35 through
+config flags."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from gpullama.config import ModelConfig
 from gpullama.distributed import TensorParallel
@@ -26,9 +27,9 @@ class LayerWeights:
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    qkv: list  # one fused weight, or [q, k, v] ([] in an MLA or short-convolution layer)
+    qkv: list  # one fused weight, or [q, k, v] (+ the query gate: qwen35); [] in an MLA or recurrent layer
     qkv_bias: torch.Tensor | None
-    o: object  # None in a short-convolution layer
+    o: object  # None in a recurrent layer
     gate_up: list | None  # one fused weight, or [gate, up] (None in a MoE layer)
     down: object | None
     q_norm: torch.Tensor | None = None
@@ -42,7 +43,23 @@ class LayerWeights:
     moe: MoeWeights | None = None  # a MoE layer's router and experts (gate_up and down are then None)
     mla: MlaWeights | None = None  # multi-head latent attention (DeepSeek) in place of q|k|v
     conv: ConvWeights | None = None  # a short convolution (LFM2) in place of attention
-    cache: int = 0  # this layer's KV pool in k_caches / v_caches, or (a conv layer) its state in `states`
+    delta: DeltaNetWeights | None = None  # a gated delta-net (Qwen3.5) in place of attention
+    cache: int = 0  # this layer's KV pool in k_caches / v_caches, or (a recurrent layer) its first state in `states`
+
+
+@dataclass
+class DeltaNetWeights:
+    """A gated delta-net layer (Qwen3.5): x gives q | k | v (the convolution's channels), the output gate z and
+    each value head's beta and alpha; q | k | v go through a causal depthwise convolution (its state: the last
+    L - 1 inputs) and SiLU, then the gated delta rule (`ops.gated_delta_rule`: decay ``exp(decay * softplus(alpha
+    + dt_bias))``, rate ``sigmoid(beta)``), a per-head RMSNorm times ``silu(z)``, and `out`."""
+
+    in_proj: list  # x -> q | k | v | z | beta | alpha: one fused weight, or the file's four
+    kernel: torch.Tensor  # [L, C] float32 taps of the convolution (as `ConvWeights.kernel`)
+    decay: torch.Tensor  # [Hv] float32: ssm_a, -exp(A_log)
+    dt_bias: torch.Tensor  # [Hv] float32
+    norm: torch.Tensor  # [Dv] float32
+    out: object  # [H, Hv x Dv]
 
 
 @dataclass
@@ -149,16 +166,29 @@ class Decoder:
         self.rope_tables, table_of_layer = self._rope_tables(tensors, max_positions, device)
         self.layers: list[LayerWeights] = []
         kv_layers = c.kv_layers
-        conv_layers = [i for i in range(c.num_layers) if c.is_conv(i)]
+        # each recurrent layer's states in the flat `states` list (`new_states`): from this index on
+        state_start = [sum(len(c.state_shapes(j)) for j in range(i)) for i in range(c.num_layers)]
         for i in range(c.num_layers):
             p = f"blk.{i}."
             mla = self._mla_weights(p, get, dense, fused) if c.is_mla else None
             conv = ConvWeights(ops.prepare_weight(get(p + "shortconv.in_proj.weight")), dense(
                 p + "shortconv.conv.weight").t().contiguous(), ops.prepare_weight(get(p + "shortconv.out_proj.weight"))) \
                 if c.is_conv(i) else None
-            fused_qkv = p + "attn_qkv.weight" in tensors
-            if mla is not None or conv is not None:
+            delta = DeltaNetWeights(
+                fused([get(p + n + ".weight") for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")]),
+                dense(p + "ssm_conv1d.weight").t().contiguous(), dense(p + "ssm_a").reshape(-1),
+                dense(p + "ssm_dt.bias").reshape(-1), dense(p + "ssm_norm.weight").reshape(-1),
+                ops.prepare_weight(get(p + "ssm_out.weight"))) if c.is_delta(i) else None
+            recurrent = conv is not None or delta is not None
+            fused_qkv = p + "attn_qkv.weight" in tensors and not recurrent
+            extra = []  # parts after v in the fused q|k|v matrix: qwen35's query gates
+            if mla is not None or recurrent:
                 pass
+            elif c.attn_output_gate:  # each head's rows are its query then its gate: gather each kind together
+                q_gate = get(p + "attn_q.weight")
+                rows = torch.arange(q_gate.shape[0]).view(self.num_heads, 2, c.head_dim)
+                q, extra = q_gate.take_rows(rows[:, 0].reshape(-1)), [q_gate.take_rows(rows[:, 1].reshape(-1))]
+                k = qk(p + "attn_k.weight", self.num_kv_heads)
             elif not fused_qkv:
                 q = qk(p + "attn_q.weight", self.num_heads)
                 k = qk(p + "attn_k.weight", self.num_kv_heads)
@@ -177,15 +207,15 @@ class Decoder:
                 LayerWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
                     ffn_norm=dense(p + c.ffn_norm_tensor + ".weight"),
-                    qkv=[] if mla is not None or conv is not None else [ops.prepare_weight(get(
-                        p + "attn_qkv.weight"))] if fused_qkv else fused([q, k, get(p + "attn_v.weight")]),
+                    qkv=[] if mla is not None or recurrent else [ops.prepare_weight(get(
+                        p + "attn_qkv.weight"))] if fused_qkv else fused([q, k, get(p + "attn_v.weight"), *extra]),
                     qkv_bias=bias,
-                    o=None if conv is not None else ops.prepare_weight(get(p + "attn_output.weight")),
+                    o=None if recurrent else ops.prepare_weight(get(p + "attn_output.weight")),
                     gate_up=None if moe is not None else [ops.prepare_weight(get(p + "ffn_up.weight"))]
                     if gate_up_fused else fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
                     down=None if moe is not None else ops.prepare_weight(get(p + "ffn_down.weight")),
-                    q_norm=dense(p + "attn_q_norm.weight") if c.qk_norm and conv is None else None,
-                    k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm and conv is None else None,
+                    q_norm=dense(p + "attn_q_norm.weight") if c.qk_norm and not recurrent else None,
+                    k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm and not recurrent else None,
                     post_attn_norm=dense(p + "post_attention_norm.weight") if c.post_norms else None,
                     post_ffn_norm=dense(p + "post_ffw_norm.weight") if c.post_norms else None,
                     window=c.sliding_window if c.is_sliding(i) else 0,
@@ -195,7 +225,8 @@ class Decoder:
                     moe=moe,
                     mla=mla,
                     conv=conv,
-                    cache=conv_layers.index(i) if conv is not None else kv_layers.index(i),
+                    delta=delta,
+                    cache=state_start[i] if recurrent else kv_layers.index(i),
                 )
             )
         embedding = get("token_embd.weight")
@@ -340,16 +371,17 @@ class Decoder:
         self, token_ids: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         states: list[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """Run the batch's tokens through the decoder, writing their k/v into the pool (and a short-convolution
-        layer's state into its `states` tensor, at `meta.state_slots`); logits of `meta.logits_indices`."""
+        """Run the batch's tokens through the decoder, writing their k/v into the pool (and a recurrent layer's
+        states into its `states` tensors, at `meta.state_slots`); logits of `meta.logits_indices`."""
         return self.forward_pooled(token_ids, meta, k_caches, v_caches, states)[0]
 
     def new_states(self, num_slots: int) -> list[torch.Tensor]:
-        """Zeroed per-sequence states of the recurrent layers, one tensor a short-convolution layer: ``[num_slots,
-        conv_kernel - 1, H]`` float32 (its last inputs); [] for a model without such layers."""
+        """Zeroed per-sequence states of the recurrent layers, float32 ``[num_slots, *shape]`` for each shape of
+        `ModelConfig.state_shapes`, layer by layer (a short convolution: its last inputs; a delta-net: its
+        convolution's last inputs, then its state matrices); [] for a model without such layers."""
         c = self.config
-        return [torch.zeros(num_slots, c.conv_kernel - 1, c.hidden_size, device=self.ops.device)
-                for i in range(c.num_layers) if c.is_conv(i)]
+        return [torch.zeros(num_slots, *shape, device=self.ops.device)
+                for i in range(c.num_layers) for shape in c.state_shapes(i)]
 
     @torch.inference_mode()
     def forward_pooled(
@@ -399,16 +431,20 @@ class Decoder:
         residual = None
         for layer in self.layers:
             x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
-            if layer.mla is not None or layer.conv is not None:
-                hidden = self._latent_attention(x, layer, k_caches[layer.cache], metas[layer.rope]) \
-                    if layer.mla is not None else self._short_conv(x, layer.conv, states[layer.cache], meta)
+            if layer.mla is not None or layer.conv is not None or layer.delta is not None:
+                if layer.mla is not None:
+                    hidden = self._latent_attention(x, layer, k_caches[layer.cache], metas[layer.rope])
+                elif layer.conv is not None:
+                    hidden = self._short_conv(x, layer.conv, states[layer.cache], meta)
+                else:
+                    hidden = self._delta_net(x, layer.delta, states[layer.cache], states[layer.cache + 1], meta)
                 x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
                 hidden = self._mlp(x, layer, act)
                 continue
             qkv = self._linear_parts(x, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_size].view(t, self.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, self.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = ops.head_rms_norm(q, layer.q_norm, c.rms_eps)
                 k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
@@ -416,7 +452,10 @@ class Decoder:
             k_cache, v_cache = k_caches[layer.cache], v_caches[layer.cache]
             q, k = ops.rope_and_cache(q, k, v, table, k_cache, v_cache, metas[layer.rope])
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale, layer.window, c.attn_softcap, layer.sinks)
-            hidden = tp.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o, layer.o_bias))
+            attn = attn.reshape(t, q_size)
+            if c.attn_output_gate:  # qwen35: each head's output times the sigmoid of its gate
+                attn = attn * torch.sigmoid(qkv[:, q_size + 2 * kv_size :])
+            hidden = tp.all_reduce(ops.linear(attn, layer.o, layer.o_bias))
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
             x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
@@ -441,6 +480,23 @@ class Decoder:
         bcx = self.ops.linear(x, conv.in_proj)
         conv_out = self.ops.short_conv(bcx[:, :h] * bcx[:, 2 * h :], conv.kernel, state, meta)
         return self.ops.linear(bcx[:, h : 2 * h] * conv_out, conv.out_proj)
+
+    def _delta_net(self, x: torch.Tensor, dn: DeltaNetWeights, conv_state: torch.Tensor, state: torch.Tensor,
+                   meta: BatchMetadata) -> torch.Tensor:
+        """Qwen3.5's gated delta-net of the normalized ``x [T, H]`` (see `DeltaNetWeights`); the convolution and the
+        delta rule read and update each sequence's states (`meta.state_slots`)."""
+        c, ops = self.config, self.ops
+        t, channels, inner, hv = x.shape[0], c.delta_conv_channels, c.ssm_inner_size, c.ssm_heads
+        hk, dk, key_dims = c.ssm_groups, c.ssm_state_size, c.ssm_groups * c.ssm_state_size
+        mixed = self._linear_parts(x, dn.in_proj)
+        qkv = F.silu(ops.short_conv(mixed[:, :channels], dn.kernel, conv_state, meta))
+        z = mixed[:, channels : channels + inner].view(t, hv, inner // hv)
+        beta = torch.sigmoid(mixed[:, channels + inner : channels + inner + hv])
+        decay = dn.decay * F.softplus(mixed[:, channels + inner + hv :] + dn.dt_bias)
+        out = ops.gated_delta_rule(qkv[:, :key_dims].view(t, hk, dk), qkv[:, key_dims : 2 * key_dims].view(t, hk, dk),
+                                   qkv[:, 2 * key_dims :].view(t, hv, inner // hv), decay, beta, state, meta)
+        out = ops.head_rms_norm(out, dn.norm, c.rms_eps) * F.silu(z)
+        return ops.linear(out.reshape(t, inner), dn.out)
 
     def _latent_attention(self, x: torch.Tensor, layer: LayerWeights, cache: torch.Tensor,
                           meta: BatchMetadata) -> torch.Tensor:

@@ -16,9 +16,9 @@ Rank r of N holds:
   the all-reduce adds them once; attention sinks per head, with the heads;
 - everything else (norms, rope factors, routers) whole.
 
-Multi-head latent attention (deepseek2) and short convolutions (lfm2) are refused for more than one rank (the
-former's one latent row a token serves every head, so a split by heads would repeat the whole cache on each rank;
-the latter's per-sequence states are not split yet).
+Multi-head latent attention (deepseek2) and recurrent layers (lfm2's short convolutions, qwen35's gated delta-nets)
+are refused for more than one rank (the former's one latent row a token serves every head, so a split by heads would
+repeat the whole cache on each rank; the latter's per-sequence states are not split yet).
 
 Every cut is a view of the file's rows or a copy of whole blocks, made before `ops.prepare_weight`, so each rank
 reads and prepares only its own part, whatever the backend makes of it.
@@ -59,8 +59,8 @@ class ShardPlan:
             )
         if c.has_recurrent_state and n > 1:
             raise ValueError(
-                f"tensor_parallel_size {n}: the short-convolution layers of {arch} ('{arch}.shortconv.l_cache') are not "
-                f"split over ranks; run {arch} with tensor_parallel_size 1"
+                f"tensor_parallel_size {n}: the recurrent layers of {arch} ({c.recurrent_layers_named}) keep per-sequence "
+                f"states that are not split over ranks; run {arch} with tensor_parallel_size 1"
             )
         if c.num_heads % n:
             raise ValueError(

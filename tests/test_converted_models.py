@@ -22,6 +22,7 @@ from transformers import (
     LlamaConfig,
     SmolLM3Config,
 )
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 from gpullama import LLM, SamplingParams
 from gpullama.config import ModelConfig
@@ -42,6 +43,8 @@ MLA = COMMON | dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
                     v_head_dim=16)
 DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                      beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+QWEN35_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
+                   mrope_interleaved=True)
 MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
            routed_scaling_factor=2.5, norm_topk_prob=True)
 CONFIGS = {
@@ -62,11 +65,18 @@ CONFIGS = {
     # short convolutions (kernel 3, their state in a per-sequence slot) in layers 0, 1, 3, attention in layer 2
     "lfm2": lambda **kw: Lfm2Config(**COMMON, block_auto_adjust_ff_dim=False, layer_types=[
         "conv", "conv", "full_attention", "conv"], **kw),
+    # gated delta-nets in layers 0, 1, 2 (2 key heads for 4 value heads, the converter's tiled order; convolution
+    # kernel 4), gated attention with q/k norms and partial multi-axis rotary (8 of 16 dims) in layer 3
+    "qwen35": lambda **kw: Qwen3_5TextConfig(**COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                             linear_value_head_dim=16, linear_num_key_heads=2,
+                                             linear_num_value_heads=4, rope_parameters=QWEN35_ROPE, **kw),
 }
 """Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF)."""
 SPECIAL_TOKENS = {"glm4moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
 """Tokens a family's converter looks up by name (GLM's `_set_vocab_glm`), added to the tokenizer."""
-SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2")
+CONVERTER_ARGS = {"qwen35": ("--no-mtp",)}
+"""Each family's converter flags beyond ``--outtype f32`` (Qwen3.5's wants --no-mtp for a model without MTP layers)."""
+SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "qwen35")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
 NATIVE_STACK = ("llama", "smollm3", "glm4moe")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
@@ -120,7 +130,8 @@ def converted(tmp_path_factory, default_model_path: Path):
             model.save_pretrained(folder)
             if getattr(model.config, "num_nextn_predict_layers", 0):
                 with_mtp_layer(folder, model.config.num_hidden_layers)
-            made[arch] = model, convert_hf_to_gguf(folder, folder / f"{arch}-f32.gguf")
+            made[arch] = model, convert_hf_to_gguf(folder, folder / f"{arch}-f32.gguf", "--outtype", "f32",
+                                                   *CONVERTER_ARGS.get(arch, ()))
         return made[arch]
 
     return get
@@ -184,9 +195,9 @@ def test_converter_written_file_matches_transformers(converted, loaded, arch: st
 @pytest.mark.parametrize("arch", [a for a in SUPPORTED if a != "llama"])
 def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     """Chunked prefill, a cached prefix, requests joining as others leave: each request gets its solo greedy
-    tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's and
-    LFM2's decode steps run on the static decode buffers (what CUDA graphs capture), over the latent pool and the
-    state slots; LFM2's recurrent state leaves the prefix cache off (no cached tokens)."""
+    tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's, LFM2's
+    and Qwen3.5's decode steps run on the static decode buffers (what CUDA graphs capture), over the latent pool and
+    the state slots; a recurrent state leaves the prefix cache off (no cached tokens)."""
     llm = loaded(arch, fast)
     prompts = family_prompts(llm.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -248,15 +259,22 @@ def test_what_is_not_read_is_refused_by_key(converted, arch: str, change: dict, 
         ModelConfig.from_metadata(meta, "model.gguf")
 
 
+STATE_BYTES = {"lfm2": 3 * 2 * 64 * 4, "qwen35": 3 * (3 * 128 + 4 * 16 * 16) * 4}
+"""A sequence's recurrent state, float32: LFM2's 3 conv layers of kernel 3 (two inputs of 64 each); Qwen3.5's 3
+delta-nets (kernel 4: three inputs of the 128 q|k|v channels, and 4 value heads' 16 x 16 state matrices each)."""
+
+
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
-def test_recurrent_state_through_preemption_and_failures(loaded, fast: bool) -> None:
-    """LFM2's short-convolution state lives in a slot per running sequence: with a KV pool too small for the batch,
+@pytest.mark.parametrize("arch", STATE_BYTES)
+def test_recurrent_state_through_preemption_and_failures(loaded, arch: str, fast: bool) -> None:
+    """A recurrent layer's state (LFM2's short convolutions, Qwen3.5's delta-nets and their convolutions) lives in a
+    slot per running sequence: with a KV pool too small for the batch,
     sequences are preempted (their slot given back) and recomputed from their first token, and a step whose
     sampling fails for one request runs its other rows again from the states they had before it; every request
     still gets its solo greedy tokens, and every slot is free at the end."""
     import gpullama.engine.llm_engine as llm_engine
 
-    llm = loaded("lfm2", fast)
+    llm = loaded(arch, fast)
     prompts = family_prompts(llm.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     solo = solo_runs(llm, prompts, params)
@@ -277,23 +295,32 @@ def test_recurrent_state_through_preemption_and_failures(loaded, fast: bool) -> 
     assert_as_solo([seqs[i] for i in keep], [solo[i] for i in keep], [params] * len(keep),
                    llm.tokenizer.eos_token_ids)
     assert sorted(engine.scheduler.free_state_slots) == [0, 1, 2, 3]
-    assert engine.runner.state_bytes == 3 * 2 * 64 * 4  # 3 conv layers, kernel 3: two inputs of 64 a layer
+    assert engine.runner.state_bytes == STATE_BYTES[arch]
 
 
-def test_recurrent_state_is_reported_and_refuses_what_it_cannot_follow(converted, loaded, capsys) -> None:
-    """LFM2: `gpullama info` gives the state a sequence holds and the layers with a KV pool; the pool has none for
-    the short-convolution layers; tensor parallelism and speculative decoding are refused by name."""
+@pytest.mark.parametrize(("arch", "kv_layers", "states", "info"), [
+    ("lfm2", (2,), 3, ["1.5 KiB a sequence", "(1 of the 4 layers)", "3 short-convolution layers"]),
+    ("qwen35", (3,), 6, ["16.5 KiB a sequence", "(1 of the 4 layers)", "3 gated delta-net layers",
+                         "4 state matrices of 16 x 16"]),
+])
+def test_recurrent_state_is_reported_and_refuses_what_it_cannot_follow(converted, loaded, capsys, arch: str,
+                                                                      kv_layers: tuple, states: int,
+                                                                      info: list[str]) -> None:
+    """`gpullama info` gives the state a sequence holds and the layers with a KV pool; the pool has none for the
+    recurrent layers (a delta-net layer keeps two states: its convolution's and its matrices); tensor parallelism
+    and speculative decoding are refused by name."""
     from gpullama.cli import main
     from gpullama.engine.args import SpeculativeConfig
 
-    llm = loaded("lfm2")
+    llm = loaded(arch)
     c, runner = llm.config, llm.engine.runner
-    assert c.kv_layers == (2,) and len(runner.k_caches) == len(runner.v_caches) == 1 and len(runner.states) == 3
-    path = str(converted("lfm2")[1])
+    assert c.kv_layers == kv_layers and len(runner.k_caches) == len(runner.v_caches) == len(kv_layers)
+    assert len(runner.states) == states
+    path = str(converted(arch)[1])
     assert main(["info", path]) == 0
-    info = capsys.readouterr().out
-    assert "1.5 KiB a sequence" in info and "(1 of the 4 layers)" in info
-    with pytest.raises(ValueError, match="short-convolution layers of lfm2.*tensor_parallel_size 1"):
+    out = capsys.readouterr().out
+    assert all(part in out for part in info), out
+    with pytest.raises(ValueError, match=rf"recurrent layers of {arch} \(3 .* layers\).*tensor_parallel_size 1"):
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="speculative decoding is not supported for lfm2"):
+    with pytest.raises(ValueError, match=f"speculative decoding is not supported for {arch}"):
         make_engine(llm, speculative=SpeculativeConfig(num_speculative_tokens=3))

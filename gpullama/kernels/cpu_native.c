@@ -1,5 +1,6 @@
 /* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
-   windows, soft caps, sinks), SwiGLU, GeGLU, the final soft cap, greedy argmax, mixture-of-experts blocks.
+   windows, soft caps, sinks), SwiGLU, GeGLU, the final soft cap, greedy argmax, mixture-of-experts blocks, the
+   recurrent layers' scans (short convolution, gated delta rule).
 
 Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp -Wall -Wextra; it
 builds without a warning under each of the flag sets `cpu_native.FLAG_SETS` tries) and called through ctypes on
@@ -1137,6 +1138,58 @@ void gl_short_conv(const float *x, int64_t ldx, int64_t H, int64_t L, const floa
             for (int64_t j = 0; j < L - 1; j++) win[j] = win[j + 1];
         }
         for (int64_t j = 0; j < L - 1; j++) vf_store_n(state + j * H + c, win[j], (int)n);
+    }
+}
+
+/* The gated delta rule (Qwen3.5's linear attention) over each sequence's rows, one row after another: q, k [T, Hk,
+   Dk] (row strides ldq, ldk), v [T, Hv, Dv] (ldv), decay and beta [T, Hv] (contiguous); value head h reads key head
+   h % Hk. q and k are L2-normalized (1 / sqrt(sum x^2 + 1e-6)), q times Dk^-0.5. Head h's state S [Dk, Dv] (slot
+   slots[b] of states [slots, Hv, Dk, Dv]; zeros where the sequence's first row is at position 0) takes each row:
+   S *= exp(decay); kv = k S; S += k (beta (v - kv)); out = q S (out [T, Hv, Dv] contiguous). Each column of S
+   evolves on its own: sequences, heads and 16-column groups are independent, a task keeps its [Dk, 16] tile in
+   registers and cache for all its rows, and any thread split gives the same bits. Dk <= MAX_DELTA_KEY_DIM. */
+#define MAX_DELTA_KEY_DIM 256
+
+static void unit_rows(const float *x, int64_t D, float scale, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+    float r = scale / sqrtf(ss + 1e-6f);
+    for (int64_t i = 0; i < D; i++) out[i] = x[i] * r;
+}
+
+void gl_gated_delta_rule(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv,
+                         const float *decay, const float *beta, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+                         float *states, const int64_t *slots, const int64_t *positions, const int32_t *query_start,
+                         int64_t B, float *out, int threads) {
+    int64_t groups = (Dv + 15) / 16;
+    float q_scale = 1.0f / sqrtf((float)Dk);
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) schedule(static) if (B * Hv * groups >= 16))
+    for (int64_t u = 0; u < B * Hv * groups; u++) {
+        int64_t b = u / (Hv * groups), h = (u / groups) % Hv, c = (u % groups) * 16, n = Dv - c < 16 ? Dv - c : 16;
+        int64_t first = query_start[b], end = query_start[b + 1];
+        if (first == end) continue;
+        float *state = states + ((slots[b] * Hv + h) * Dk) * Dv + c;
+        int fresh = positions[first] == 0;
+        vf S[MAX_DELTA_KEY_DIM];
+        float qn[MAX_DELTA_KEY_DIM], kn[MAX_DELTA_KEY_DIM];
+        for (int64_t i = 0; i < Dk; i++) S[i] = fresh ? vf_zero() : vf_load_n(state + i * Dv, (int)n);
+        for (int64_t t = first; t < end; t++) {
+            unit_rows(q + t * ldq + (h % Hk) * Dk, Dk, q_scale, qn);
+            unit_rows(k + t * ldk + (h % Hk) * Dk, Dk, 1.0f, kn);
+            vf e = vf_set1(expf(decay[t * Hv + h])), kv = vf_zero(), o = vf_zero();
+            for (int64_t i = 0; i < Dk; i++) {
+                S[i] = vf_mul(S[i], e);
+                kv = vf_fma(S[i], vf_set1(kn[i]), kv);
+            }
+            vf delta = vf_mul(vf_sub(vf_load_n(v + t * ldv + h * Dv + c, (int)n), kv), vf_set1(beta[t * Hv + h]));
+            for (int64_t i = 0; i < Dk; i++) {
+                S[i] = vf_fma(vf_set1(kn[i]), delta, S[i]);
+                o = vf_fma(S[i], vf_set1(qn[i]), o);
+            }
+            vf_store_n(out + (t * Hv + h) * Dv + c, o, (int)n);
+        }
+        for (int64_t i = 0; i < Dk; i++) vf_store_n(state + i * Dv, S[i], (int)n);
     }
 }
 

@@ -34,7 +34,9 @@ FMT_MXFP4 = 12
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
 MAX_HEAD_DIM = 256
 MAX_CONV_KERNEL = 8
-"""The widest short convolution `short_conv` takes (LFM2's is 3)."""
+"""The widest short convolution `short_conv` takes (LFM2's is 3, Qwen3.5's 4)."""
+MAX_DELTA_KEY_DIM = 256
+"""The widest key head `gated_delta_rule` takes (Qwen3.5's are 128)."""
 """`attention` needs a head dim that is a multiple of 16 (of 32 for a Q8_0 cache) and at most this, and a block size
 a multiple of 16."""
 KV_F32, KV_F16, KV_Q8 = 0, 1, 2
@@ -52,6 +54,8 @@ _SIGNATURES = {
     "gl_gelu_tanh_mul": [_P, _I64, _I64, _P, _I32],
     "gl_soft_cap": [_P, _I64, _I64, _I64, _F32, _F32, _I32],
     "gl_short_conv": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _I32],
+    "gl_gated_delta_rule": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P,
+                            _I32],
     "gl_attention": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P,
                      _I32],
     "gl_attention_sinks": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32,
@@ -284,6 +288,22 @@ def short_conv(x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, slot
     _lib.gl_short_conv(x.data_ptr(), x.stride(0), x.shape[1], kernel.shape[0], kernel.data_ptr(), states.data_ptr(),
                        slots.data_ptr(), positions.data_ptr(), query_start.data_ptr(), slots.shape[0], out.data_ptr(),
                        torch.get_num_threads())
+    return out
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over each sequence's rows (`TorchOps.gated_delta_rule`'s arithmetic, one row after
+    another): q, k ``[T, Hk, Dk]`` and v ``[T, Hv, Dv]`` float32 with unit stride inside a row (row-strided views
+    allowed), decay and beta ``[T, Hv]`` contiguous, ``states [slots, Hv, Dk, Dv]`` at ``slots [B]`` updated in place
+    (zeros where a sequence's first row is at position 0); `out` ``[T, Hv, Dv]`` float32 contiguous."""
+    hk, dk = q.shape[1:]
+    hv, dv = v.shape[1:]
+    _lib.gl_gated_delta_rule(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                             decay.data_ptr(), beta.data_ptr(), hk, hv, dk, dv, states.data_ptr(), slots.data_ptr(),
+                             positions.data_ptr(), query_start.data_ptr(), slots.shape[0], out.data_ptr(),
+                             torch.get_num_threads())
     return out
 
 

@@ -103,6 +103,21 @@ class CpuOps(TorchOps):
         return cpu_native.short_conv(x, kernel, states, meta.state_slots, meta.positions, meta.query_start_loc,
                                      x.new_empty(x.shape))
 
+    def gated_delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+        states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """The gated delta rule over each sequence's rows and its state slot, in C, one row after another (the
+        recurrent form for prefill too: a [Dk, 16] tile of a head's state stays in cache for the whole chunk);
+        torch's for a key head wider than the C one takes."""
+        views = (q, k, v)
+        if q.shape[-1] > cpu_native.MAX_DELTA_KEY_DIM or any(
+                t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(1) != t.shape[2] for t in views):
+            return super().gated_delta_rule(q, k, v, decay, beta, states, meta)
+        return cpu_native.gated_delta_rule(q, k, v, decay.float().contiguous(), beta.float().contiguous(), states,
+                                           meta.state_slots, meta.positions, meta.query_start_loc,
+                                           v.new_empty(v.shape, dtype=torch.float32))
+
     def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> Any:
         """The decoder's layers as one C call a step (`NativeStack`), or None where it does not take them."""
         return NativeStack.build(decoder, k_caches, v_caches)

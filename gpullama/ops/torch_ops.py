@@ -201,6 +201,41 @@ class TorchOps:
             states[slot] = full[-(lk - 1) :]
         return out
 
+    def gated_delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+        states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """The gated delta rule (Qwen3.5's linear attention) over each sequence's new rows: ``q``, ``k [T, Hk, Dk]``,
+        ``v [T, Hv, Dv]``, ``decay``, ``beta [T, Hv]`` (value head h reads key head h mod Hk); q and k are
+        L2-normalized (eps 1e-6 inside the root, as the FLA kernels) and q scaled by Dk^-0.5. Each value head's
+        state ``S [Dk, Dv]`` (the sequence's slot of ``states [slots, Hv, Dk, Dv]``, zeros for a sequence starting
+        at position 0) takes each row in turn: ``S *= exp(decay)``, ``S += k (beta (v - k S))^T``, ``out = q S``.
+        A decode batch steps every sequence once (that recurrence); a longer chunk runs the chunked form
+        (`chunked_delta_rule`, 64 rows a chunk: the same sums regrouped into matrix products). Float32 ``[T, Hv,
+        Dv]``; the slots hold the states after the rows."""
+        q, k, v = _expand_heads(_l2norm(q) * q.shape[-1] ** -0.5, v.shape[1]), _expand_heads(_l2norm(k), v.shape[1]), \
+            v.float()
+        decay, beta, slots = decay.float(), beta.float(), meta.state_slots
+        if meta.is_decode:
+            state = states.index_select(0, slots)
+            state = torch.where((meta.positions == 0)[:, None, None, None], 0.0, state)
+            out, state = recurrent_delta_rule(q, k, v, decay, beta, state)
+            states.index_copy_(0, slots, state)
+            return out
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            a, b = starts[i], starts[i + 1]
+            if a == b:
+                continue
+            slot = slots[i]
+            state = states[slot] if seq_len > b - a else torch.zeros_like(states[slot])
+            form = recurrent_delta_rule if b - a == 1 else chunked_delta_rule
+            out[a:b], new_state = form(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], state[None] if b - a == 1
+                                       else state)
+            states[slot] = new_state[0] if b - a == 1 else new_state
+        return out
+
     def heads_matmul(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each head's own matrix: ``x [T, heads, K]`` times ``weights [heads, N, K]`` (transposed) is ``[T, heads,
         N]``, float32."""
@@ -416,6 +451,71 @@ def _taps(window: torch.Tensor, kernel: torch.Tensor, dim: int) -> torch.Tensor:
     for j in range(1, kernel.shape[0]):
         out = out + window.select(dim, j) * kernel[j]
     return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """Each row of the last dim over its L2 norm, float32 (``rsqrt(sum x^2 + 1e-6)``, as transformers and FLA)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[T, Hk, D]`` -> ``[T, heads, D]``, head h being head h mod Hk (llama.cpp's converter orders the value heads
+    so; ggml's broadcast)."""
+    return x if x.shape[1] == heads else x.repeat(1, heads // x.shape[1], 1)
+
+
+def recurrent_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule one row at a time: rows ``q``, ``k [N, H, Dk]`` (normalized, q scaled), ``v [N, H, Dv]``,
+    ``decay``, ``beta [N, H]`` and ``state [N, H, Dk, Dv]``, one step each (a decode batch: N sequences), or one
+    sequence's rows in turn when `state` is ``[1, H, Dk, Dv]``. Returns (out ``[N, H, Dv]``, the new state)."""
+    if state.shape[0] != q.shape[0]:  # one sequence's rows in order
+        outs = []
+        for t in range(q.shape[0]):
+            o, state = recurrent_delta_rule(q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1],
+                                            beta[t : t + 1], state)
+            outs.append(o)
+        return torch.cat(outs), state
+    state = state * decay.exp()[..., None, None]
+    kv = (state * k[..., None]).sum(-2)  # [N, H, Dv]: what the state recalls for k
+    state = state + k[..., None] * ((v - kv) * beta[..., None])[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def chunked_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence's rows ``q``, ``k [N, H, Dk]``, ``v [N, H, Dv]``, ``decay``, ``beta
+    [N, H]`` from ``state [H, Dk, Dv]``, `chunk` rows at a time: within a chunk the updates are condensed by the UT
+    transform (a unit lower-triangular solve) into matrix products, then the state carries to the next chunk
+    (transformers' `torch_chunk_gated_delta_rule`, the same arithmetic). Returns (out ``[N, H, Dv]``, new state)."""
+    n = q.shape[0]
+    pad = (-n) % chunk  # zero rows at the end: no update (k = 0, beta = 0) and no decay (0 in log space)
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, N', D]
+    decay, beta = (F.pad(x.t(), (0, pad)) for x in (decay, beta))  # [H, N']
+    h = q.shape[0]
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    q, k, k_beta, v_beta = (x.reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = decay.reshape(h, -1, chunk).cumsum(-1)  # log of the decay from the chunk's start to each row
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()  # decay from row j to row i
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    inner = (q @ k.transpose(-1, -2)) * pair
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
+    q = q * g.exp()[..., None]
+    k = k * (g[..., -1:] - g).exp()[..., None]
+    chunk_decay = g[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_values)
+    state = state.float()
+    for i in range(q.shape[1]):
+        v_new = new_values[:, i] - k_decayed[:, i] @ state
+        out[:, i] = q[:, i] @ state + inner[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(h, -1, out.shape[-1])[:, :n].transpose(0, 1), state
 
 
 def _plain_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

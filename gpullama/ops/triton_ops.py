@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from gpullama.kernels.attention import paged_attention
+from gpullama.kernels.delta_rule import gated_delta_rule as _gated_delta_rule
 from gpullama.kernels.embedding import embedding as _embedding
 from gpullama.kernels.fused_moe import fused_moe
 from gpullama.kernels.gguf_blocks import QUANTIZED_KERNEL_TYPES
@@ -120,6 +121,14 @@ class TritonOps(TorchOps):
     ) -> torch.Tensor:
         """LFM2's short convolution over each sequence's rows and its state slot, one kernel launch."""
         return _short_conv(x, kernel, states, meta.state_slots, meta.positions, meta.query_start_loc)
+
+    def gated_delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+        states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """The gated delta rule over each sequence's rows and its state slot, one kernel launch (the recurrent form
+        for prefill too: see `gpullama.kernels.delta_rule`)."""
+        return _gated_delta_rule(q, k, v, decay, beta, states, meta.state_slots, meta.positions, meta.query_start_loc)
 
     def latent_rope_and_cache(
         self, q: torch.Tensor, rows: torch.Tensor, cos_sin: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata

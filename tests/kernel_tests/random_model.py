@@ -128,6 +128,28 @@ def lfm2_like_config(vocab_size: int = 72) -> ModelConfig:
     )
 
 
+def qwen35_08b_config(num_layers: int = 24) -> ModelConfig:
+    """Qwen3.5-0.8B shapes (hidden 1024; three gated delta-net layers of 16 key and 16 value heads of 128, kernel 4,
+    then a gated attention layer of 8 heads and 2 kv heads of 256 with 64 rotary dims and q/k norms; intermediate
+    3584, vocab 248320, tied embeddings); fewer layers keep its pattern."""
+    return ModelConfig(
+        "qwen35", num_layers, 1024, 3584, 8, 2, 256, 248320, 262144, 1e7, 1e-6, qk_norm=True, tied_embeddings=True,
+        rotary_dim=64, ffn_norm_tensor="post_attention_norm", attn_output_gate=True, conv_kernel=4,
+        delta_layers=tuple((i + 1) % 4 != 0 for i in range(num_layers)), ssm_state_size=128, ssm_groups=16,
+        ssm_heads=16, ssm_inner_size=2048,
+    )
+
+
+def qwen35_like_config(vocab_size: int = 72) -> ModelConfig:
+    """Qwen3.5's flags on a tiny shape: a gated delta-net layer (2 key heads for 4 value heads of 64, kernel 4), then
+    a gated attention layer with q/k norms and partial rotary (16 of 64 dims)."""
+    return ModelConfig(
+        "qwen35", 2, 256, 256, 4, 2, 64, vocab_size, 512, 1e7, 1e-6, qk_norm=True, tied_embeddings=True, rotary_dim=16,
+        ffn_norm_tensor="post_attention_norm", attn_output_gate=True, conv_kernel=4, delta_layers=(True, False),
+        ssm_state_size=64, ssm_groups=2, ssm_heads=4, ssm_inner_size=256,
+    )
+
+
 def gemma_like_config(vocab_size: int = 72) -> ModelConfig:
     """Every Gemma flag at once on a tiny shape: q/k norms, post-norms, GeGLU, embedding scale, a sliding layer
     (window 4, its own rope base) beside a full one (linear rope scaling), attention and final soft-capping."""
@@ -193,6 +215,17 @@ def random_tensors(
             tensors[p + "shortconv.in_proj.weight"] = random_weight(qtype, 3 * h, h, device, g)
             tensors[p + "shortconv.out_proj.weight"] = random_weight(qtype, h, h, device, g)
             tensors[p + "shortconv.conv.weight"] = vector(h, c.conv_kernel, scale=0.5)
+        if c.is_delta(i):  # a gated delta-net in place of attention (its small vectors F32, as the converter writes)
+            h, hv, channels, inner = c.hidden_size, c.ssm_heads, c.delta_conv_channels, c.ssm_inner_size
+            tensors[p + "attn_qkv.weight"] = random_weight(qtype, channels, h, device, g)
+            tensors[p + "attn_gate.weight"] = random_weight(qtype, inner, h, device, g)
+            tensors[p + "ssm_beta.weight"] = random_weight(qtype, hv, h, device, g)
+            tensors[p + "ssm_alpha.weight"] = random_weight(qtype, hv, h, device, g)
+            tensors[p + "ssm_conv1d.weight"] = vector(channels, c.conv_kernel, scale=0.5)
+            tensors[p + "ssm_a"] = QTensor(-torch.rand(hv, device=device, generator=g) - 0.1, Q.F32, (hv,))
+            tensors[p + "ssm_dt.bias"] = vector(hv)
+            tensors[p + "ssm_norm.weight"] = norm(inner // hv)
+            tensors[p + "ssm_out.weight"] = random_weight(qtype, h, inner, device, g)
         if fused:
             shapes = {
                 "attn_qkv.weight": (q_rows + 2 * kv_rows, c.hidden_size),
@@ -206,10 +239,12 @@ def random_tensors(
                 "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
                 "ffn_up.weight": (c.intermediate_size, c.hidden_size),
             }
-        if c.is_mla or c.is_conv(i):
+        if c.is_mla or not c.has_attention(i):
             for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
                 shapes.pop(name, None)
-        if not c.is_conv(i):
+        elif c.attn_output_gate:  # each head's query rows, then its gate's
+            shapes["attn_q.weight"] = (2 * q_rows, c.hidden_size)
+        if c.is_mla or c.has_attention(i):
             shapes["attn_output.weight"] = (c.hidden_size, q_rows)
         shapes["ffn_down.weight"] = (c.hidden_size, c.intermediate_size)
         if c.is_moe:  # experts stacked (`expert_qtype`, default `qtype`); the router F32, as llama.cpp keeps it
@@ -244,7 +279,7 @@ def random_tensors(
         names += ["post_attention_norm.weight", "post_ffw_norm.weight"] if c.post_norms else []
         for name in names:
             tensors[p + name] = norm(c.hidden_size)
-        if c.qk_norm and not c.is_mla and not c.is_conv(i):
+        if c.qk_norm and not c.is_mla and c.has_attention(i):
             tensors[p + "attn_q_norm.weight"] = norm(c.head_dim)
             tensors[p + "attn_k_norm.weight"] = norm(c.head_dim)
     return tensors

@@ -197,3 +197,31 @@ def test_short_conv_matches_torch(seq_lens, q_lens, device):
     got = TritonOps(device).short_conv(x.to(device), kernel.to(device), got_states, meta_to(meta, device))
     assert rel_err(got, want) < 1e-5 and rel_err(got_states, want_states) < 1e-6
     assert torch.equal(got_states.cpu()[[2, 5]], states[[2, 5]])
+
+
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([6, 9], [6, 3]), ([7, 1, 3], [1, 1, 1])], ids=["prefill", "decode"])
+def test_gated_delta_rule_matches_torch(seq_lens, q_lens, device):
+    """Qwen3.5's gated delta rule (2 key heads for 4 value heads, key dim 16, value dim 24 over 16-column programs
+    wide enough for two: a partial column group): a fresh sequence at position 0, a chunk after earlier rows (its
+    state from the slot), decode rows; q, k, v strided views of one row; the outputs and the updated slots against
+    TorchOps' (slots no sequence holds untouched)."""
+    hk, hv, dk, dv = 2, 4, 16, 24
+    meta = make_batch(seq_lens, q_lens, 4, num_blocks=16, seed=1)
+    meta.state_slots = torch.tensor([3, 0, 4][: len(seq_lens)])
+    t = meta.positions.shape[0]
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, 2 * hk * dk + hv * dv, generator=g)
+    decay, beta = -torch.rand(t, hv, generator=g), torch.rand(t, hv, generator=g)
+    states = torch.randn(6, hv, dk, dv, generator=g) * 0.3
+
+    def split(x):
+        return x[:, : hk * dk].view(t, hk, dk), x[:, hk * dk : 2 * hk * dk].view(t, hk, dk), x[:, 2 * hk * dk :].view(
+            t, hv, dv)
+
+    want_states, got_states = states.clone(), states.to(device)
+    want = TorchOps(CPU).gated_delta_rule(*split(qkv), decay, beta, want_states, meta)
+    got = TritonOps(device).gated_delta_rule(*split(qkv.to(device)), decay.to(device), beta.to(device), got_states,
+                                             meta_to(meta, device))
+    assert rel_err(got, want) < 1e-5 and rel_err(got_states, want_states) < 1e-5
+    untouched = [s for s in range(6) if s not in meta.state_slots.tolist()]
+    assert torch.equal(got_states.cpu()[untouched], states[untouched])

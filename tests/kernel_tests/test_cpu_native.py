@@ -185,6 +185,46 @@ def test_short_conv_matches_torch_and_updates_the_states(seq_lens, q_lens) -> No
     assert torch.equal(got_states[[1, 2]], states[[1, 2]])  # slots no sequence holds are untouched
 
 
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([70, 1, 9], [70, 1, 2]), ([7, 1, 3], [1, 1, 1])],
+                         ids=["prefill", "decode"])
+def test_gated_delta_rule_matches_torch_and_updates_the_states(seq_lens, q_lens) -> None:
+    """Qwen3.5's gated delta rule (2 key heads for 4 value heads, key dim 16, value dim 24: a full 16-column group
+    and a partial one) over a ragged batch: a 70-row chunk (torch: two chunks of the chunked form; C: the recurrence),
+    a sequence at position 0 (zeros, whatever its slot holds), chunks after earlier rows, decode rows; q, k, v are
+    strided views of one row, as the decoder passes them. The outputs and the updated slots equal TorchOps'."""
+    hk, hv, dk, dv, num_slots = 2, 4, 16, 24, 5
+    meta = make_meta(seq_lens, q_lens, slots=[3, 0, 4])
+    t = meta.positions.shape[0]
+    qkv = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen(1))
+    q, k, v = qkv[:, : hk * dk].view(t, hk, dk), qkv[:, hk * dk : 2 * hk * dk].view(t, hk, dk), \
+        qkv[:, 2 * hk * dk :].view(t, hv, dv)
+    decay = -F.softplus(torch.randn(t, hv, generator=gen(2)))
+    beta = torch.sigmoid(torch.randn(t, hv, generator=gen(3)))
+    states = torch.randn(num_slots, hv, dk, dv, generator=gen(4)) * 0.3
+    want_states, got_states = states.clone(), states.clone()
+    want = TorchOps(torch.device("cpu")).gated_delta_rule(q, k, v, decay, beta, want_states, meta)
+    got = cpu_native.gated_delta_rule(q, k, v, decay, beta, got_states, meta.state_slots, meta.positions,
+                                      meta.query_start_loc, torch.empty(t, hv, dv))
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    assert (got_states - want_states).abs().max() < 1e-5 * want_states.abs().max()
+    assert torch.equal(got_states[[1, 2]], states[[1, 2]])  # slots no sequence holds are untouched
+
+
+def make_meta(seq_lens: list[int], q_lens: list[int], slots: list[int]) -> BatchMetadata:
+    """Metadata of sequences whose last `q_lens[i]` of `seq_lens[i]` rows are new, in state slots `slots` (no KV
+    pool: for the recurrent layers' scans)."""
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return BatchMetadata(
+        positions=torch.tensor([p for s, n in zip(seq_lens, q_lens) for p in range(s - n, s)]),
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.zeros(len(seq_lens), 1, dtype=torch.int32),
+        logits_indices=torch.tensor(starts[1:]) - 1, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, state_slots=torch.tensor(slots),
+    )
+
+
 def test_without_a_compiler_auto_loads_the_exact_path_and_says_why(tmp_path: Path, tiny_model) -> None:
     """No C compiler (CC names a missing binary, an empty kernel cache): `library()` gives None, `build_error()`
     the reason, a warning says the torch path is used, and ``dtype="auto"`` on a quantized file loads the exact
