@@ -10,11 +10,11 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2", "lfm2", "qwen35",
+    "glm4moe", "deepseek2", "lfm2", "qwen35", "qwen35moe",
 )
 
-_MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, gpt-oss, glm4moe, deepseek2 and "
-                  "Mixtral (llama)")
+_MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, qwen35moe, gpt-oss, glm4moe, "
+                  "deepseek2 and Mixtral (llama)")
 # Families llama.cpp knows that are not implemented here, with why (named in the refusal).
 _NOT_SUPPORTED = {
     "granitemoe": f"Granite MoE is not supported ({_MOE_SUPPORTED})",
@@ -25,7 +25,6 @@ _NOT_SUPPORTED = {
     "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
     "granitehybrid": "Granite 4 hybrid (Mamba) models are not supported (Granite 3.x is)",
     "lfm2moe": "LFM2-MoE is not supported (the dense LFM2 is)",
-    "qwen35moe": "Qwen3.5-MoE's gated delta-net layers are not supported",
 }
 
 
@@ -34,7 +33,8 @@ class ModelConfig:
     """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
     phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3,
     glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2/V3's multi-head latent attention), lfm2 (LFM2's short
-    convolutions beside attention layers) and qwen35 (Qwen3.5's gated delta-net layers beside gated attention)."""
+    convolutions beside attention layers) and qwen35, qwen35moe (Qwen3.5's gated delta-net layers beside gated
+    attention; the latter with routed experts and a gated shared expert)."""
 
     architecture: str
     num_layers: int
@@ -233,7 +233,9 @@ class ModelConfig:
             architecture=arch,
             num_layers=num_layers,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            # a model whose every layer routes (qwen35moe) may have no dense MLP size
+            intermediate_size=int(opt("feed_forward_length") or 0) if opt("expert_count") else
+            int(get("feed_forward_length")),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
@@ -305,7 +307,7 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     """`{arch}.expert_count` and the keys that shape routing, as llama.cpp's converter writes them; the expert
     sizes themselves come from the tensors (`gguf_file`)."""
     count = int(opt("expert_count") or 0)
-    if arch in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe") and count <= 0:
+    if arch in ("qwen2moe", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe") and count <= 0:
         raise ValueError(f"{path}: missing metadata key '{arch}.expert_count' (a {arch} model routes to experts)")
     if count <= 0:
         return
@@ -331,7 +333,7 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     config.shared_expert_intermediate_size = int(
         opt("expert_shared_feed_forward_length") or int(opt("expert_shared_count") or 0) * config.expert_intermediate_size
     )
-    # llama.cpp's graphs: qwen3moe and Mixtral renormalize the top-k weights, qwen2moe does not; gpt-oss takes the
+    # llama.cpp's graphs: qwen3moe, qwen35moe and Mixtral renormalize the top-k weights, qwen2moe does not; gpt-oss takes the
     # softmax of the chosen logits (normalized by construction); glm4moe's default is sigmoid
     default_gating = {"gpt-oss": 3, "glm4moe": 2}.get(arch, 1)
     gating = int(opt("expert_gating_func") or default_gating)
@@ -342,7 +344,7 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
         )
     config.expert_gating = _GATING[gating]
     norm = opt("expert_weights_norm")
-    config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe")
+    config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe", "qwen35moe")
     config.expert_weights_scale = float(opt("expert_weights_scale") or 1.0)
 
 
@@ -509,7 +511,9 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
     `ssm.time_step_rank` value heads in `ssm.inner_size` values; the converter orders the value heads so value
     head h reads key head h mod the key heads), a causal convolution over them (`ssm_conv1d`, `ssm.conv_kernel`
     wide) then SiLU, the delta rule with decay `ssm_a * softplus(alpha + ssm_dt)` and rate `sigmoid(beta)`, a
-    per-head RMSNorm (`ssm_norm`) times `silu(attn_gate x)`, and `ssm_out`."""
+    per-head RMSNorm (`ssm_norm`) times `silu(attn_gate x)`, and `ssm_out`. Qwen3.5-MoE (`qwen35moe`) routes every
+    layer's MLP: the top k of the softmax, renormalized, plus a shared expert times sigmoid(x . ffn_gate_inp_shexp)
+    (qwen2moe's)."""
     arch = config.architecture
     recurrent = opt("attention.recurrent_layers")
     if recurrent is None:
@@ -535,5 +539,5 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
 
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
-    "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "qwen35": _qwen35,
+    "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "qwen35": _qwen35, "qwen35moe": _qwen35,
 }

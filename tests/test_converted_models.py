@@ -23,6 +23,7 @@ from transformers import (
     SmolLM3Config,
 )
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from gpullama import LLM, SamplingParams
 from gpullama.config import ModelConfig
@@ -45,6 +46,10 @@ DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_
                      beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
 QWEN35_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                    mrope_interleaved=True)
+QWEN35_MOE = {k: v for k, v in COMMON.items() if k != "intermediate_size"} | dict(
+    head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+    num_experts_per_tok=2)
 MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
            routed_scaling_factor=2.5, norm_topk_prob=True)
 CONFIGS = {
@@ -70,13 +75,18 @@ CONFIGS = {
     "qwen35": lambda **kw: Qwen3_5TextConfig(**COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
                                              linear_value_head_dim=16, linear_num_key_heads=2,
                                              linear_num_value_heads=4, rope_parameters=QWEN35_ROPE, **kw),
+    # the same layers with every MLP routed: 2 of 8 experts (softmax, renormalized) and a sigmoid-gated shared expert
+    "qwen35moe": lambda **kw: Qwen3_5MoeTextConfig(**QWEN35_MOE, rope_parameters=QWEN35_ROPE, **kw),
 }
 """Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF)."""
 SPECIAL_TOKENS = {"glm4moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
 """Tokens a family's converter looks up by name (GLM's `_set_vocab_glm`), added to the tokenizer."""
-CONVERTER_ARGS = {"qwen35": ("--no-mtp",)}
+CONVERTER_ARGS = {"qwen35": ("--no-mtp",), "qwen35moe": ("--no-mtp",)}
 """Each family's converter flags beyond ``--outtype f32`` (Qwen3.5's wants --no-mtp for a model without MTP layers)."""
-SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "qwen35")
+SAVED_TOKENIZER = ("qwen35moe",)
+"""Families whose model type transformers gives a tokenizer class of its own (Qwen3.5-MoE's, Qwen's pre-tokenizer
+over SmolLM2's vocabulary, which the converter cannot name): converted with the tokenizer as saved."""
+SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "qwen35", "qwen35moe")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
 NATIVE_STACK = ("llama", "smollm3", "glm4moe")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
@@ -131,7 +141,8 @@ def converted(tmp_path_factory, default_model_path: Path):
             if getattr(model.config, "num_nextn_predict_layers", 0):
                 with_mtp_layer(folder, model.config.num_hidden_layers)
             made[arch] = model, convert_hf_to_gguf(folder, folder / f"{arch}-f32.gguf", "--outtype", "f32",
-                                                   *CONVERTER_ARGS.get(arch, ()))
+                                                   *CONVERTER_ARGS.get(arch, ()),
+                                                   saved_tokenizer=arch in SAVED_TOKENIZER)
         return made[arch]
 
     return get
@@ -259,7 +270,8 @@ def test_what_is_not_read_is_refused_by_key(converted, arch: str, change: dict, 
         ModelConfig.from_metadata(meta, "model.gguf")
 
 
-STATE_BYTES = {"lfm2": 3 * 2 * 64 * 4, "qwen35": 3 * (3 * 128 + 4 * 16 * 16) * 4}
+STATE_BYTES = {"lfm2": 3 * 2 * 64 * 4, "qwen35": 3 * (3 * 128 + 4 * 16 * 16) * 4,
+               "qwen35moe": 3 * (3 * 128 + 4 * 16 * 16) * 4}
 """A sequence's recurrent state, float32: LFM2's 3 conv layers of kernel 3 (two inputs of 64 each); Qwen3.5's 3
 delta-nets (kernel 4: three inputs of the 128 q|k|v channels, and 4 value heads' 16 x 16 state matrices each)."""
 
