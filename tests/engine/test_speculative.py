@@ -210,6 +210,52 @@ def test_fast_path_greedy_output_is_plain_decoding(fast_default_llm: LLM) -> Non
     assert alone.stats.accepted_tokens > 0, alone.stats
 
 
+CODE_EDITS = [
+    CODE_PROMPT,
+    """Add a parameter `skip_negative=False` to this function: when it is true, negative values are left out.
+Return the whole function.
+
+```python
+def count_items(items, limit):
+    seen = 0
+    for item in items:
+        if seen >= limit:
+            break
+        seen += 1
+    return seen
+```
+""",
+    """Add a one-line docstring to this function and return the whole function unchanged otherwise.
+
+```python
+def clamp(value, low, high):
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+```
+""",
+]
+"""Code edits whose answer copies most of the prompt: rename a variable, add a parameter, add a docstring."""
+
+
+def test_real_coder_code_edits_decode_as_plain(coder_model_path) -> None:
+    """The real Qwen2.5-Coder-0.5B Q4_K_M (the model speculation is for) on the CPU fast path: each code edit, alone,
+    decodes to plain decoding's tokens with n-gram drafts, and the drafts carry a good part of the output (the edits
+copy the prompt's code: 36% of the tokens were accepted drafts when this was written)."""
+    llm = LLM(str(coder_model_path), device="cpu", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    spec_config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+    plain_engine = make_engine(llm, max_num_seqs=1)
+    spec_engine = make_engine(llm, max_num_seqs=1, speculative=spec_config)
+    for edit in CODE_EDITS:
+        prompt = [llm._encode_chat([{"role": "user", "content": edit}])]
+        assert_same(run_requests(spec_engine, prompt, params), run_requests(plain_engine, prompt, params))
+    stats = spec_engine.stats
+    assert stats.accepted_tokens >= stats.generation_tokens // 4, stats
+
+
 # -- sampled: plain sampling's distribution -------------------------------------------------------------------
 
 
