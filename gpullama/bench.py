@@ -6,7 +6,8 @@ count, backend and threads as llama-bench's columns. A depth d (``-d``, llama-be
 before each test: they are prefilled once (the warm-up) and served from the prefix cache, so a row times its own
 tokens only (``tg128 @ d2048``: 128 tokens generated after 2048). The tg rows also give the share of the machine's
 memory bandwidth they use: the bytes one token reads (the file's matrices, the whole output head, the KV cache of
-its context) times tokens/s, over a copy bandwidth measured in the same run. `benchmarks/bench_decode.py` puts the
+its context) times tokens/s, over the read bandwidth measured in the same run (`read_bandwidth`, a streaming read
+by the same threads). `benchmarks/bench_decode.py` puts the
 same rows beside llama.cpp's and transformers'.
 """
 
@@ -91,6 +92,24 @@ def decode_weight_bytes(path: str) -> int:
     return model_size(read_header(path)).active_bytes
 
 
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, threads: int | None = None) -> float:
+    """The machine's memory read bandwidth in bytes/s, as STREAM measures it: `threads` (default torch's) threads
+    read a float32 buffer of `nbytes` (far larger than the caches) once each time, in contiguous shares, with
+    vector loads (`cpu_native.read_sum`; `torch.sum` where the C kernels are not built); the best of `repeats`
+    after a first touch. A decode step reads every weight once, so this is its limit."""
+    from gpullama.kernels import cpu_native
+
+    x = torch.ones(nbytes // 4)
+    read = cpu_native.read_sum if cpu_native.library() is not None else (lambda t, n: float(t.sum()))
+    read(x, threads)  # first touch
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        read(x, threads)
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """The machine's memory bandwidth in bytes/s: a torch copy of `nbytes` to another buffer (read and write, all
     threads), the best of `repeats`."""
@@ -151,7 +170,7 @@ def table(bench: PpTg, rows: list[Row], bandwidth: float | None = None) -> str:
     count, size_label, file_type = _header(llm.path)
     model = f"{llm.config.architecture} {size_label} {file_type}"
     backend = f"{llm.device.type} ({llm.model.ops.name}, {llm.model.ops.mode}; KV {llm.engine.runner.kv_cache_format})"
-    cols = ["model", "size", "params", "backend", "threads", "test", "t/s"] + (["% mem BW"] if bandwidth else [])
+    cols = ["model", "size", "params", "backend", "threads", "test", "t/s"] + (["% read BW"] if bandwidth else [])
     lines = ["| " + " | ".join(cols) + " |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"
              + (" ---: |" if bandwidth else "")]
     for row in rows:

@@ -245,7 +245,7 @@ def cmd_bench(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     if not any(args.n_prompt) and not any(args.n_gen):
         raise ValueError("nothing to time: -p and -n are both 0")
-    from gpullama.bench import PpTg, copy_bandwidth, run, table
+    from gpullama.bench import PpTg, copy_bandwidth, read_bandwidth, run, table
 
     kwargs = {name: getattr(engine_args, name)
               for name in ("kv_cache_memory", "kv_cache_dtype", "block_size", "enforce_eager")}
@@ -254,13 +254,21 @@ def cmd_bench(args) -> int:
                      max(args.n_gen), engine_args.threads, on_progress=line.progress, n_depth=max(args.n_depth),
                      **kwargs)
     rows = run(bench, args.n_prompt, args.n_gen, args.repetitions, args.n_depth)
-    bandwidth = copy_bandwidth() if bench.llm.device.type == "cpu" else None
+    bandwidth = read_bandwidth() if bench.llm.device.type == "cpu" else None
     print(table(bench, rows, bandwidth))
     if bandwidth:
-        print(f"\nmemory bandwidth: {bandwidth / 1e9:.1f} GB/s (a copy of 256 MiB, best of 5); % mem BW: the bytes a "
-              f"tg token reads (matrices {decode_mb(bench):.1f} MB, KV {bench.kv_bytes_per_position() / 1024:.1f} "
-              f"KiB a context position) x t/s over it")
+        print(f"\nmemory bandwidth: read {bandwidth / 1e9:.1f} GB/s (a streaming read of 512 MiB by "
+              f"{torch_threads()} threads, best of 5), copy {copy_bandwidth() / 1e9:.1f} GB/s; "
+              f"% read BW: the bytes a tg token reads (matrices {decode_mb(bench):.1f} MB, KV "
+              f"{bench.kv_bytes_per_position() / 1024:.1f} KiB a context position) x t/s over the read bandwidth")
     return 0
+
+
+def torch_threads() -> int:
+    """torch's intra-op threads (what the model was loaded with)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def decode_mb(bench) -> float:

@@ -110,7 +110,7 @@ def test_bench_prints_the_llama_bench_table(tiny_model) -> None:
     assert result.returncode == 0, result.stderr
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in result.stdout.splitlines()
             if line.startswith("|")]
-    assert rows[0] == ["model", "size", "params", "backend", "threads", "test", "t/s", "% mem BW"]
+    assert rows[0] == ["model", "size", "params", "backend", "threads", "test", "t/s", "% read BW"]
     body = rows[2:]
     assert [r[5] for r in body] == ["pp16", "tg4", "tg8", "pp16 @ d40", "tg4 @ d40", "tg8 @ d40"]  # llama-bench's
     params = sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)  # gguf's own reading of the file
@@ -123,7 +123,7 @@ def test_bench_prints_the_llama_bench_table(tiny_model) -> None:
         mean, sd = (float(v) for v in row[6].split(" ± "))
         assert mean > 0 and sd >= 0
         assert (row[7] == "") if row[5].startswith("pp") else (0 < float(row[7].rstrip("%")) < 1000)
-    assert "memory bandwidth: " in result.stdout
+    assert "memory bandwidth: read " in result.stdout and " by 1 threads" in result.stdout
     assert_one_line_error(gpullama("bench", "-m", str(path), "-p", "0", "-n", "0"), "nothing to time")
 
 

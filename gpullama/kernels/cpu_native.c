@@ -922,6 +922,30 @@ void gl_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *ou
     }
 }
 
+/* The sum of x [n] (float32) read once by `threads` threads in contiguous shares, with four vector accumulators
+   a thread: a streaming read as STREAM's, which `gpullama bench` times for the machine's read bandwidth (the limit
+   of a decode step, which reads every weight once). The sum is returned so that the reads cannot be left out. */
+float gl_read_sum(const float *x, int64_t n, int threads) {
+    float total = 0.0f;
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) reduction(+ : total) schedule(static))
+    for (int64_t part = 0; part < 64; part++) {
+        int64_t start = n * part / 64 / 64 * 64, end = part == 63 ? n : n * (part + 1) / 64 / 64 * 64;
+        vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
+        int64_t i = start;
+        for (; i + 64 <= end; i += 64) {
+            a0 = vf_add(a0, vf_load(x + i));
+            a1 = vf_add(a1, vf_load(x + i + 16));
+            a2 = vf_add(a2, vf_load(x + i + 32));
+            a3 = vf_add(a3, vf_load(x + i + 48));
+        }
+        float sum = vf_hsum(vf_add(vf_add(a0, a1), vf_add(a2, a3)));
+        for (; i < end; i++) sum += x[i];
+        total += sum;
+    }
+    return total;
+}
+
 /* ------------------------------------------------------------------------------------------------------------
    RMSNorm (with the residual add), rotary + KV write, SwiGLU
    ------------------------------------------------------------------------------------------------------------ */

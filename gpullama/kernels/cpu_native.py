@@ -62,6 +62,7 @@ _SIGNATURES = {
                            _P, _P, _I32],
     "gl_embedding": [_I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
+    "gl_read_sum": [_P, _I64, _I32],
     "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
                _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32],
     "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I32],
@@ -187,6 +188,7 @@ def _build() -> ctypes.CDLL:
         lib.gl_isa.restype = ctypes.c_char_p
         lib.gl_moe_bytes_read.restype = ctypes.c_int64
         lib.gl_matmul_bytes_read.restype = ctypes.c_int64
+        lib.gl_read_sum.restype = ctypes.c_float
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -385,3 +387,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _lib.gl_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
+
+
+def read_sum(x: torch.Tensor, threads: int | None = None) -> float:
+    """The sum of a contiguous float32 tensor, read once by `threads` (default torch's) threads as a streaming read:
+    what `gpullama.bench.read_bandwidth` times."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    return float(_lib.gl_read_sum(x.data_ptr(), x.numel(), threads or torch.get_num_threads()))

@@ -68,6 +68,15 @@ def test_argmax_takes_the_first_of_equal_largest_values() -> None:
     assert cpu_native.argmax(x)[1] == 20
 
 
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 4095, 64 * 64 + 17, 100_003])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_sum_reads_every_value_once(n: int, threads: int) -> None:
+    """The streaming read behind `gpullama bench`'s read bandwidth sums every value exactly once: small integers, so
+    float32 sums are exact whatever the order (torch.sum in float64 the reference)."""
+    x = torch.randint(-8, 9, (n,), generator=gen()).float()
+    assert cpu_native.read_sum(x, threads) == float(x.double().sum())
+
+
 def metadata(q_lens: list[int], seq_lens: list[int], block_size: int, blocks: list[list[int]]) -> BatchMetadata:
     starts = [0]
     for n in q_lens:
