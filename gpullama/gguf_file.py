@@ -76,11 +76,11 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
-def read_header(path: str, max_array: int | None = 4096) -> GGUFHeader:
+def read_header(path: str, max_array: int | None = 4096, text_model: bool = True) -> GGUFHeader:
     """Read a GGUF file's metadata and tensor list only (what `gpullama info` shows), fast: the tensor data is
     never touched and arrays longer than `max_array` (None: no limit) are skipped over, kept as their length.
     gguf's own reader builds a view of every array item (seconds for a 150k-token vocabulary), so this walks the
-    header itself."""
+    header itself. `text_model` False: a file without a text model's config (an mmproj file; `config` is None)."""
     path = os.fspath(path)
     size = _check_file(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -93,6 +93,8 @@ def read_header(path: str, max_array: int | None = 4096) -> GGUFHeader:
                 f"{path}: corrupt or truncated GGUF file: its header and metadata do not parse within its {size} "
                 f"bytes ({type(exc).__name__}: {exc})"
             ) from None
+    if not text_model:
+        return GGUFHeader(path, metadata, tensors, None, data_start)
     # outside the parse: an unsupported architecture or a missing key is not a corrupt file
     config = ModelConfig.from_metadata(metadata, path)
     _set_tensor_flags(config, {t.name: t.shape for t in tensors})
@@ -286,7 +288,7 @@ def check_model_file(path: str) -> GGUFHeader:
     return header
 
 
-def read_gguf(path: str) -> GGUFModel:
+def read_gguf(path: str, text_model: bool = True) -> GGUFModel:
     """Read metadata and tensors of a GGUF model file (memory-mapped, nothing dequantized).
 
     The header is walked by `read_header` (every array read whole: tenths of a second where gguf's reader takes
@@ -296,7 +298,7 @@ def read_gguf(path: str) -> GGUFModel:
     from gpullama.quants import QTensor, _from_numpy, expected_nbytes  # torch: only for a model that loads
 
     path = os.fspath(path)
-    header = read_header(path, max_array=None)
+    header = read_header(path, max_array=None, text_model=text_model)
     size = os.path.getsize(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: dict[str, QTensor] = {}

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from gpullama.chat.messages import check_messages
+from gpullama.chat.messages import chat_images, check_messages
+from gpullama.checks import RequestError
 from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineError
 from gpullama.engine.llm_engine import LLMEngine
@@ -28,6 +29,7 @@ from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.tokenizer import Tokenizer
+from gpullama.vision.loading import load_vision
 
 log = logging.getLogger("gpullama")
 
@@ -71,6 +73,7 @@ class LLM:
     """
 
     _workers: TPWorkers | None = None
+    vision = None  # gpullama.vision.prompt.VisionModel: the mmproj's tower, when the model has one
 
     def __init__(self, model: str | os.PathLike = EngineArgs.model, **engine_args):
         self._load(EngineArgs(model=os.fspath(model), **engine_args))
@@ -115,6 +118,7 @@ class LLM:
         try:
             tp = self._workers.tp if self._workers is not None else None
             self.model = build_model(spec, tp, gguf_model=gguf_model, on_progress=step)
+            self.vision = load_vision(args, self.path, self.model, self.tokenizer, tp_size)
             step("reserving the KV cache")
             self.engine = LLMEngine(self.model, self.tokenizer, spec.engine_config)
             if self._workers is not None:
@@ -158,7 +162,13 @@ class LLM:
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         check_messages(messages)
+        messages, refs = chat_images(messages)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if refs:
+            if self.vision is None:
+                raise RequestError("this model reads no images: load its vision projector with mmproj=... "
+                                   "(--mmproj FILE)", "messages")
+            return self.vision.prompt(text, refs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -167,7 +177,8 @@ class LLM:
         with self._lock:
             engine = self.engine
             # all admitted before any runs, so a bad prompt fails the call before anything is queued
-            seqs = [[engine.admit(f"llm-{next(self._ids)}", ids, p) for p in samples] for ids in prompts]
+            seqs = [[engine.admit(f"llm-{next(self._ids)}", ids, p, images=getattr(ids, "images", None))
+                     for p in samples] for ids in prompts]
             try:
                 for group in seqs:
                     for seq in group:
@@ -227,7 +238,8 @@ class LLM:
             raise ValueError(f"stream yields one completion: SamplingParams.n must be 1, got {params.n}")
         with self._lock:
             engine = self.engine
-            seq = engine.add_request(f"llm-{next(self._ids)}", ids, params)
+            seq = engine.admit(f"llm-{next(self._ids)}", ids, params, images=getattr(ids, "images", None))
+            engine.add(seq)
             try:
                 while engine.has_work():
                     for delta in engine.step():

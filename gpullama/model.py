@@ -393,7 +393,11 @@ class Decoder:
         c, ops, tp = self.config, self.ops, self.tp
         rs = c.residual_scale
         hidden = self._embed(token_ids)
-        stack = self._layer_stack(k_caches, v_caches) if self.native_stack else None
+        if meta.input_embeds is not None:  # image embeddings in place of their tokens' (no embedding scale)
+            rows, values = meta.input_embeds
+            hidden[rows] = values.to(hidden.dtype)
+        # the one-call stack attends causally only; a step with an image runs the layer loop
+        stack = self._layer_stack(k_caches, v_caches) if self.native_stack and meta.image_attention is None else None
         if stack is not None:
             hidden, residual = stack(hidden, meta)
         else:
@@ -452,6 +456,10 @@ class Decoder:
             k_cache, v_cache = k_caches[layer.cache], v_caches[layer.cache]
             q, k = ops.rope_and_cache(q, k, v, table, k_cache, v_cache, metas[layer.rope])
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale, layer.window, c.attn_softcap, layer.sinks)
+            if meta.image_attention is not None:  # an image's rows see the whole image (every row's k/v is written)
+                rows, image_meta = meta.image_attention
+                attn[rows] = ops.attention(q[rows], k_cache, v_cache, image_meta, self.scale, layer.window,
+                                           c.attn_softcap, layer.sinks)
             attn = attn.reshape(t, q_size)
             if c.attn_output_gate:  # qwen35: each head's output times the sigmoid of its gate
                 attn = attn * torch.sigmoid(qkv[:, q_size + 2 * kv_size :])

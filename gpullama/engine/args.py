@@ -188,6 +188,11 @@ class EngineArgs:
         "--chat-template; llama.cpp's --chat-template-file names the same flag); a missing "
         "file or a template that does not parse is refused before loading (default: the model's)",
         aliases=("--chat-template-file",))
+    mmproj: str | None = _arg(
+        None, "the vision projector of the model (llama.cpp's --mmproj): an mmproj GGUF written by "
+        "convert_hf_to_gguf.py --mmproj (projector type gemma3). Default: an mmproj*.gguf file beside the model, "
+        "when the model's folder holds exactly one that fits it")
+    no_mmproj: bool = _arg(False, "do not look for an mmproj*.gguf beside the model (text only)")
     # multi-node tensor parallelism (vLLM's flag names): every node runs tensor_parallel_size / nnodes local ranks;
     # they meet at master_addr:master_port, which node 0 hosts (torchrun's variables are read too: docs/deploy.md)
     nnodes: int = _arg(1, "machines the tensor-parallel ranks span (default: %(default)s)", type=positive_int)

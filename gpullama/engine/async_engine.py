@@ -69,13 +69,14 @@ class AsyncEngine:
 
     # -- front ------------------------------------------------------------------------------------
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images: list | None = None
     ) -> AsyncIterator[StreamDelta]:
         """Submit a request (call from the event loop) and return its stream of deltas; the last has a finish_reason.
-        Raises RequestError (a ValueError) at once when the request can never run (see `LLMEngine.admit`)."""
+        Raises RequestError (a ValueError) at once when the request can never run (see `LLMEngine.admit`).
+        `images`: image embeddings in place of prompt tokens (`gpullama.vision.ImageSpan`)."""
         if not self.is_alive:
             raise EngineStopped("the engine is not running")
-        return self._submit(self.engine.admit(request_id, list(prompt_token_ids), params))
+        return self._submit(self.engine.admit(request_id, list(prompt_token_ids), params, images=images))
 
     def embed(self, request_id: str, prompt_token_ids: list[int],
               pooling: PoolingParams | None = None) -> AsyncIterator[StreamDelta]:

@@ -27,8 +27,9 @@ class Block:
         return (self.block_id, self.epoch)
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    """Key of a full block: its tokens chained with the key of the block before it."""
+def chain_hash(parent: int | None, token_ids: tuple) -> int:
+    """Key of a full block: its tokens (and the content hash of any image among them) chained with the key of the
+    block before it."""
     return hash((parent, token_ids))
 
 
@@ -79,7 +80,7 @@ class BlockManager:
         hits: list[Block] = []
         parent = None
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            ids = tuple(seq.token_ids[start : start + self.block_size])
+            ids = seq.block_key(start, start + self.block_size)
             parent = chain_hash(parent, ids)
             block_id = self.cached.get(parent)
             if block_id is None:
@@ -143,7 +144,7 @@ class BlockManager:
         stored: BlockStored | None = None  # the run of blocks that became findable, for the event sink
         for index in range(first, last):
             block = self.blocks[seq.block_table[index]]
-            ids = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            ids = seq.block_key(index * bs, (index + 1) * bs)  # token ids (and the images they show)
             findable = False
             if block.hash is None:
                 block.hash = chain_hash(previous.hash if previous else None, ids)
@@ -156,7 +157,7 @@ class BlockManager:
                         parent = external_hash(previous.hash) if previous and previous.hash is not None else None
                         stored = BlockStored([], parent, [], bs)
                     stored.block_hashes.append(external_hash(block.hash))
-                    stored.token_ids.extend(ids)
+                    stored.token_ids.extend(seq.token_ids[index * bs : (index + 1) * bs])
                 elif stored is not None:  # a gap: the blocks after it go in an event of their own
                     self.event_sink(stored)
                     stored = None

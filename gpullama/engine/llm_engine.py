@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from gpullama.engine.admission import AdmissionLimits, check_embedding_request, check_request
+from gpullama.engine.admission import AdmissionLimits, check_embedding_request, check_images, check_request
 from gpullama.engine.args import EngineConfig
 from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.detokenizer import Detokenizer
@@ -22,6 +22,7 @@ from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
 from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
+from gpullama.vision import ImageSpan
 
 log = logging.getLogger("gpullama")
 GRAMMAR_WAIT_S = 0.05  # longest idle wait for a compiling grammar before the step loop looks at its commands again
@@ -61,11 +62,15 @@ class LLMEngine:
         return self.runner.num_blocks * self.config.block_size
 
     # -- requests --------------------------------------------------------------------------------
-    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+              images: list[ImageSpan] | None = None) -> Sequence:
         """Check a request once (see `gpullama.engine.admission`) and build its sequence, without queueing it.
-        Reads only fixed limits, so any thread may call it; raises RequestError (a ValueError) naming the field."""
+        Reads only fixed limits, so any thread may call it; raises RequestError (a ValueError) naming the field.
+        `images`: embeddings in place of prompt tokens (`gpullama.vision.ImageSpan`)."""
         max_tokens = check_request(prompt_token_ids, params, self.limits)
-        seq = Sequence(request_id, prompt_token_ids, params, max_tokens)
+        if images:
+            check_images(images, len(prompt_token_ids), self.limits, self.config.max_num_batched_tokens)
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, images=images)
         if params.structured_output is not None:  # compiles off this thread while the prompt waits and prefills
             seq.grammar = self.structured_output.submit(params.structured_output)
         return seq

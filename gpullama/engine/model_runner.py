@@ -319,6 +319,41 @@ class ModelRunner:
             meta.pool_indices = torch.tensor(pool_indices, dtype=torch.long, device=device)
             meta.pool_segments = torch.tensor(pool_segments, dtype=torch.long, device=device)
             meta.num_pools = pool_segments[-1] + 1
+        if step.embeds:
+            rows = [r for first, values in step.embeds for r in range(first, first + values.shape[0])]
+            meta.input_embeds = (torch.tensor(rows, dtype=torch.long, device=device),
+                                 torch.cat([values for _, values in step.embeds]).to(device))
+        if step.image_rows:
+            meta.image_attention = self._image_attention(step, positions, slots, tables)
         # per-step tensors the ops read (rotary rows, decode context slots), derived here once, not per layer
         meta = self.model.ops.prepare_step(meta, self.model.cos_sin, bs)
         return torch.tensor(step.token_ids, dtype=torch.long, device=device), meta
+
+    def _image_attention(self, step: StepInputs, positions: list[int], slots: list[int],
+                         tables: list[list[int]]) -> tuple[torch.Tensor, BatchMetadata]:
+        """The rows of this step's images and the metadata that lets each attend to its whole image: one query per
+        row over its sequence's context up to the image's end (a decode-shaped batch, which every backend's
+        attention takes; Gemma 3's image tokens see each other both ways, as transformers' token_type_ids mask and
+        llama.cpp's non-causal image batch have it)."""
+        rows: list[int] = []
+        ends: list[int] = []
+        seq_of: list[int] = []
+        for i, first, n, end in step.image_rows:
+            rows.extend(range(first, first + n))
+            ends.extend([end] * n)
+            seq_of.extend([i] * n)
+        device = self.device
+        meta = BatchMetadata(
+            positions=torch.tensor([positions[r] for r in rows], dtype=torch.long, device=device),
+            slot_mapping=torch.tensor([slots[r] for r in rows], dtype=torch.long, device=device),
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(ends, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([tables[i] for i in seq_of], dtype=torch.int32, device=device),
+            logits_indices=torch.empty(0, dtype=torch.long, device=device),
+            max_query_len=1,
+            max_seq_len=max(ends),
+            query_start_loc_cpu=list(range(len(rows) + 1)),
+            seq_lens_cpu=ends,
+        )
+        meta = self.model.ops.prepare_step(meta, self.model.cos_sin, self.config.block_size)
+        return torch.tensor(rows, dtype=torch.long, device=device), meta

@@ -154,11 +154,19 @@ class Scheduler:
     @staticmethod
     def _num_new_tokens(seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute now: the rest of it within the budget, but never its sampling token while
-        its grammar compiles (the prompt prefills meanwhile; the step thread never waits for a compilation)."""
+        its grammar compiles (the prompt prefills meanwhile; the step thread never waits for a compilation), and
+        never part of an image (the chunk ends before it, or the sequence waits for a step with room for all of it;
+        admission keeps each image within `max_num_batched_tokens`)."""
         left = seq.num_tokens - seq.num_computed_tokens
         if seq.waits_for_grammar:
             left -= 1
-        return max(0, min(left, budget))
+        n = max(0, min(left, budget))
+        first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for span in seq.images:  # a chunk never splits an image: its tokens attend to each other both ways
+            if span.start < end < span.end:
+                n = max(0, span.start - first)  # up to the image, or (the chunk starts at or in it) wait for room
+                break
+        return n
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of the engine and free its blocks."""

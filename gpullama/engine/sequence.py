@@ -14,6 +14,7 @@ from gpullama.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from gpullama.engine.ngram_proposer import TokenBuffer
     from gpullama.structured.sequence_grammar import SequenceGrammar
+    from gpullama.vision import ImageSpan
 
 
 class SequenceStatus(enum.Enum):
@@ -29,7 +30,7 @@ class Sequence:
     embedding request (`pooling` set), its prompt and the sum of its pooled hidden states so far."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
-                 pooling: PoolingParams | None = None):
+                 pooling: PoolingParams | None = None, images: list[ImageSpan] | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -59,6 +60,14 @@ class Sequence:
         self.embedding: list[float] | None = None  # the finished embedding
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (n-gram speculation)
         self.ngram_tokens: TokenBuffer | None = None  # its token ids as an array for the n-gram lookup
+        self.images: list[ImageSpan] = list(images or [])  # embeddings in place of prompt tokens, by position
+
+    def block_key(self, start: int, end: int) -> tuple:
+        """What the prefix cache keys the tokens ``start .. end`` by: their ids, then the content hash of each image
+        they overlap (the same text with another image is another prefix)."""
+        ids = tuple(self.token_ids[start:end])
+        keys = tuple(s.key for s in self.images if s.start < end and s.end > start)
+        return ids + keys if keys else ids
 
     @property
     def text(self) -> str:

@@ -39,15 +39,29 @@ class StepInputs:
     decode: bool = False  # every sequence adds one token and samples: the shape of the static decode buffers
     pool_rows: list[tuple[int, str]] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)
+    # images (rank 0 only: tensor parallelism refuses an mmproj): (first row, embeddings) in place of the token
+    # embeddings of those rows; (sequence i, first row, rows, context end) of each image's rows in this step, which
+    # attend to the whole image (every key before the context end), not causally
+    embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    image_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
         """The inputs of a scheduled batch."""
         ids: list[int] = []
         samples: list[int] = []
-        for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
+        embeds: list[tuple[int, torch.Tensor]] = []
+        image_rows: list[tuple[int, int, int, int]] = []
+        for i, (seq, n, drafts) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.drafts)):
             own = n - len(drafts)
-            ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + own])
+            first = seq.num_computed_tokens
+            for span in seq.images:
+                lo, hi = max(span.start, first), min(span.end, first + own)
+                if lo < hi:  # the scheduler never splits an image: its rest is in this step
+                    assert hi == span.end, "an image span was split across steps"
+                    embeds.append((len(ids) + lo - first, span.embeds[lo - span.start : hi - span.start]))
+                    image_rows.append((i, len(ids) + lo - first, hi - lo, span.end))
+            ids.extend(seq.token_ids[first : first + own])
             ids.extend(drafts)
             reaches_end = seq.pooling is None and seq.num_computed_tokens + own == seq.num_tokens
             samples.append(1 + len(drafts) if reaches_end else 0)
@@ -57,9 +71,11 @@ class StepInputs:
             num_new=list(batch.num_new_tokens),
             block_tables=[seq.block_table for seq in batch.seqs],
             samples=samples,
-            decode=batch.is_decode,
+            decode=batch.is_decode and not embeds,
             pool_rows=list(batch.pool_rows),
             state_slots=[seq.state_slot for seq in batch.seqs],
+            embeds=embeds,
+            image_rows=image_rows,
         )
 
     @classmethod

@@ -34,6 +34,11 @@ class BatchMetadata:
     num_pools: int = 0
     # recurrent layers (LFM2's short convolutions): each sequence's state slot in their `states` tensors
     state_slots: torch.Tensor | None = None  # [B] int64
+    # images (the model runner's `_image_attention`): rows whose input embeddings replace the token embeddings
+    # ((rows [R] int64, embeddings [R, H] float32)), and the image rows with the decode-shaped metadata over which
+    # they attend again, to every key of their image (not causally)
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    image_attention: tuple[torch.Tensor, BatchMetadata] | None = None
 
     @property
     def is_decode(self) -> bool:

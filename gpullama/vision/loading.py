@@ -1,0 +1,64 @@
+"""Which mmproj file a model gets (``--mmproj``, or the one ``mmproj*.gguf`` beside it) and loading it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("gpullama")
+
+ARCHITECTURES = {"gemma3": "gemma3"}
+"""Text architecture -> the projector type it takes."""
+
+
+def find_mmproj(model_path: str) -> str | None:
+    """The ``mmproj*.gguf`` file beside `model_path` when its folder holds exactly one (None otherwise; several
+    are logged and none is taken: name one with --mmproj)."""
+    folder = Path(model_path).resolve().parent
+    try:
+        found = sorted(p for p in folder.iterdir()
+                       if p.name.lower().startswith("mmproj") and p.name.lower().endswith(".gguf") and p.is_file())
+    except OSError:
+        return None
+    found = [p for p in found if p.resolve() != Path(model_path).resolve()]
+    if len(found) > 1:
+        log.warning("%d mmproj files beside %s (%s): none loaded; name one with --mmproj", len(found),
+                    Path(model_path).name, ", ".join(p.name for p in found))
+        return None
+    return str(found[0]) if found else None
+
+
+def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
+    """The `VisionModel` of a loaded text model: `args.mmproj` (ValueError when it does not fit), else the file
+    `find_mmproj` finds (skipped, with a log line, when it does not fit); None without one."""
+    from gpullama.gguf_file import ModelFileError
+    from gpullama.vision.prompt import VisionModel
+    from gpullama.vision.tower import VisionTower
+
+    explicit = args.mmproj
+    path = os.fspath(explicit) if explicit else (None if args.no_mmproj else find_mmproj(model_path))
+    if path is None:
+        return None
+    arch = model.config.architecture
+    try:
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"{Path(path).name}: images are supported for {', '.join(ARCHITECTURES)} models, "
+                             f"not {arch}")
+        if tp_size > 1:
+            raise ValueError(f"{Path(path).name}: an mmproj is not supported with tensor parallelism")
+        tower = VisionTower(path, model.ops)
+        if tower.config.projection_dim != model.config.hidden_size:
+            raise ValueError(f"{path}: its projector writes {tower.config.projection_dim}-dim embeddings, the "
+                             f"model's are {model.config.hidden_size}: not this model's mmproj")
+        if tower.config.projector != ARCHITECTURES[arch]:
+            raise ValueError(f"{path}: projector type {tower.config.projector} does not fit a {arch} model")
+        vision = VisionModel(tower, tokenizer)
+    except (ValueError, ModelFileError) as exc:
+        if explicit:
+            raise ValueError(f"--mmproj: {exc}") from None
+        log.warning("not loading %s found beside the model: %s", Path(path).name, exc)
+        return None
+    log.info("vision: %s (projector %s, %dx%d pixels -> %d tokens an image)", Path(path).name,
+             tower.config.projector, tower.config.image_size, tower.config.image_size, tower.tokens_per_image)
+    return vision

@@ -1,0 +1,192 @@
+"""The vision side of a multimodal model, from llama.cpp's mmproj GGUF (``general.architecture = "clip"``, as
+``convert_hf_to_gguf.py --mmproj`` writes it and ``tools/mtmd/clip.cpp`` reads it): the SigLIP tower
+(``v.patch_embd``, ``v.position_embd``, ``v.blk.N.*``, ``v.post_ln``) and the projector into the text model's
+embedding space. Projector types read here: ``gemma3`` (a KxK average pool of the patch grid to tokens,
+``mm.soft_emb_norm`` (an RMSNorm, its +1 folded in by the converter), then ``mm.input_projection``).
+
+The tower's matrices go through the text model's ops (`ops.prepare_weight` / `ops.linear`: float32 torch on the
+exact path, the C kernels on F32/F16/Q8_0 blocks on the CPU fast path, the Triton matmul on the GPU); the rest
+(the patch embedding, layer norms, the attention, the pooling) is torch on the ops' device."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpullama.gguf_file import ModelFileError, read_gguf
+
+PROJECTORS = ("gemma3",)
+"""The ``clip.projector_type`` values this module reads."""
+
+
+@dataclass
+class VisionConfig:
+    """The keys of an mmproj file that shape the tower."""
+
+    projector: str
+    image_size: int
+    patch_size: int
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    eps: float
+    mean: list[float]
+    std: list[float]
+    tokens_per_image: int
+    pool: int  # the average pool's kernel (Gemma 3: 4, so 896/14 = 64 patches a side -> 16 -> 256 tokens)
+    projection_dim: int  # the text model's embedding length
+
+    @classmethod
+    def from_metadata(cls, meta: dict, path: str) -> VisionConfig:
+        arch = meta.get("general.architecture")
+        if arch != "clip":
+            raise ModelFileError(f"{path}: not an mmproj file (general.architecture {arch!r}, expected 'clip')")
+        projector = meta.get("clip.projector_type")
+        if projector not in PROJECTORS:
+            raise ModelFileError(f"{path}: clip.projector_type {projector!r} is not supported; gpullama reads "
+                                 f"{', '.join(PROJECTORS)}")
+
+        def key(name: str):
+            full = f"clip.vision.{name}"
+            if full not in meta:
+                raise ModelFileError(f"{path}: the mmproj file has no {full!r}")
+            return meta[full]
+
+        image, patch = int(key("image_size")), int(key("patch_size"))
+        side = image // patch
+        pool = int(meta.get("clip.vision.projector.scale_factor", 4))
+        if side % pool:
+            raise ModelFileError(f"{path}: {side} patches a side do not pool by {pool}")
+        return cls(projector, image, patch, int(key("embedding_length")), int(key("feed_forward_length")),
+                   int(key("block_count")), int(key("attention.head_count")),
+                   float(key("attention.layer_norm_epsilon")), [float(x) for x in key("image_mean")],
+                   [float(x) for x in key("image_std")], (side // pool) ** 2, pool, int(key("projection_dim")))
+
+
+@dataclass
+class _Block:
+    ln1: tuple[torch.Tensor, torch.Tensor]
+    qkv: object
+    qkv_bias: torch.Tensor
+    out: object
+    out_bias: torch.Tensor
+    ln2: tuple[torch.Tensor, torch.Tensor]
+    up: object
+    up_bias: torch.Tensor
+    down: object
+    down_bias: torch.Tensor
+
+
+class VisionTower:
+    """An mmproj file loaded for `ops` (the text model's backend): `encode(pixels)` -> embeddings of each image in
+    the text model's space, ``[B, tokens_per_image, projection_dim]`` float32."""
+
+    def __init__(self, path: str | os.PathLike, ops):
+        path = os.fspath(path)
+        model = read_gguf(path, text_model=False)
+        self.path = path
+        self.config = c = VisionConfig.from_metadata(model.metadata, path)
+        self.ops = ops
+        t = model.tensors
+        device = ops.device
+
+        def need(name: str):
+            if name not in t:
+                raise ModelFileError(f"{path}: the mmproj file has no tensor {name!r}")
+            return t[name]
+
+        def dense(name: str) -> torch.Tensor:
+            return need(name).dequantize(torch.float32).to(device)
+
+        def weight(*names: str):
+            parts = [need(n) for n in names]
+            if len(parts) == 1:
+                return ops.prepare_weight(parts[0])
+            if len({p.qtype for p in parts}) == 1:
+                from gpullama.quants import QTensor
+
+                rows = torch.cat([p.data for p in parts])
+                return ops.prepare_weight(QTensor(rows, parts[0].qtype, (rows.shape[0], parts[0].shape[1]), names[0]))
+            return ops.prepare_weight(_f32(torch.cat([p.dequantize(torch.float32) for p in parts]), names[0]))
+
+        self.patch_w = dense("v.patch_embd.weight").reshape(c.hidden, -1)  # [D, 3 * p * p] (conv as a matmul)
+        self.patch_b = dense("v.patch_embd.bias") if "v.patch_embd.bias" in t else None
+        self.position = dense("v.position_embd.weight")  # [patches, D]
+        self.blocks = []
+        for i in range(c.layers):
+            b = f"v.blk.{i}."
+            self.blocks.append(_Block(
+                (dense(b + "ln1.weight"), dense(b + "ln1.bias")),
+                weight(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+                torch.cat([dense(b + "attn_q.bias"), dense(b + "attn_k.bias"), dense(b + "attn_v.bias")]),
+                weight(b + "attn_out.weight"), dense(b + "attn_out.bias"),
+                (dense(b + "ln2.weight"), dense(b + "ln2.bias")),
+                weight(b + "ffn_up.weight"), dense(b + "ffn_up.bias"),
+                weight(b + "ffn_down.weight"), dense(b + "ffn_down.bias"),
+            ))
+        self.post_ln = (dense("v.post_ln.weight"), dense("v.post_ln.bias"))
+        # gemma3's projector
+        self.soft_emb_norm = dense("mm.soft_emb_norm.weight")
+        proj = need("mm.input_projection.weight")  # [D, text hidden] as torch reads it: x @ W
+        self.projection = ops.prepare_weight(_f32(proj.dequantize(torch.float32).t().contiguous(),
+                                                  "mm.input_projection.weight"))
+        if c.projection_dim != proj.shape[1]:
+            raise ModelFileError(f"{path}: mm.input_projection has {proj.shape[1]} columns, projection_dim is "
+                                 f"{c.projection_dim}")
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.config.tokens_per_image
+
+    def preprocess(self, image) -> torch.Tensor:
+        """Pixels ``[3, S, S]`` of a decoded RGB PIL image, as the HF Gemma 3 image processor makes them (bilinear
+        resize to the tower's size, then mean/std from the file)."""
+        from gpullama.vision.images import preprocess
+
+        c = self.config
+        return preprocess(image, c.image_size, c.mean, c.std, "bilinear")
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[B, tokens_per_image, projection_dim]`` float32 of preprocessed images ``[B, 3, S, S]``."""
+        c, ops = self.config, self.ops
+        pixels = pixels.to(self.position.device, torch.float32)
+        b, p = pixels.shape[0], c.patch_size
+        side = c.image_size // p
+        # [B, 3, S, S] -> [B, side*side, 3*p*p] in the conv weight's (channel, row, column) order
+        patches = pixels.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b * side * side, -1)
+        x = patches @ self.patch_w.t()
+        if self.patch_b is not None:
+            x = x + self.patch_b
+        x = (x.view(b, side * side, c.hidden) + self.position).view(b * side * side, c.hidden)
+        hd = c.hidden // c.heads
+        n = side * side
+        for blk in self.blocks:
+            h = F.layer_norm(x, (c.hidden,), *blk.ln1, c.eps)
+            qkv = ops.linear(h, blk.qkv, blk.qkv_bias).view(b, n, 3, c.heads, hd).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], scale=1.0 / math.sqrt(hd))
+            a = a.permute(0, 2, 1, 3).reshape(b * n, c.hidden)
+            x = x + ops.linear(a, blk.out, blk.out_bias)
+            h = F.layer_norm(x, (c.hidden,), *blk.ln2, c.eps)
+            h = F.gelu(ops.linear(h, blk.up, blk.up_bias), approximate="tanh")
+            x = x + ops.linear(h, blk.down, blk.down_bias)
+        x = F.layer_norm(x, (c.hidden,), *self.post_ln, c.eps)
+        # gemma3: average pool the patch grid, RMSNorm, project
+        grid = x.view(b, side, side, c.hidden).permute(0, 3, 1, 2)
+        pooled = F.avg_pool2d(grid, c.pool, c.pool).flatten(2).transpose(1, 2).reshape(-1, c.hidden)
+        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + c.eps) * self.soft_emb_norm
+        out = ops.linear(normed.contiguous(), self.projection)
+        return out.float().view(b, c.tokens_per_image, c.projection_dim)
+
+
+def _f32(tensor: torch.Tensor, name: str):
+    from gguf import GGMLQuantizationType
+
+    from gpullama.quants import QTensor
+
+    return QTensor(tensor.contiguous(), GGMLQuantizationType.F32, tuple(tensor.shape), name)
