@@ -4,7 +4,8 @@ Builds the weights on the device itself (bf16, Q8_0, Q4_K random valid blocks; t
 Qwen3-30B-A3B-shaped mixture-of-experts decoder, 4 layers of its 48, with Q8_0 or MXFP4 experts through the fused
 MoE kernel; mla-q8_0 a DeepSeek-V2-Lite-shaped one, 4 layers of its 27: multi-head latent attention over its latent
 pool, sigmoid routing, a shared expert; lfm2-q8_0 an LFM2-1.2B-shaped one: short convolutions with their state
-slots beside attention layers; qwen35-q8_0 a Qwen3.5-0.8B-shaped one: gated delta-nets beside gated attention),
+slots beside attention layers; qwen35-q8_0 a Qwen3.5-0.8B-shaped one: gated delta-nets beside gated attention;
+granitehybrid-q8_0 a Granite-4.0-H-350M-shaped one: Mamba2 layers beside attention without rotary),
 compares the logits of a prefill
 and a decode step between the Triton kernels and the torch path, then times one decode step at each batch size:
 Triton eager, Triton replayed from the CUDA graphs of `gpullama.engine.decode_graphs.DecodeGraphs` (the model
@@ -37,6 +38,8 @@ from tests.kernel_tests.random_model import (  # noqa: E402
     batch_metadata,
     deepseek_v2_lite_config,
     gpt_oss_like_config,
+    granite_h_350m_config,
+    granite_hybrid_like_config,
     lfm2_1b_config,
     lfm2_like_config,
     llama_1b_config,
@@ -50,10 +53,11 @@ from tests.kernel_tests.random_model import (  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "moe-q8_0": Q.Q8_0, "moe-mxfp4": Q.MXFP4,
-           "mla-q8_0": Q.Q8_0, "lfm2-q8_0": Q.Q8_0, "qwen35-q8_0": Q.Q8_0}
+           "mla-q8_0": Q.Q8_0, "lfm2-q8_0": Q.Q8_0, "qwen35-q8_0": Q.Q8_0,
+           "granitehybrid-q8_0": Q.Q8_0}
 """Weight formats; moe-*: the MoE decoder, its experts in that type, the other matrices Q8_0; mla-q8_0: the
 latent-attention MoE decoder in Q8_0; lfm2-q8_0: the short-convolution hybrid in Q8_0; qwen35-q8_0: the
-gated delta-net hybrid in Q8_0."""
+gated delta-net hybrid in Q8_0; granitehybrid-q8_0: the Mamba2 hybrid in Q8_0 (--tiny: with experts)."""
 log = logging.getLogger("gpu_check")
 
 
@@ -80,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of the check."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 and --tiny")
-    p.add_argument("--formats", default="bf16,q8_0,q4_k,moe-q8_0,moe-mxfp4,mla-q8_0,lfm2-q8_0,qwen35-q8_0",
+    p.add_argument("--formats", default="bf16,q8_0,q4_k,moe-q8_0,moe-mxfp4,mla-q8_0,lfm2-q8_0,qwen35-q8_0,"
+                   "granitehybrid-q8_0",
                    help=f"comma list of {', '.join(FORMATS)}")
     p.add_argument("--moe-layers", type=int, default=4,
                    help="layers of the Qwen3-30B-A3B-shaped and DeepSeek-V2-Lite-shaped MoE decoders")
@@ -251,6 +256,9 @@ def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtyp
     elif fmt.startswith("qwen35-"):
         config = qwen35_like_config(vocab_size=300) if args.tiny else qwen35_08b_config()
         tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
+    elif fmt.startswith("granitehybrid-"):
+        config = granite_hybrid_like_config(vocab_size=300) if args.tiny else granite_h_350m_config()
+        tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
     else:
         tensors = random_tensors(config, FORMATS[fmt], device, seed=0)
     log.info("%s: built random weights in %.1f s", fmt, time.perf_counter() - t0)
@@ -282,6 +290,8 @@ def step_bytes(decoder, batch: int) -> int:
             total += sum(_nbytes(w) for w in (layer.conv.in_proj, layer.conv.out_proj))
         if layer.delta is not None:
             total += sum(_nbytes(w) for w in (*layer.delta.in_proj, layer.delta.out))
+        if layer.mamba is not None:
+            total += sum(_nbytes(w) for w in (layer.mamba.in_proj, layer.mamba.out))
         if layer.mla is not None:
             total += sum(_nbytes(w) for w in (*layer.mla.x_a, layer.mla.k_b, layer.mla.v_b))
             total += _nbytes(layer.mla.q_b) if layer.mla.q_b is not None else 0

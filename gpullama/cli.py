@@ -332,6 +332,9 @@ def state_contents(c) -> str:
     if any(c.delta_layers):
         parts.append(f"each delta-net's last {c.conv_kernel - 1} convolution inputs and {c.ssm_heads} state matrices "
                      f"of {c.ssm_state_size} x {c.ssm_inner_size // c.ssm_heads}")
+    if any(c.mamba_layers):
+        parts.append(f"each Mamba2 layer's last {c.conv_kernel - 1} convolution inputs and {c.ssm_heads} state "
+                     f"matrices of {c.ssm_state_size} x {c.ssm_inner_size // c.ssm_heads}")
     return ", ".join(parts)
 
 

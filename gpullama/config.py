@@ -10,7 +10,7 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2", "lfm2", "qwen35", "qwen35moe",
+    "glm4moe", "deepseek2", "lfm2", "qwen35", "qwen35moe", "granitehybrid",
 )
 
 _MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, qwen35moe, gpt-oss, glm4moe, "
@@ -23,7 +23,6 @@ _NOT_SUPPORTED = {
     "olmoe": f"OLMoE is not supported ({_MOE_SUPPORTED})",
     "gemma": "Gemma 1 is not supported (Gemma 2 and Gemma 3 are)",
     "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
-    "granitehybrid": "Granite 4 hybrid (Mamba) models are not supported (Granite 3.x is)",
     "lfm2moe": "LFM2-MoE is not supported (the dense LFM2 is)",
 }
 
@@ -33,8 +32,9 @@ class ModelConfig:
     """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
     phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3,
     glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2/V3's multi-head latent attention), lfm2 (LFM2's short
-    convolutions beside attention layers) and qwen35, qwen35moe (Qwen3.5's gated delta-net layers beside gated
-    attention; the latter with routed experts and a gated shared expert)."""
+    convolutions beside attention layers), qwen35, qwen35moe (Qwen3.5's gated delta-net layers beside gated
+    attention; the latter with routed experts and a gated shared expert) and granitehybrid (Granite 4.0's Mamba2
+    layers beside attention without rotary embedding, routed experts with a shared one or a dense MLP)."""
 
     architecture: str
     num_layers: int
@@ -123,6 +123,11 @@ class ModelConfig:
     ssm_inner_size: int = 0  # value heads x a value head's dims
     attn_output_gate: bool = False  # qwen35: each query head's rows are followed by a gate's; the attention output
     # is multiplied by sigmoid(gate) before o
+    # Mamba2 layers (granitehybrid): a selective state-space scan whose state, a [ssm_state_size, head dims] matrix
+    # per head, and its input convolution's last conv_kernel - 1 inputs live in a per-sequence slot; the same
+    # `ssm.*` keys (ssm_heads: the scan's heads, ssm_groups: B/C groups, ssm_state_size: N, ssm_inner_size: heads x
+    # head dims)
+    mamba_layers: tuple[bool, ...] = ()  # () when no layer is one
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -136,8 +141,8 @@ class ModelConfig:
     @property
     def has_recurrent_state(self) -> bool:
         """Whether some layer keeps a per-sequence state (a recurrent layer: LFM2's short convolutions, Qwen3.5's
-        gated delta-nets)."""
-        return any(self.conv_layers) or any(self.delta_layers)
+        gated delta-nets, Granite 4.0's Mamba2 layers)."""
+        return any(self.conv_layers) or any(self.delta_layers) or any(self.mamba_layers)
 
     def is_conv(self, layer: int) -> bool:
         """Whether `layer` is a short convolution (no KV pool; a per-sequence state)."""
@@ -147,27 +152,34 @@ class ModelConfig:
         """Whether `layer` is a gated delta-net (linear attention: no KV pool; a per-sequence state)."""
         return bool(self.delta_layers) and self.delta_layers[layer]
 
+    def is_mamba(self, layer: int) -> bool:
+        """Whether `layer` is a Mamba2 layer (a selective state-space scan: no KV pool; a per-sequence state)."""
+        return bool(self.mamba_layers) and self.mamba_layers[layer]
+
     def has_attention(self, layer: int) -> bool:
         """Whether `layer` attends over a KV pool (not a recurrent layer)."""
-        return not self.is_conv(layer) and not self.is_delta(layer)
+        return not self.is_conv(layer) and not self.is_delta(layer) and not self.is_mamba(layer)
 
     @property
     def recurrent_layers_named(self) -> str:
         """The recurrent layers in words, for logs and refusals: "3 short-convolution layers" ("" without any)."""
-        kinds = [(sum(self.conv_layers), "short-convolution"), (sum(self.delta_layers), "gated delta-net")]
+        kinds = [(sum(self.conv_layers), "short-convolution"), (sum(self.delta_layers), "gated delta-net"),
+                 (sum(self.mamba_layers), "Mamba2")]
         return " and ".join(f"{n} {kind} layer{'s' if n > 1 else ''}" for n, kind in kinds if n)
 
     @property
     def delta_conv_channels(self) -> int:
-        """Channels of a delta-net layer's input convolution: its queries, keys and values."""
+        """Channels of a delta-net layer's input convolution (its queries, keys and values), or of a Mamba2 layer's
+        (its x, B and C): the same count."""
         return 2 * self.ssm_groups * self.ssm_state_size + self.ssm_inner_size
 
     def state_shapes(self, layer: int) -> list[tuple[int, ...]]:
         """The shapes of one sequence's recurrent states in `layer` (float32; [] for a layer with attention): a
-        short convolution's last inputs; a delta-net's input convolution's last inputs and its state matrices."""
+        short convolution's last inputs; a delta-net's or Mamba2 layer's input convolution's last inputs and its state
+        matrices ([heads, N, head dims])."""
         if self.is_conv(layer):
             return [(self.conv_kernel - 1, self.hidden_size)]
-        if self.is_delta(layer):
+        if self.is_delta(layer) or self.is_mamba(layer):
             return [(self.conv_kernel - 1, self.delta_conv_channels),
                     (self.ssm_heads, self.ssm_state_size, self.ssm_inner_size // self.ssm_heads)]
         return []
@@ -245,7 +257,7 @@ class ModelConfig:
             rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
-            permuted_qk=arch in ("llama", "granite", "smollm3"),
+            permuted_qk=arch in ("llama", "granite", "smollm3", "granitehybrid"),
             rotary_dim=int(opt("rope.dimension_count") or head_dim),
             nextn_layers=nextn,
         )
@@ -344,7 +356,8 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
         )
     config.expert_gating = _GATING[gating]
     norm = opt("expert_weights_norm")
-    config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe", "qwen35moe")
+    config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe", "qwen35moe",
+                                                                              "granitehybrid")
     config.expert_weights_scale = float(opt("expert_weights_scale") or 1.0)
 
 
@@ -371,14 +384,55 @@ def _phi3(config: ModelConfig, get, opt, path: str) -> None:
 
 def _granite(config: ModelConfig, get, opt, path: str) -> None:
     """Granite 3.x: llama plus four multipliers (llama.cpp requires the logit scale; the others default to off)."""
+    _granite_multipliers(config, opt)
     config.logit_scale = float(get("logit_scale"))
-    config.residual_scale = float(opt("residual_scale") or 1.0)
-    config.embedding_scale = float(opt("embedding_scale") or 1.0)
-    config.attention_scale = float(opt("attention.scale") or 0.0)
     if opt("rope.scaling.finetuned") is False:  # llama.cpp's switch for Granite without rotary embedding
         raise ValueError(
             f"{path}: '{config.architecture}.rope.scaling.finetuned' = false (Granite without rotary embedding) is not supported"
         )
+
+
+def _granite_multipliers(config: ModelConfig, opt) -> None:
+    """Granite's multipliers: logits divided by `logit_scale`, each block's output times `residual_scale`, the
+    embedding times `embedding_scale`, q.k times `attention.scale` (llama.cpp: each off when absent)."""
+    config.logit_scale = float(opt("logit_scale") or 1.0)
+    config.residual_scale = float(opt("residual_scale") or 1.0)
+    config.embedding_scale = float(opt("embedding_scale") or 1.0)
+    config.attention_scale = float(opt("attention.scale") or 0.0)
+
+
+def _granitehybrid(config: ModelConfig, get, opt, path: str) -> None:
+    """Granite 4.0's hybrids (`granitehybrid`): Mamba2 layers (0 in `attention.head_count_kv`) beside attention
+    layers without rotary embedding (`rope.scaling.finetuned` false, as the converter writes Granite 4.0-H; Bamba's
+    rotary is refused), Granite's four multipliers, and routed experts (softmax top k, renormalized) with a shared
+    expert, or (`expert_count` 0) a dense MLP. A Mamba2 layer: `ssm_in` gives z | x B C | dt (`ssm.inner_size` x
+    values in `ssm.time_step_rank` heads, `ssm.group_count` groups of B and C with `ssm.state_size` values each),
+    x B C through a causal convolution (`ssm_conv1d` with its bias, `ssm.conv_kernel` wide) and SiLU, the scan with
+    ``dt = softplus(dt + ssm_dt.bias)``, decay ``exp(dt ssm_a)`` (the converter wrote -exp(A_log)) and input
+    ``dt x B``, read out by C, plus ``ssm_d x``; then ``y silu(z)`` through an RMSNorm per group (`ssm_norm`) and
+    `ssm_out`."""
+    arch = config.architecture
+    counts = get("attention.head_count_kv")
+    if not isinstance(counts, list) or len(counts) != config.num_layers:
+        raise ValueError(f"{path}: '{arch}.attention.head_count_kv' must give each of the {config.num_layers} layers' "
+                         f"count (0 for a Mamba2 layer)")
+    config.mamba_layers = tuple(int(n) == 0 for n in counts)
+    config.conv_kernel = int(get("ssm.conv_kernel"))
+    config.ssm_state_size = int(get("ssm.state_size"))
+    config.ssm_groups = int(get("ssm.group_count"))
+    config.ssm_heads = int(get("ssm.time_step_rank"))
+    config.ssm_inner_size = int(get("ssm.inner_size"))
+    if (config.conv_kernel < 2 or config.ssm_groups < 1 or config.ssm_heads < 1 or config.ssm_heads % config.ssm_groups
+            or config.ssm_inner_size % config.ssm_heads or config.ssm_state_size < 1):
+        raise ValueError(f"{path}: '{arch}.ssm.*' = conv kernel {config.conv_kernel}, {config.ssm_heads} heads, "
+                         f"{config.ssm_groups} groups, state size {config.ssm_state_size}, inner size "
+                         f"{config.ssm_inner_size}: the groups must divide the heads, the heads the inner size, and "
+                         f"the kernel be at least 2")
+    _granite_multipliers(config, opt)
+    if opt("rope.scaling.finetuned") is not False:
+        raise ValueError(f"{path}: '{arch}.rope.scaling.finetuned' is not false: a Granite hybrid with rotary "
+                         f"embedding (Bamba) is not supported (Granite 4.0's attention layers have none)")
+    config.nope_layers = (True,) * config.num_layers
 
 
 def _gemma(config: ModelConfig, opt, default_window: int, default_pattern: int) -> None:
@@ -540,4 +594,5 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
     "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "qwen35": _qwen35, "qwen35moe": _qwen35,
+    "granitehybrid": _granitehybrid,
 }

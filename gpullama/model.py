@@ -1,6 +1,6 @@
 """The decoder: one forward over a ragged batch, for llama (and Mixtral) / mistral / qwen2 / qwen3 / phi3 /
-granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 / lfm2 / qwen35 through
-config flags."""
+granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 / lfm2 / qwen35 /
+granitehybrid through config flags."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class LayerWeights:
     mla: MlaWeights | None = None  # multi-head latent attention (DeepSeek) in place of q|k|v
     conv: ConvWeights | None = None  # a short convolution (LFM2) in place of attention
     delta: DeltaNetWeights | None = None  # a gated delta-net (Qwen3.5) in place of attention
+    mamba: MambaWeights | None = None  # a Mamba2 layer (Granite 4.0) in place of attention
     cache: int = 0  # this layer's KV pool in k_caches / v_caches, or (a recurrent layer) its first state in `states`
 
 
@@ -60,6 +61,23 @@ class DeltaNetWeights:
     dt_bias: torch.Tensor  # [Hv] float32
     norm: torch.Tensor  # [Dv] float32
     out: object  # [H, Hv x Dv]
+
+
+@dataclass
+class MambaWeights:
+    """A Mamba2 layer (Granite 4.0): ``in_proj x`` = z | x B C | dt; x B C through a causal depthwise convolution
+    (plus its bias; its state: the last L - 1 inputs) and SiLU; the selective scan (`ops.ssm_scan`: per head, decay
+    ``exp(softplus(dt + dt_bias) a)``, input ``softplus(..) x B``, output C . state) plus ``d x``; ``y silu(z)``
+    through an RMSNorm per group and `out`."""
+
+    in_proj: object  # [inner + conv channels + heads, H]
+    kernel: torch.Tensor  # [L, C] float32 taps of the convolution (as `ConvWeights.kernel`)
+    conv_bias: torch.Tensor  # [C] float32
+    dt_bias: torch.Tensor  # [heads] float32
+    a: torch.Tensor  # [heads] float32: ssm_a, -exp(A_log)
+    d: torch.Tensor  # [heads] float32: the skip's weight
+    norm: torch.Tensor  # [groups, inner / groups] float32
+    out: object  # [H, inner]
 
 
 @dataclass
@@ -179,7 +197,8 @@ class Decoder:
                 dense(p + "ssm_conv1d.weight").t().contiguous(), dense(p + "ssm_a").reshape(-1),
                 dense(p + "ssm_dt.bias").reshape(-1), dense(p + "ssm_norm.weight").reshape(-1),
                 ops.prepare_weight(get(p + "ssm_out.weight"))) if c.is_delta(i) else None
-            recurrent = conv is not None or delta is not None
+            mamba = self._mamba_weights(p, get, dense) if c.is_mamba(i) else None
+            recurrent = conv is not None or delta is not None or mamba is not None
             fused_qkv = p + "attn_qkv.weight" in tensors and not recurrent
             extra = []  # parts after v in the fused q|k|v matrix: qwen35's query gates
             if mla is not None or recurrent:
@@ -226,6 +245,7 @@ class Decoder:
                     mla=mla,
                     conv=conv,
                     delta=delta,
+                    mamba=mamba,
                     cache=state_start[i] if recurrent else kv_layers.index(i),
                 )
             )
@@ -271,6 +291,25 @@ class Decoder:
             q_b=ops.prepare_weight(q) if bottleneck else None,
             kv_a_norm=dense(p + "attn_kv_a_norm.weight"),
             k_b=ops.prepare_head_weights(k_b), v_b=ops.prepare_head_weights(v_b),
+        )
+
+    def _mamba_weights(self, p: str, get, dense) -> MambaWeights:
+        """Layer `p`'s Mamba2 weights as llama.cpp's converter writes them (``ssm_in``, ``ssm_conv1d`` [C, L] with
+        its bias, ``ssm_dt.bias``, ``ssm_a`` and ``ssm_d`` [heads, 1], ``ssm_norm`` [groups, inner / groups],
+        ``ssm_out``)."""
+        c, ops = self.config, self.ops
+        channels, heads = c.delta_conv_channels, c.ssm_heads
+        kernel = dense(p + "ssm_conv1d.weight")
+        if tuple(kernel.shape) != (channels, c.conv_kernel):
+            raise ValueError(f"{p}ssm_conv1d.weight has shape {tuple(kernel.shape)}; the ssm.* keys make "
+                             f"{(channels, c.conv_kernel)}")
+        bias = dense(p + "ssm_conv1d.bias").reshape(-1) if p + "ssm_conv1d.bias" in self._tensors else \
+            torch.zeros(channels, device=kernel.device)
+        return MambaWeights(
+            in_proj=ops.prepare_weight(get(p + "ssm_in.weight")), kernel=kernel.t().contiguous(), conv_bias=bias,
+            dt_bias=dense(p + "ssm_dt.bias").reshape(heads), a=dense(p + "ssm_a").reshape(heads),
+            d=dense(p + "ssm_d").reshape(heads), norm=dense(p + "ssm_norm.weight").reshape(c.ssm_groups, -1),
+            out=ops.prepare_weight(get(p + "ssm_out.weight")),
         )
 
     def _moe_weights(self, p: str, get, dense, fused) -> MoeWeights:
@@ -348,6 +387,11 @@ class Decoder:
             return rope_cos_sin(c.rotary_dim, max_positions, base, factors, scale, c.rope_attn_factor,
                                 yarn).to(device)
 
+        if c.nope_layers and all(c.is_nope(i) for i in c.kv_layers):  # no layer rotates (Granite 4.0-H): one
+            # identity table two dims wide (a no-op on the first pair of each head), not the file's context
+            # (2^20 positions) times the head dims
+            return [torch.cat((torch.ones(max_positions, 1), torch.zeros(max_positions, 1)), dim=-1).to(device)], \
+                [0] * c.num_layers
         tables = [table(c.rope_base, c.rope_scale)]
         of_layer = [0] * c.num_layers
         swa = (c.rope_base_swa or c.rope_base, c.rope_scale_swa)
@@ -435,11 +479,13 @@ class Decoder:
         residual = None
         for layer in self.layers:
             x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
-            if layer.mla is not None or layer.conv is not None or layer.delta is not None:
+            if layer.mla is not None or layer.conv is not None or layer.delta is not None or layer.mamba is not None:
                 if layer.mla is not None:
                     hidden = self._latent_attention(x, layer, k_caches[layer.cache], metas[layer.rope])
                 elif layer.conv is not None:
                     hidden = self._short_conv(x, layer.conv, states[layer.cache], meta)
+                elif layer.mamba is not None:
+                    hidden = self._mamba(x, layer.mamba, states[layer.cache], states[layer.cache + 1], meta)
                 else:
                     hidden = self._delta_net(x, layer.delta, states[layer.cache], states[layer.cache + 1], meta)
                 x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
@@ -505,6 +551,24 @@ class Decoder:
                                    qkv[:, 2 * key_dims :].view(t, hv, inner // hv), decay, beta, state, meta)
         out = ops.head_rms_norm(out, dn.norm, c.rms_eps) * F.silu(z)
         return ops.linear(out.reshape(t, inner), dn.out)
+
+    def _mamba(self, x: torch.Tensor, mw: MambaWeights, conv_state: torch.Tensor, state: torch.Tensor,
+               meta: BatchMetadata) -> torch.Tensor:
+        """A Mamba2 layer of the normalized ``x [T, H]`` (see `MambaWeights`); the convolution and the scan read and
+        update each sequence's states (`meta.state_slots`)."""
+        c, ops = self.config, self.ops
+        t, channels, inner, heads = x.shape[0], c.delta_conv_channels, c.ssm_inner_size, c.ssm_heads
+        groups, n = c.ssm_groups, c.ssm_state_size
+        zxbcdt = ops.linear(x, mw.in_proj)
+        xbc = F.silu(ops.short_conv(zxbcdt[:, inner : inner + channels], mw.kernel, conv_state, meta) + mw.conv_bias)
+        xs = xbc[:, :inner].view(t, heads, inner // heads)
+        dt = F.softplus(zxbcdt[:, inner + channels :] + mw.dt_bias)
+        y = ops.ssm_scan(xs, dt, mw.a, xbc[:, inner : inner + groups * n].view(t, groups, n),
+                         xbc[:, inner + groups * n :].view(t, groups, n), state, meta)
+        y = (y + xs * mw.d[:, None]) * F.silu(zxbcdt[:, :inner].view(t, heads, inner // heads))
+        y = y.reshape(t, groups, inner // groups)  # RMSNorm per group
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + c.rms_eps) * mw.norm
+        return ops.linear(y.reshape(t, inner), mw.out)
 
     def _latent_attention(self, x: torch.Tensor, layer: LayerWeights, cache: torch.Tensor,
                           meta: BatchMetadata) -> torch.Tensor:

@@ -5,6 +5,7 @@ tokens. A file written only by our own writer could agree with our own misreadin
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from transformers import (
     LlamaConfig,
     SmolLM3Config,
 )
+from transformers.models.granitemoehybrid import GraniteMoeHybridConfig
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -50,6 +52,11 @@ QWEN35_MOE = {k: v for k, v in COMMON.items() if k != "intermediate_size"} | dic
     head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
     linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
     num_experts_per_tok=2)
+GRANITE_HYBRID = {k: v for k, v in COMMON.items() if k != "intermediate_size"} | dict(
+    intermediate_size=32, shared_intermediate_size=48, num_experts_per_tok=2, mamba_n_heads=4, mamba_n_groups=2,
+    mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=1.5, residual_multiplier=0.7,
+    attention_multiplier=0.2, logits_scaling=2.0,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
 MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
            routed_scaling_factor=2.5, norm_topk_prob=True)
 CONFIGS = {
@@ -77,6 +84,11 @@ CONFIGS = {
                                              linear_num_value_heads=4, rope_parameters=QWEN35_ROPE, **kw),
     # the same layers with every MLP routed: 2 of 8 experts (softmax, renormalized) and a sigmoid-gated shared expert
     "qwen35moe": lambda **kw: Qwen3_5MoeTextConfig(**QWEN35_MOE, rope_parameters=QWEN35_ROPE, **kw),
+    # Mamba2 layers 0, 2, 3 (4 heads of 32 in 2 groups, state 16, kernel 4), attention without rotary in layer 1;
+    # 2 of 8 experts beside a shared expert, Granite's four multipliers; and the dense variant (no experts: the
+    # shared MLP alone)
+    "granitehybrid": lambda **kw: GraniteMoeHybridConfig(**GRANITE_HYBRID, num_local_experts=8, **kw),
+    "granitehybrid-dense": lambda **kw: GraniteMoeHybridConfig(**GRANITE_HYBRID, num_local_experts=0, **kw),
 }
 """Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF)."""
 SPECIAL_TOKENS = {"glm4moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
@@ -86,7 +98,11 @@ CONVERTER_ARGS = {"qwen35": ("--no-mtp",), "qwen35moe": ("--no-mtp",)}
 SAVED_TOKENIZER = ("qwen35moe",)
 """Families whose model type transformers gives a tokenizer class of its own (Qwen3.5-MoE's, Qwen's pre-tokenizer
 over SmolLM2's vocabulary, which the converter cannot name): converted with the tokenizer as saved."""
-SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "qwen35", "qwen35moe")
+CONVERTER_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention"}
+"""transformers 5 saves Granite hybrid `layer_types` under these names; the converter reads `mamba`/`attention`
+(else it converts every layer as Mamba2): renamed in the saved config.json it converts."""
+SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "qwen35", "qwen35moe", "granitehybrid",
+             "granitehybrid-dense")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
 NATIVE_STACK = ("llama", "smollm3", "glm4moe")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
@@ -138,6 +154,10 @@ def converted(tmp_path_factory, default_model_path: Path):
                     if name.endswith("e_score_correction_bias"):  # large enough to change the choice
                         b.copy_(torch.randn_like(b) * 0.2)
             model.save_pretrained(folder)
+            if arch.startswith("granitehybrid"):
+                saved = json.loads((folder / "config.json").read_text())
+                saved["layer_types"] = [CONVERTER_LAYER_TYPES[t] for t in saved["layer_types"]]
+                (folder / "config.json").write_text(json.dumps(saved))
             if getattr(model.config, "num_nextn_predict_layers", 0):
                 with_mtp_layer(folder, model.config.num_hidden_layers)
             made[arch] = model, convert_hf_to_gguf(folder, folder / f"{arch}-f32.gguf", "--outtype", "f32",
@@ -203,7 +223,7 @@ def test_converter_written_file_matches_transformers(converted, loaded, arch: st
 
 
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
-@pytest.mark.parametrize("arch", [a for a in SUPPORTED if a != "llama"])
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED if a not in ("llama", "granitehybrid-dense")])
 def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     """Chunked prefill, a cached prefix, requests joining as others leave: each request gets its solo greedy
     tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's, LFM2's
@@ -261,6 +281,8 @@ def test_latent_attention_caches_one_row_a_token(converted, loaded, capsys) -> N
     ("glm4moe", {"glm4moe.rope.dimension_sections": [4, 2, 2, 0]}, "'glm4moe.rope.dimension_sections'"),
     ("glm4moe", {"glm4moe.expert_gating_func": 4}, "'glm4moe.expert_gating_func' = 4"),
     ("glm4moe", {"glm4moe.expert_group_count": 3}, "'glm4moe.expert_group_count' = 3"),
+    ("granitehybrid", {"granitehybrid.rope.scaling.finetuned": True}, "with rotary embedding \\(Bamba\\)"),
+    ("granitehybrid", {"granitehybrid.attention.head_count_kv": 2}, "'granitehybrid.attention.head_count_kv' must"),
 ])
 def test_what_is_not_read_is_refused_by_key(converted, arch: str, change: dict, match: str) -> None:
     """The keys of what these families' readers do not implement (or need) name themselves in the refusal."""
@@ -271,16 +293,17 @@ def test_what_is_not_read_is_refused_by_key(converted, arch: str, change: dict, 
 
 
 STATE_BYTES = {"lfm2": 3 * 2 * 64 * 4, "qwen35": 3 * (3 * 128 + 4 * 16 * 16) * 4,
-               "qwen35moe": 3 * (3 * 128 + 4 * 16 * 16) * 4}
+               "qwen35moe": 3 * (3 * 128 + 4 * 16 * 16) * 4, "granitehybrid": 3 * (3 * 192 + 4 * 16 * 32) * 4}
 """A sequence's recurrent state, float32: LFM2's 3 conv layers of kernel 3 (two inputs of 64 each); Qwen3.5's 3
-delta-nets (kernel 4: three inputs of the 128 q|k|v channels, and 4 value heads' 16 x 16 state matrices each)."""
+delta-nets (kernel 4: three inputs of the 128 q|k|v channels, and 4 value heads' 16 x 16 state matrices each);
+Granite 4.0-H's 3 Mamba2 layers (kernel 4: three inputs of the 192 x|B|C channels, and 4 heads' 16 x 32 states)."""
 
 
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
 @pytest.mark.parametrize("arch", STATE_BYTES)
 def test_recurrent_state_through_preemption_and_failures(loaded, arch: str, fast: bool) -> None:
-    """A recurrent layer's state (LFM2's short convolutions, Qwen3.5's delta-nets and their convolutions) lives in a
-    slot per running sequence: with a KV pool too small for the batch,
+    """A recurrent layer's state (LFM2's short convolutions, Qwen3.5's delta-nets, Granite 4.0-H's Mamba2 layers and
+    their convolutions) lives in a slot per running sequence: with a KV pool too small for the batch,
     sequences are preempted (their slot given back) and recomputed from their first token, and a step whose
     sampling fails for one request runs its other rows again from the states they had before it; every request
     still gets its solo greedy tokens, and every slot is free at the end."""
@@ -314,6 +337,8 @@ def test_recurrent_state_through_preemption_and_failures(loaded, arch: str, fast
     ("lfm2", (2,), 3, ["1.5 KiB a sequence", "(1 of the 4 layers)", "3 short-convolution layers"]),
     ("qwen35", (3,), 6, ["16.5 KiB a sequence", "(1 of the 4 layers)", "3 gated delta-net layers",
                          "4 state matrices of 16 x 16"]),
+    ("granitehybrid", (1,), 6, ["30.8 KiB a sequence", "(1 of the 4 layers)", "3 Mamba2 layers",
+                                "4 state matrices of 16 x 32"]),
 ])
 def test_recurrent_state_is_reported_and_refuses_what_it_cannot_follow(converted, loaded, capsys, arch: str,
                                                                       kv_layers: tuple, states: int,

@@ -136,7 +136,7 @@ def test_longrope_factors_need_the_original_context(tiny_model) -> None:
 @pytest.mark.parametrize(("base", "meta", "match"), [
     (None, {"general.architecture": "phimoe"}, "Phi-3.5-MoE is not supported"),
     (None, {"general.architecture": "gemma"}, "Gemma 1 is not supported"),
-    (None, {"general.architecture": "granitehybrid"}, "Granite 4 hybrid"),
+    (None, {"general.architecture": "gemma3n"}, "Gemma 3n is not supported"),
     ("gemma3", {"gemma3.rope.scaling.type": "longrope"}, "'gemma3.rope.scaling.type' = 'longrope'"),
     ("granite", {"granite.rope.scaling.finetuned": False}, "without rotary embedding"),
 ])

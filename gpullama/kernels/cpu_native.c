@@ -1,6 +1,6 @@
 /* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
    windows, soft caps, sinks), SwiGLU, GeGLU, the final soft cap, greedy argmax, mixture-of-experts blocks, the
-   recurrent layers' scans (short convolution, gated delta rule).
+   recurrent layers' scans (short convolution, gated delta rule, Mamba2's selective scan).
 
 Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp -Wall -Wextra; it
 builds without a warning under each of the flag sets `cpu_native.FLAG_SETS` tries) and called through ctypes on
@@ -1214,6 +1214,45 @@ void gl_gated_delta_rule(const float *q, int64_t ldq, const float *k, int64_t ld
             vf_store_n(out + (t * Hv + h) * Dv + c, o, (int)n);
         }
         for (int64_t i = 0; i < Dk; i++) vf_store_n(state + i * Dv, S[i], (int)n);
+    }
+}
+
+/* Mamba2's selective scan over each sequence's rows, one row after another: x [T, H, P] (row stride ldx, each
+   head's P values contiguous), dt [T, H] (after softplus, contiguous), a [H] (negative), b and c [T, G, N] (row
+   strides ldb, ldc); head h reads group h / (H / G). Head h's state S [N, P] (slot slots[s] of states [slots, H, N,
+   P]; zeros where the sequence's first row is at position 0) takes each row: S = S exp(dt a) + b (dt x)^T, out = c S
+   (out [T, H, P] contiguous; no D skip). Each column of S evolves on its own: sequences, heads and 16-column groups
+   are independent, a task keeps its [N, 16] tile in registers and cache for all its rows, and any thread split gives
+   the same bits. N <= MAX_SSM_STATE. */
+#define MAX_SSM_STATE 256
+
+void gl_ssm_scan(const float *x, int64_t ldx, const float *dt, const float *a, const float *b, int64_t ldb,
+                 const float *c, int64_t ldc, int64_t H, int64_t G, int64_t P, int64_t N, float *states,
+                 const int64_t *slots, const int64_t *positions, const int32_t *query_start, int64_t B, float *out,
+                 int threads) {
+    int64_t groups = (P + 15) / 16, per_group = H / G;
+    (void)threads; /* read by GL_OMP only */
+    GL_OMP(parallel for num_threads(threads) schedule(static) if (B * H * groups >= 16))
+    for (int64_t u = 0; u < B * H * groups; u++) {
+        int64_t s = u / (H * groups), h = (u / groups) % H, col = (u % groups) * 16, w = P - col < 16 ? P - col : 16;
+        int64_t first = query_start[s], end = query_start[s + 1], g = h / per_group;
+        if (first == end) continue;
+        float *state = states + ((slots[s] * H + h) * N) * P + col;
+        int fresh = positions[first] == 0;
+        vf S[MAX_SSM_STATE];
+        for (int64_t i = 0; i < N; i++) S[i] = fresh ? vf_zero() : vf_load_n(state + i * P, (int)w);
+        for (int64_t t = first; t < end; t++) {
+            float step = dt[t * H + h];
+            const float *bt = b + t * ldb + g * N, *ct = c + t * ldc + g * N;
+            vf e = vf_set1(expf(step * a[h])), o = vf_zero();
+            vf input = vf_mul(vf_set1(step), vf_load_n(x + t * ldx + h * P + col, (int)w));
+            for (int64_t i = 0; i < N; i++) {
+                S[i] = vf_add(vf_mul(S[i], e), vf_mul(vf_set1(bt[i]), input));
+                o = vf_fma(S[i], vf_set1(ct[i]), o);
+            }
+            vf_store_n(out + (t * H + h) * P + col, o, (int)w);
+        }
+        for (int64_t i = 0; i < N; i++) vf_store_n(state + i * P, S[i], (int)w);
     }
 }
 

@@ -37,6 +37,8 @@ MAX_CONV_KERNEL = 8
 """The widest short convolution `short_conv` takes (LFM2's is 3, Qwen3.5's 4)."""
 MAX_DELTA_KEY_DIM = 256
 """The widest key head `gated_delta_rule` takes (Qwen3.5's are 128)."""
+MAX_SSM_STATE = 256
+"""The largest state size `ssm_scan` takes (Granite 4.0-H's is 128)."""
 """`attention` needs a head dim that is a multiple of 16 (of 32 for a Q8_0 cache) and at most this, and a block size
 a multiple of 16."""
 KV_F32, KV_F16, KV_Q8 = 0, 1, 2
@@ -56,6 +58,7 @@ _SIGNATURES = {
     "gl_short_conv": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _I32],
     "gl_gated_delta_rule": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P,
                             _I32],
+    "gl_ssm_scan": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I32],
     "gl_attention": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P,
                      _I32],
     "gl_attention_sinks": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32,
@@ -306,6 +309,21 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: t
                              decay.data_ptr(), beta.data_ptr(), hk, hv, dk, dv, states.data_ptr(), slots.data_ptr(),
                              positions.data_ptr(), query_start.data_ptr(), slots.shape[0], out.data_ptr(),
                              torch.get_num_threads())
+    return out
+
+
+def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             states: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
+             out: torch.Tensor) -> torch.Tensor:
+    """Mamba2's selective scan over each sequence's rows (`TorchOps.ssm_scan`'s arithmetic, one row after another):
+    x ``[T, H, P]``, b and c ``[T, G, N]`` float32 with each head's (group's) values contiguous (row-strided views
+    allowed), dt ``[T, H]`` and a ``[H]`` contiguous, ``states [slots, H, N, P]`` at ``slots [B]`` updated in place
+    (zeros where a sequence's first row is at position 0); `out` ``[T, H, P]`` float32 contiguous."""
+    heads, p = x.shape[1:]
+    groups, n = b.shape[1:]
+    _lib.gl_ssm_scan(x.data_ptr(), x.stride(0), dt.data_ptr(), a.data_ptr(), b.data_ptr(), b.stride(0), c.data_ptr(),
+                     c.stride(0), heads, groups, p, n, states.data_ptr(), slots.data_ptr(), positions.data_ptr(),
+                     query_start.data_ptr(), slots.shape[0], out.data_ptr(), torch.get_num_threads())
     return out
 
 

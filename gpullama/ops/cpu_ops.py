@@ -118,6 +118,19 @@ class CpuOps(TorchOps):
                                            meta.state_slots, meta.positions, meta.query_start_loc,
                                            v.new_empty(v.shape, dtype=torch.float32))
 
+    def ssm_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+        states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """Mamba2's selective scan over each sequence's rows and its state slot, in C, one row after another (the
+        recurrent form for prefill too: an [N, 16] tile of a head's state stays in cache for the whole chunk);
+        torch's for a state larger than the C one takes."""
+        if b.shape[-1] > cpu_native.MAX_SSM_STATE or any(
+                t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(1) != t.shape[2] for t in (x, b, c)):
+            return super().ssm_scan(x, dt, a, b, c, states, meta)
+        return cpu_native.ssm_scan(x, dt.float().contiguous(), a.float().contiguous(), b, c, states, meta.state_slots,
+                                   meta.positions, meta.query_start_loc, x.new_empty(x.shape, dtype=torch.float32))
+
     def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> Any:
         """The decoder's layers as one C call a step (`NativeStack`), or None where it does not take them."""
         return NativeStack.build(decoder, k_caches, v_caches)

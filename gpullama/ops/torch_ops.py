@@ -236,6 +236,43 @@ class TorchOps:
             states[slot] = new_state[0] if b - a == 1 else new_state
         return out
 
+    def ssm_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+        states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """Mamba2's selective scan over each sequence's new rows: ``x [T, H, P]``, ``dt [T, H]`` (after softplus),
+        ``a [H]`` (negative), ``b``, ``c [T, G, N]`` (head h reads group h // (H / G), transformers' and ggml's
+        repeat_interleave order). Each head's state ``S [N, P]`` (the sequence's slot of ``states [slots, H, N,
+        P]``, zeros for a sequence starting at position 0) takes each row in turn: ``S = exp(dt a) S + b (dt
+        x)^T``, ``y = c S``. A decode batch steps every sequence once (that recurrence); a longer chunk runs the
+        chunked form (`chunked_ssm_scan`, 64 rows a chunk: the same sums regrouped into matrix products). Float32
+        ``[T, H, P]`` (without the D skip); the slots hold the states after the rows."""
+        heads = x.shape[1]
+        x, dt, a = x.float(), dt.float(), a.float()
+        b = b.float().repeat_interleave(heads // b.shape[1], dim=1)
+        c = c.float().repeat_interleave(heads // c.shape[1], dim=1)
+        slots = meta.state_slots
+        if meta.is_decode:
+            state = states.index_select(0, slots)
+            state = torch.where((meta.positions == 0)[:, None, None, None], 0.0, state)
+            out, state = recurrent_ssm_scan(x, dt, a, b, c, state)
+            states.index_copy_(0, slots, state)
+            return out
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            lo, hi = starts[i], starts[i + 1]
+            if lo == hi:
+                continue
+            slot = slots[i]
+            state = states[slot] if seq_len > hi - lo else torch.zeros_like(states[slot])
+            if hi - lo == 1:
+                o, new_state = recurrent_ssm_scan(x[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi], state[None])
+                out[lo:hi], states[slot] = o, new_state[0]
+            else:
+                out[lo:hi], states[slot] = chunked_ssm_scan(x[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi], state)
+        return out
+
     def heads_matmul(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each head's own matrix: ``x [T, heads, K]`` times ``weights [heads, N, K]`` (transposed) is ``[T, heads,
         N]``, float32."""
@@ -516,6 +553,52 @@ def chunked_delta_rule(
         out[:, i] = q[:, i] @ state + inner[:, i] @ v_new
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
     return out.reshape(h, -1, out.shape[-1])[:, :n].transpose(0, 1), state
+
+
+def recurrent_ssm_scan(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's scan one row at a time: rows ``x [M, H, P]``, ``dt [M, H]``, ``b``, ``c [M, H, N]`` (one group a
+    head already) and ``state [M, H, N, P]``, one step each (a decode batch: M sequences), or one sequence's rows in
+    turn when `state` is ``[1, H, N, P]``. Returns (out ``[M, H, P]``, the new state)."""
+    if state.shape[0] != x.shape[0]:  # one sequence's rows in order
+        outs = []
+        for t in range(x.shape[0]):
+            o, state = recurrent_ssm_scan(x[t : t + 1], dt[t : t + 1], a, b[t : t + 1], c[t : t + 1], state)
+            outs.append(o)
+        return torch.cat(outs), state
+    state = state * (dt * a).exp()[..., None, None] + b[..., None] * (dt[..., None] * x)[..., None, :]
+    return (state * c[..., None]).sum(-2), state
+
+
+def chunked_ssm_scan(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's scan over one sequence's rows ``x [M, H, P]``, ``dt [M, H]``, ``b``, ``c [M, H, N]`` from ``state
+    [H, N, P]``, `chunk` rows at a time (state-space duality): within a chunk row i's output is ``sum_j<=i (c_i .
+    b_j) exp(A_i - A_j) dt_j x_j`` (A the running sum of dt a) plus ``exp(A_i) c_i S``, then the state carries to
+    the next chunk. Returns (out ``[M, H, P]``, new state)."""
+    m = x.shape[0]
+    pad = (-m) % chunk  # zero rows at the end: dt = 0 neither decays nor adds
+    x, b, c = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (x, b, c))  # [H, M', .]
+    dt = F.pad(dt.t(), (0, pad))  # [H, M']
+    h = x.shape[0]
+    x, b, c = (t.reshape(h, -1, chunk, t.shape[-1]) for t in (x, b, c))
+    dt = dt.reshape(h, -1, chunk)
+    g = (dt * a[:, None, None]).cumsum(-1)  # log of the decay from the chunk's start to each row
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).triu(1)
+    pair = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()  # decay from row j to row i
+    inputs = x * dt[..., None]  # [H, chunks, L, P]
+    intra = ((c @ b.transpose(-1, -2)) * pair) @ inputs
+    read = c * g.exp()[..., None]  # each row reads the chunk's starting state decayed to it
+    carry = inputs * (g[..., -1:] - g).exp()[..., None]  # each row's input decayed to the chunk's end
+    out = torch.empty_like(intra)
+    state = state.float()
+    for i in range(x.shape[1]):
+        out[:, i] = intra[:, i] + read[:, i] @ state
+        state = state * g[:, i, -1].exp()[:, None, None] + b[:, i].transpose(-1, -2) @ carry[:, i]
+    return out.reshape(h, -1, out.shape[-1])[:, :m].transpose(0, 1), state
 
 
 def _plain_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ from gpullama.kernels.short_conv import short_conv as _short_conv
 from gpullama.kernels.silu_mul import gelu_tanh_mul as _gelu_tanh_mul
 from gpullama.kernels.silu_mul import silu_mul as _silu_mul
 from gpullama.kernels.soft_cap import soft_cap as _soft_cap
+from gpullama.kernels.ssm_scan import ssm_scan as _ssm_scan
 from gpullama.ops.experts import Experts
 from gpullama.ops.metadata import BatchMetadata
 from gpullama.ops.torch_ops import TorchOps
@@ -129,6 +130,14 @@ class TritonOps(TorchOps):
         """The gated delta rule over each sequence's rows and its state slot, one kernel launch (the recurrent form
         for prefill too: see `gpullama.kernels.delta_rule`)."""
         return _gated_delta_rule(q, k, v, decay, beta, states, meta.state_slots, meta.positions, meta.query_start_loc)
+
+    def ssm_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+        states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """Mamba2's selective scan over each sequence's rows and its state slot, one kernel launch (the recurrent
+        form for prefill too: see `gpullama.kernels.ssm_scan`)."""
+        return _ssm_scan(x, dt, a, b, c, states, meta.state_slots, meta.positions, meta.query_start_loc)
 
     def latent_rope_and_cache(
         self, q: torch.Tensor, rows: torch.Tensor, cos_sin: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata

@@ -150,6 +150,31 @@ def qwen35_like_config(vocab_size: int = 72) -> ModelConfig:
     )
 
 
+def granite_h_350m_config(num_layers: int = 32) -> ModelConfig:
+    """Granite-4.0-H-350M-like shapes (hidden 768; Mamba2 layers of 48 heads of 32 dims in one group, state 128,
+    kernel 4, and 4 attention layers of 12 heads, 4 kv heads of 64, without rotary; a dense MLP of 2048, vocab
+    100352; Granite's multipliers); fewer layers keep a pattern of one attention layer in eight."""
+    return ModelConfig(
+        "granitehybrid", num_layers, 768, 2048, 12, 4, 64, 100352, 32768, 1e4, 1e-5, permuted_qk=True,
+        nope_layers=(True,) * num_layers, attention_scale=1 / 64, embedding_scale=12.0, residual_scale=0.25,
+        logit_scale=3.0, conv_kernel=4, mamba_layers=tuple(i % 8 != 3 for i in range(num_layers)),
+        ssm_state_size=128, ssm_groups=1, ssm_heads=48, ssm_inner_size=1536,
+    )
+
+
+def granite_hybrid_like_config(vocab_size: int = 72) -> ModelConfig:
+    """Granite 4.0-H's flags on a tiny shape: a Mamba2 layer (4 heads of 32 in 2 groups, state 64, kernel 4), then
+    an attention layer without rotary, 2 of 4 experts (renormalized) beside a shared expert, the four
+    multipliers."""
+    return ModelConfig(
+        "granitehybrid", 2, 64, 64, 4, 2, 16, vocab_size, 512, 1e4, 1e-6, permuted_qk=True,
+        nope_layers=(True, True), attention_scale=0.2, embedding_scale=1.5, residual_scale=0.7, logit_scale=2.0,
+        conv_kernel=4, mamba_layers=(True, False), ssm_state_size=64, ssm_groups=2, ssm_heads=4, ssm_inner_size=128,
+        num_experts=4, num_experts_used=2, expert_intermediate_size=64, shared_expert_intermediate_size=96,
+        expert_weights_norm=True,
+    )
+
+
 def gemma_like_config(vocab_size: int = 72) -> ModelConfig:
     """Every Gemma flag at once on a tiny shape: q/k norms, post-norms, GeGLU, embedding scale, a sliding layer
     (window 4, its own rope base) beside a full one (linear rope scaling), attention and final soft-capping."""
@@ -225,6 +250,18 @@ def random_tensors(
             tensors[p + "ssm_a"] = QTensor(-torch.rand(hv, device=device, generator=g) - 0.1, Q.F32, (hv,))
             tensors[p + "ssm_dt.bias"] = vector(hv)
             tensors[p + "ssm_norm.weight"] = norm(inner // hv)
+            tensors[p + "ssm_out.weight"] = random_weight(qtype, h, inner, device, g)
+        if c.is_mamba(i):  # a Mamba2 layer in place of attention (its small vectors F32, as the converter writes)
+            h, heads, channels, inner = c.hidden_size, c.ssm_heads, c.delta_conv_channels, c.ssm_inner_size
+            tensors[p + "ssm_in.weight"] = random_weight(qtype, inner + channels + heads, h, device, g)
+            tensors[p + "ssm_conv1d.weight"] = vector(channels, c.conv_kernel, scale=0.5)
+            tensors[p + "ssm_conv1d.bias"] = vector(channels)
+            tensors[p + "ssm_a"] = QTensor(-torch.rand(heads, 1, device=device, generator=g) - 0.1, Q.F32, (heads, 1))
+            tensors[p + "ssm_d"] = QTensor(torch.rand(heads, 1, device=device, generator=g), Q.F32, (heads, 1))
+            tensors[p + "ssm_dt.bias"] = vector(heads)
+            tensors[p + "ssm_norm.weight"] = QTensor(1.0 + 0.1 * torch.randn(c.ssm_groups, inner // c.ssm_groups,
+                                                                              device=device, generator=g),
+                                                     Q.F32, (c.ssm_groups, inner // c.ssm_groups))
             tensors[p + "ssm_out.weight"] = random_weight(qtype, h, inner, device, g)
         if fused:
             shapes = {

@@ -225,3 +225,32 @@ def test_gated_delta_rule_matches_torch(seq_lens, q_lens, device):
     assert rel_err(got, want) < 1e-5 and rel_err(got_states, want_states) < 1e-5
     untouched = [s for s in range(6) if s not in meta.state_slots.tolist()]
     assert torch.equal(got_states.cpu()[untouched], states[untouched])
+
+
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([6, 9], [6, 3]), ([7, 1, 3], [1, 1, 1])], ids=["prefill", "decode"])
+def test_ssm_scan_matches_torch(seq_lens, q_lens, device):
+    """Mamba2's selective scan (4 heads in 2 groups, head dim 24 over 16-column programs wide enough for two: a
+    partial column group; state size 16): a fresh sequence at position 0, a chunk after earlier rows (its state
+    from the slot), decode rows; x, B and C strided views of one row; the outputs and the updated slots against
+    TorchOps' (slots no sequence holds untouched)."""
+    heads, groups, p, n = 4, 2, 24, 16
+    meta = make_batch(seq_lens, q_lens, 4, num_blocks=16, seed=1)
+    meta.state_slots = torch.tensor([3, 0, 4][: len(seq_lens)])
+    t = meta.positions.shape[0]
+    g = torch.Generator().manual_seed(3)
+    xbc = torch.randn(t, heads * p + 2 * groups * n, generator=g)
+    dt, a = torch.rand(t, heads, generator=g), -torch.rand(heads, generator=g) - 0.5
+    states = torch.randn(6, heads, n, p, generator=g) * 0.3
+
+    def split(v):
+        return v[:, : heads * p].view(t, heads, p), v[:, heads * p : heads * p + groups * n].view(t, groups, n), \
+            v[:, heads * p + groups * n :].view(t, groups, n)
+
+    want_states, got_states = states.clone(), states.to(device)
+    x, b, c = split(xbc)
+    want = TorchOps(CPU).ssm_scan(x, dt, a, b, c, want_states, meta)
+    x, b, c = split(xbc.to(device))
+    got = TritonOps(device).ssm_scan(x, dt.to(device), a.to(device), b, c, got_states, meta_to(meta, device))
+    assert rel_err(got, want) < 1e-5 and rel_err(got_states, want_states) < 1e-5
+    untouched = [s for s in range(6) if s not in meta.state_slots.tolist()]
+    assert torch.equal(got_states.cpu()[untouched], states[untouched])

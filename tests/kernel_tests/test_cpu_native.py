@@ -219,6 +219,31 @@ def test_gated_delta_rule_matches_torch_and_updates_the_states(seq_lens, q_lens)
     assert torch.equal(got_states[[1, 2]], states[[1, 2]])  # slots no sequence holds are untouched
 
 
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([70, 1, 9], [70, 1, 2]), ([7, 1, 3], [1, 1, 1])],
+                         ids=["prefill", "decode"])
+def test_ssm_scan_matches_torch_and_updates_the_states(seq_lens, q_lens) -> None:
+    """Mamba2's selective scan (4 heads in 2 groups, head dim 24: a full 16-column group and a partial one, state
+    size 16) over a ragged batch: a 70-row chunk (torch: two chunks of the chunked form; C: the recurrence), a
+    sequence at position 0 (zeros, whatever its slot holds), chunks after earlier rows, decode rows; x, B and C are
+    strided views of one row, as the decoder passes them. The outputs and the updated slots equal TorchOps'."""
+    heads, groups, p, n, num_slots = 4, 2, 24, 16, 5
+    meta = make_meta(seq_lens, q_lens, slots=[3, 0, 4])
+    t = meta.positions.shape[0]
+    xbc = torch.randn(t, heads * p + 2 * groups * n, generator=gen(1))
+    x, b, c = xbc[:, : heads * p].view(t, heads, p), xbc[:, heads * p : heads * p + groups * n].view(t, groups, n), \
+        xbc[:, heads * p + groups * n :].view(t, groups, n)
+    dt = F.softplus(torch.randn(t, heads, generator=gen(2)))
+    a = -torch.exp(torch.randn(heads, generator=gen(3)))
+    states = torch.randn(num_slots, heads, n, p, generator=gen(4)) * 0.3
+    want_states, got_states = states.clone(), states.clone()
+    want = TorchOps(torch.device("cpu")).ssm_scan(x, dt, a, b, c, want_states, meta)
+    got = cpu_native.ssm_scan(x, dt, a, b, c, got_states, meta.state_slots, meta.positions, meta.query_start_loc,
+                              torch.empty(t, heads, p))
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    assert (got_states - want_states).abs().max() < 1e-5 * want_states.abs().max()
+    assert torch.equal(got_states[[1, 2]], states[[1, 2]])  # slots no sequence holds are untouched
+
+
 def make_meta(seq_lens: list[int], q_lens: list[int], slots: list[int]) -> BatchMetadata:
     """Metadata of sequences whose last `q_lens[i]` of `seq_lens[i]` rows are new, in state slots `slots` (no KV
     pool: for the recurrent layers' scans)."""
