@@ -10,11 +10,11 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2", "lfm2", "qwen35", "qwen35moe", "granitehybrid",
+    "glm4moe", "deepseek2", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "granitehybrid",
 )
 
 _MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, qwen35moe, gpt-oss, glm4moe, "
-                  "deepseek2 and Mixtral (llama)")
+                  "deepseek2, lfm2moe, granitehybrid and Mixtral (llama)")
 # Families llama.cpp knows that are not implemented here, with why (named in the refusal).
 _NOT_SUPPORTED = {
     "granitemoe": f"Granite MoE is not supported ({_MOE_SUPPORTED})",
@@ -23,7 +23,6 @@ _NOT_SUPPORTED = {
     "olmoe": f"OLMoE is not supported ({_MOE_SUPPORTED})",
     "gemma": "Gemma 1 is not supported (Gemma 2 and Gemma 3 are)",
     "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
-    "lfm2moe": "LFM2-MoE is not supported (the dense LFM2 is)",
 }
 
 
@@ -31,8 +30,8 @@ _NOT_SUPPORTED = {
 class ModelConfig:
     """The shape and numerics of a decoder: one set of flags covering llama (and Mixtral), mistral, qwen2, qwen3,
     phi3 (Phi-3, Phi-3.5, Phi-4-mini), granite (Granite 3.x), gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, smollm3,
-    glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2/V3's multi-head latent attention), lfm2 (LFM2's short
-    convolutions beside attention layers), qwen35, qwen35moe (Qwen3.5's gated delta-net layers beside gated
+    glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2/V3's multi-head latent attention), lfm2, lfm2moe (LFM2's short
+    convolutions beside attention layers; the latter with routed experts after its leading dense layers), qwen35, qwen35moe (Qwen3.5's gated delta-net layers beside gated
     attention; the latter with routed experts and a gated shared expert) and granitehybrid (Granite 4.0's Mamba2
     layers beside attention without rotary embedding, routed experts with a shared one or a dense MLP)."""
 
@@ -319,7 +318,7 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     """`{arch}.expert_count` and the keys that shape routing, as llama.cpp's converter writes them; the expert
     sizes themselves come from the tensors (`gguf_file`)."""
     count = int(opt("expert_count") or 0)
-    if arch in ("qwen2moe", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe") and count <= 0:
+    if arch in ("qwen2moe", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "lfm2moe") and count <= 0:
         raise ValueError(f"{path}: missing metadata key '{arch}.expert_count' (a {arch} model routes to experts)")
     if count <= 0:
         return
@@ -357,7 +356,7 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     config.expert_gating = _GATING[gating]
     norm = opt("expert_weights_norm")
     config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe", "qwen35moe",
-                                                                              "granitehybrid")
+                                                                              "granitehybrid", "lfm2moe")
     config.expert_weights_scale = float(opt("expert_weights_scale") or 1.0)
 
 
@@ -504,7 +503,10 @@ def _lfm2(config: ModelConfig, get, opt, path: str) -> None:
     """LFM2 (`lfm2`): short-convolution layers (those with 0 in `attention.head_count_kv`) beside attention layers
     with q/k norms; a conv layer maps x to B, C and x' (`shortconv.in_proj`), convolves B * x' over the last
     `shortconv.l_cache` tokens per channel (`shortconv.conv`, causal), multiplies by C and projects
-    (`shortconv.out_proj`). The final norm is `token_embd_norm` (llama.cpp's name)."""
+    (`shortconv.out_proj`). The final norm is `token_embd_norm` (llama.cpp's name). LFM2-MoE (`lfm2moe`): the same
+    layers, their MLPs after the `leading_dense_block_count` dense ones routed: the top k of sigmoid(router logits)
+    + `exp_probs_b` (the choice only), the chosen sigmoids renormalized (llama.cpp's graph; gating 2 as the converter
+    writes it)."""
     arch = config.architecture
     counts = get("attention.head_count_kv")
     if not isinstance(counts, list) or len(counts) != config.num_layers:
@@ -593,6 +595,6 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
 
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
-    "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "qwen35": _qwen35, "qwen35moe": _qwen35,
-    "granitehybrid": _granitehybrid,
+    "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "lfm2moe": _lfm2, "qwen35": _qwen35,
+    "qwen35moe": _qwen35, "granitehybrid": _granitehybrid,
 }

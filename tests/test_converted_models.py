@@ -20,6 +20,7 @@ from transformers import (
     DeepseekV3Config,
     Glm4MoeConfig,
     Lfm2Config,
+    Lfm2MoeConfig,
     LlamaConfig,
     SmolLM3Config,
 )
@@ -77,6 +78,11 @@ CONFIGS = {
     # short convolutions (kernel 3, their state in a per-sequence slot) in layers 0, 1, 3, attention in layer 2
     "lfm2": lambda **kw: Lfm2Config(**COMMON, block_auto_adjust_ff_dim=False, layer_types=[
         "conv", "conv", "full_attention", "conv"], **kw),
+    # the same layers with the MLPs after the first routed: 2 of 8 experts by sigmoid + expert bias (the choice
+    # only), renormalized
+    "lfm2moe": lambda **kw: Lfm2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                          num_dense_layers=1, layer_types=["conv", "conv", "full_attention", "conv"],
+                                          **kw),
     # gated delta-nets in layers 0, 1, 2 (2 key heads for 4 value heads, the converter's tiled order; convolution
     # kernel 4), gated attention with q/k norms and partial multi-axis rotary (8 of 16 dims) in layer 3
     "qwen35": lambda **kw: Qwen3_5TextConfig(**COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
@@ -101,8 +107,8 @@ over SmolLM2's vocabulary, which the converter cannot name): converted with the 
 CONVERTER_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention"}
 """transformers 5 saves Granite hybrid `layer_types` under these names; the converter reads `mamba`/`attention`
 (else it converts every layer as Mamba2): renamed in the saved config.json it converts."""
-SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "qwen35", "qwen35moe", "granitehybrid",
-             "granitehybrid-dense")
+SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "lfm2moe", "qwen35", "qwen35moe",
+             "granitehybrid", "granitehybrid-dense")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
 NATIVE_STACK = ("llama", "smollm3", "glm4moe")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
@@ -151,7 +157,7 @@ def converted(tmp_path_factory, default_model_path: Path):
                 for name, p in model.named_parameters():
                     p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.08) + (1.0 if "norm" in name else 0))
                 for name, b in model.named_buffers():
-                    if name.endswith("e_score_correction_bias"):  # large enough to change the choice
+                    if name.endswith(("e_score_correction_bias", "expert_bias")):  # large enough to change the choice
                         b.copy_(torch.randn_like(b) * 0.2)
             model.save_pretrained(folder)
             if arch.startswith("granitehybrid"):
@@ -292,9 +298,9 @@ def test_what_is_not_read_is_refused_by_key(converted, arch: str, change: dict, 
         ModelConfig.from_metadata(meta, "model.gguf")
 
 
-STATE_BYTES = {"lfm2": 3 * 2 * 64 * 4, "qwen35": 3 * (3 * 128 + 4 * 16 * 16) * 4,
+STATE_BYTES = {"lfm2": 3 * 2 * 64 * 4, "lfm2moe": 3 * 2 * 64 * 4, "qwen35": 3 * (3 * 128 + 4 * 16 * 16) * 4,
                "qwen35moe": 3 * (3 * 128 + 4 * 16 * 16) * 4, "granitehybrid": 3 * (3 * 192 + 4 * 16 * 32) * 4}
-"""A sequence's recurrent state, float32: LFM2's 3 conv layers of kernel 3 (two inputs of 64 each); Qwen3.5's 3
+"""A sequence's recurrent state, float32: LFM2's (and LFM2-MoE's) 3 conv layers of kernel 3 (two inputs of 64 each); Qwen3.5's 3
 delta-nets (kernel 4: three inputs of the 128 q|k|v channels, and 4 value heads' 16 x 16 state matrices each);
 Granite 4.0-H's 3 Mamba2 layers (kernel 4: three inputs of the 192 x|B|C channels, and 4 heads' 16 x 32 states)."""
 
@@ -361,3 +367,4 @@ def test_recurrent_state_is_reported_and_refuses_what_it_cannot_follow(converted
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=f"speculative decoding is not supported for {arch}"):
         make_engine(llm, speculative=SpeculativeConfig(num_speculative_tokens=3))
+
