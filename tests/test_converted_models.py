@@ -368,3 +368,46 @@ def test_recurrent_state_is_reported_and_refuses_what_it_cannot_follow(converted
     with pytest.raises(ValueError, match=f"speculative decoding is not supported for {arch}"):
         make_engine(llm, speculative=SpeculativeConfig(num_speculative_tokens=3))
 
+
+def test_hybrid_model_serves_16_concurrent_streams_as_alone(converted, tmp_path) -> None:
+    """A hybrid model (Granite 4.0-H's Mamba2 layers and their state slots) through the real server's OpenAI chat
+    route: 16 greedy streams at once (prefill chunks, joins and decode steps over 16 state slots) give each request
+    the text it gets alone, and the server stays healthy."""
+    import asyncio
+
+    import httpx
+    import orjson
+
+    from tests.server.conftest import start_server, stop_server
+    from tests.server.helpers import API_KEY
+
+    srv = start_server(converted("granitehybrid")[1], tmp_path / "server.log", ["--max-num-seqs", "16"])
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def body(i: int) -> dict:
+        return {"model": "granitehybrid-f32", "messages": [{"role": "user", "content": f"Tell me about the number {i * 37}."}],
+                "temperature": 0, "max_tokens": 8, "ignore_eos": True, "stream": True}
+
+    async def stream(client: httpx.AsyncClient, i: int) -> str:
+        text = []
+        async with client.stream("POST", "/v1/chat/completions", json=body(i)) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = orjson.loads(line[6:])["choices"]
+                    text += [c["delta"].get("content") or "" for c in delta]
+        return "".join(text)
+
+    async def run(together: bool) -> list[str]:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=300, headers=headers) as client:
+            if together:
+                return await asyncio.gather(*(stream(client, i) for i in range(16)))
+            return [await stream(client, i) for i in range(16)]
+
+    try:
+        alone = asyncio.run(run(together=False))
+        assert len(set(alone)) > 1 and all(alone)
+        assert asyncio.run(run(together=True)) == alone
+        assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
+    finally:
+        stop_server(srv)
