@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpullama.engine.args import EngineArgs
     from gpullama.llm import LLM
+    from gpullama.lora_request import LoRARequest
     from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput, StreamDelta, TokenLogprob, TopLogprob
     from gpullama.pooling_params import PoolingParams
     from gpullama.sampling_params import SamplingParams
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "gpullama.llm",
     "EngineArgs": "gpullama.engine.args",
+    "LoRARequest": "gpullama.lora_request",
     "SamplingParams": "gpullama.sampling_params",
     "StructuredOutput": "gpullama.structured.spec",
     "Completion": "gpullama.outputs",
@@ -37,6 +39,7 @@ __all__ = [
     "EmbeddingOutput",
     "EngineArgs",
     "LLM",
+    "LoRARequest",
     "PoolingParams",
     "SamplingParams",
     "StreamDelta",

@@ -24,6 +24,8 @@ from gpullama.engine.model_spec import ModelSpec, build_model
 from gpullama.engine.tp_workers import Rendezvous, TPWorkers
 from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
+from gpullama.lora import Adapter, load_adapter
+from gpullama.lora_request import LoRARequest
 from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput
 from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
@@ -70,13 +72,22 @@ class LLM:
     enforce_eager, tensor_parallel_size), with its defaults. With ``tensor_parallel_size`` > 1 it starts worker processes (see
     `gpullama.engine.tp_workers`): call `shutdown()` (or use ``with LLM(...) as llm:``) to end them before the
     process does, and guard the script's entry point with ``if __name__ == "__main__":`` (they are spawned).
+
+    ``lora`` loads GGUF LoRA adapters (llama.cpp's format, see `gpullama.lora`) with the model: a path, a list of
+    paths (each named by its file's stem) or a dict of name to path; a request picks them with ``lora=`` (a name, a
+    `LoRARequest`, a list of them, or a dict of name to scale). Adapters and the base model run in the same batch.
     """
 
     _workers: TPWorkers | None = None
     vision = None  # gpullama.vision.prompt.VisionModel: the mmproj's tower, when the model has one
 
-    def __init__(self, model: str | os.PathLike = EngineArgs.model, **engine_args):
+    def __init__(self, model: str | os.PathLike = EngineArgs.model, lora=None, **engine_args):
         self._load(EngineArgs(model=os.fspath(model), **engine_args))
+        if isinstance(lora, (str, os.PathLike)):
+            lora = [lora]
+        items = lora.items() if isinstance(lora, dict) else [(None, p) for p in (lora or [])]
+        for name, path in items:
+            self.load_lora(path, name)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, on_progress: Callable[[str], None] | None = None) -> LLM:
@@ -135,6 +146,7 @@ class LLM:
             raise
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self.loras: dict[str, int] = {}  # LoRA adapter name -> engine id
         runner = self.engine.runner
         del gguf_model  # the file's memory map goes once nothing else holds a view of it
         release_free_memory()
@@ -151,6 +163,64 @@ class LLM:
             runner.kv_cache_format, runner.kv_pool_limit,
             "; resident only as requests fill it" if self.device.type == "cpu" else "",
         )
+
+    # -- LoRA adapters ---------------------------------------------------------------------------------
+    def load_lora(self, path: str | os.PathLike, name: str | None = None) -> int:
+        """Load a GGUF LoRA adapter for this model under `name` (default: the file's stem); its engine id (the id
+        llama.cpp's per-request ``lora`` list names). ValueError when the name is taken or the adapter does not fit
+        the model (its architecture or a shape)."""
+        adapter = load_adapter(self.model, path, name)
+        return self.add_lora(adapter)
+
+    def add_lora(self, adapter: Adapter) -> int:
+        """Make an adapter prepared for this model (`gpullama.lora.prepare_lora`) available; its engine id."""
+        loras = self.loras
+        if adapter.name in loras:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        with self._lock:
+            adapter_id = self.engine.add_lora(adapter)
+        loras[adapter.name] = adapter_id
+        return adapter_id
+
+    def unload_lora(self, name: str) -> None:
+        """Unload the adapter `name` (KeyError when there is none; ValueError while a request uses it)."""
+        if name not in self.loras:
+            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+        with self._lock:
+            self.engine.remove_lora(self.loras[name])
+        del self.loras[name]
+
+    @property
+    def lora_adapters(self) -> dict[str, Adapter]:
+        """The loaded adapters by name."""
+        return {name: self.model.adapters[i] for name, i in self.loras.items()}
+
+    def _lora_pairs(self, lora) -> list[tuple[int, float]] | None:
+        """A request's ``lora=`` as (engine id, scale) pairs (None: the base model)."""
+        if lora is None:
+            return None
+        if isinstance(lora, (str, LoRARequest)):
+            lora = [lora]
+        if isinstance(lora, dict):
+            lora = [LoRARequest(name, scale=scale) for name, scale in lora.items()]
+        pairs = []
+        for item in lora:
+            req = LoRARequest(item) if isinstance(item, str) else item
+            if not isinstance(req, LoRARequest):
+                raise ValueError(f"lora= takes adapter names, LoRARequests or a dict of name to scale, got "
+                                 f"{type(item).__name__}")
+            if req.name not in self.loras:
+                if req.path is None:
+                    known = ", ".join(self.loras) or "none"
+                    raise ValueError(f"no LoRA adapter named {req.name!r} is loaded (loaded: {known})")
+                self.load_lora(req.path, req.name)
+            pairs.append((self.loras[req.name], float(req.scale)))
+        return pairs
+
+    def _with_lora(self, params: SamplingParams | None, lora) -> SamplingParams:
+        params = params or SamplingParams()
+        pairs = self._lora_pairs(lora)
+        return params if pairs is None else dataclasses.replace(params, lora=pairs)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -212,20 +282,22 @@ class LLM:
         return completions
 
     # -- public API ------------------------------------------------------------------------------------
-    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[Completion]:
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None, lora=None) -> list[Completion]:
         """Complete one prompt or many (run together as one continuous batch); one Completion per prompt. A request
-        whose step fails ends with finish_reason "error" (its `error` says why) while the others finish."""
+        whose step fails ends with finish_reason "error" (its `error` says why) while the others finish. `lora`:
+        the adapters to run with (see the class; None: the base model, or what `params.lora` says)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([self._encode_prompt(p) for p in prompts], params or SamplingParams())
+        return self._run([self._encode_prompt(p) for p in prompts], self._with_lora(params, lora))
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             lora=None) -> list[Completion]:
         """Answer one conversation (a list of {"role", "content"} dicts) or a list of them, via the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([self._encode_chat(m) for m in conversations], params or SamplingParams())
+        return self._run([self._encode_chat(m) for m in conversations], self._with_lora(params, lora))
 
     def stream(
-        self, prompt_or_messages: str | list[dict], params: SamplingParams | None = None
+        self, prompt_or_messages: str | list[dict], params: SamplingParams | None = None, lora=None,
     ) -> Generator[str, None, str | None]:
         """Yield the text of one completion piece by piece (never half a UTF-8 character); the generator's return
         value (``StopIteration.value``) is the finish reason ("stop", "length"); raises EngineError if it fails."""
@@ -233,7 +305,7 @@ class LLM:
             ids = self._encode_chat(prompt_or_messages)
         else:
             ids = self._encode_prompt(prompt_or_messages)
-        params = params or SamplingParams()
+        params = self._with_lora(params, lora)
         if params.n != 1:
             raise ValueError(f"stream yields one completion: SamplingParams.n must be 1, got {params.n}")
         with self._lock:
@@ -280,10 +352,12 @@ class LLM:
             raise EngineError(f"embedding failed: {_error_text(failed.error)}")
         return [EmbeddingOutput(seq.embedding, seq.prompt_token_ids) for seq in seqs]
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass."""
+    def logits(self, token_ids: list[int], lora=None) -> torch.Tensor:
+        """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass
+        (with the adapters `lora`, as `generate` takes them)."""
+        pairs = self._lora_pairs(lora)
         with self._lock:
-            return self.engine.score(list(token_ids)).cpu()
+            return self.engine.score(list(token_ids), pairs).cpu()
 
     # -- lifetime --------------------------------------------------------------------------------------
     @property

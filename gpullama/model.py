@@ -181,6 +181,10 @@ class Decoder:
 
         c = config
         self._tensors = tensors
+        # every base tensor's shape, for checking LoRA adapters (`gpullama.lora.prepare_lora`)
+        self.tensor_shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        # loaded LoRA adapters by id (`gpullama.lora.Adapter`); a step's rows name theirs in `BatchMetadata.lora`
+        self.adapters: dict[int, object] = {}
         self.rope_tables, table_of_layer = self._rope_tables(tensors, max_positions, device)
         self.layers: list[LayerWeights] = []
         kv_layers = c.kv_layers
@@ -437,6 +441,8 @@ class Decoder:
         c, ops, tp = self.config, self.ops, self.tp
         rs = c.residual_scale
         hidden = self._embed(token_ids)
+        if meta.lora:  # before the images: their rows take the image's embeddings, not the token's
+            self._lora_embedding(hidden, token_ids, meta)
         if meta.input_embeds is not None:  # image embeddings in place of their tokens' (no embedding scale)
             rows, values = meta.input_embeds
             hidden[rows] = values.to(hidden.dtype)
@@ -458,6 +464,10 @@ class Decoder:
         else:
             x, _ = ops.rms_norm(hidden[rows], self.output_norm, c.rms_eps, residual[rows], rs)
         logits = ops.linear(x, self.output)
+        if meta.lora:
+            for g in meta.lora:
+                if g.adapter.output is not None and g.out_rows.numel():
+                    _add_pair(logits, x, g.adapter.output, g.out_rows, g.out_scales)
         if c.logit_scale != 1.0 or c.final_softcap:  # elementwise: the same on each rank's slice as on the whole
             logits = ops.soft_cap(logits, c.final_softcap, 1.0 / c.logit_scale)
         # rank 0 gets every rank's vocabulary slice, less the padding of the last one (one rank: `logits` itself)
@@ -477,7 +487,8 @@ class Decoder:
         # rotary rows of each further rope table, once per step (the first one's come with `meta`)
         metas = [meta] + [ops.prepare_rope(meta, table) for table in self.rope_tables[1:]]
         residual = None
-        for layer in self.layers:
+        lora = meta.lora
+        for i, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(hidden, layer.attn_norm, c.rms_eps, residual, rs)
             if layer.mla is not None or layer.conv is not None or layer.delta is not None or layer.mamba is not None:
                 if layer.mla is not None:
@@ -489,9 +500,11 @@ class Decoder:
                 else:
                     hidden = self._delta_net(x, layer.delta, states[layer.cache], states[layer.cache + 1], meta)
                 x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
-                hidden = self._mlp(x, layer, act)
+                hidden = self._mlp(x, layer, act, lora and (lora, i))
                 continue
             qkv = self._linear_parts(x, layer.qkv, layer.qkv_bias)
+            if lora:
+                _add_lora(qkv, x, lora, i, "qkv")
             q = qkv[:, :q_size].view(t, self.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, self.num_kv_heads, c.head_dim)
@@ -509,18 +522,29 @@ class Decoder:
             attn = attn.reshape(t, q_size)
             if c.attn_output_gate:  # qwen35: each head's output times the sigmoid of its gate
                 attn = attn * torch.sigmoid(qkv[:, q_size + 2 * kv_size :])
-            hidden = tp.all_reduce(ops.linear(attn, layer.o, layer.o_bias))
+            hidden = ops.linear(attn, layer.o, layer.o_bias)
+            if lora:
+                _add_lora(hidden, attn, lora, i, "o")
+            hidden = tp.all_reduce(hidden)
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
             x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
-            hidden = self._mlp(x, layer, act)
+            hidden = self._mlp(x, layer, act, lora and (lora, i))
         return hidden, residual
 
-    def _mlp(self, x: torch.Tensor, layer: LayerWeights, act) -> torch.Tensor:
-        """The MLP block of the normalized ``x [T, H]``: the experts or the dense MLP, all-reduced, post-normed."""
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights, act, lora: tuple | None = None) -> torch.Tensor:
+        """The MLP block of the normalized ``x [T, H]``: the experts or the dense MLP, all-reduced, post-normed;
+        `lora`: (the step's LoRA groups, this layer's index) to add to the dense MLP's matrices."""
         c, ops, tp = self.config, self.ops, self.tp
         if layer.moe is not None:
             hidden = tp.all_reduce(self._moe(x, layer.moe))
+        elif lora:
+            gate_up = self._linear_parts(x, layer.gate_up)
+            _add_lora(gate_up, x, *lora, "gate_up")
+            y = act(gate_up)
+            hidden = ops.linear(y, layer.down)
+            _add_lora(hidden, y, *lora, "down")
+            hidden = tp.all_reduce(hidden)
         else:
             hidden = tp.all_reduce(ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down))
         if layer.post_ffn_norm is not None:
@@ -612,6 +636,16 @@ class Decoder:
             out = out + shared
         return out
 
+    def _lora_embedding(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: BatchMetadata) -> None:
+        """Adds each adapter's ``token_embd`` product to its rows' embeddings (llama.cpp's ``build_inp_embd``: a
+        token's row of A times B, times the embedding scale the rows then get)."""
+        for g in meta.lora:
+            if g.adapter.embedding is None:
+                continue
+            a, b = g.adapter.embedding
+            delta = (a[token_ids[g.rows]] @ b.T) * (g.scales[:, None] * self.config.embedding_scale)
+            hidden.index_add_(0, g.rows, delta.to(hidden.dtype))
+
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, H]`` float32; under tensor parallelism each rank looks up the ids of its vocabulary
         slice (zero rows for the rest) and the all-reduce sums them."""
@@ -622,3 +656,17 @@ class Decoder:
         inside = (local >= 0) & (local < self.vocab_rows)
         rows = ops.embedding(torch.where(inside, local, 0), self.embedding, c.embedding_scale)
         return self.tp.all_reduce(rows * inside[:, None])
+
+
+def _add_pair(y: torch.Tensor, x: torch.Tensor, pair, rows: torch.Tensor, scales: torch.Tensor) -> None:
+    """``y[rows, offset : offset + N] += scales * B (A x[rows])`` for one adapter's pair (float32 products)."""
+    delta = ((x.index_select(0, rows).float() @ pair.a.T) * scales[:, None]) @ pair.b.T
+    y[:, pair.offset : pair.offset + pair.b.shape[0]].index_add_(0, rows, delta.to(y.dtype))
+
+
+def _add_lora(y: torch.Tensor, x: torch.Tensor, groups: list, layer: int, site: str) -> None:
+    """Adds the step's LoRA products of `site` (`gpullama.lora.SITES`) of layer `layer` to its output `y`, one
+    matmul pair per adapter over the rows that use it (x: the matrix's input)."""
+    for g in groups:
+        for pair in g.adapter.layers[layer].get(site, ()):
+            _add_pair(y, x, pair, g.rows, g.scales)

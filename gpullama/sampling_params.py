@@ -43,8 +43,13 @@ class SamplingParams:
     # deliver the prompt's progress while it prefills (llama.cpp's return_progress): a delta without tokens whose
     # `num_computed_prompt_tokens` is set, before its first chunk (the prefix-cache hits) and after each chunk
     return_progress: bool = False
+    # LoRA adapters for this request (llama.cpp's per-request `lora`): (adapter id, scale) pairs, the ids the engine
+    # gave its adapters (`LLM.lora_adapters`, the server's GET /lora-adapters); an id given twice: the last scale;
+    # scale 0 leaves it out; None or []: the base model
+    lora: list[tuple[int, float]] | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LORA = 16
     LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
     def __post_init__(self) -> None:
@@ -54,6 +59,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.preserved_token_ids = list(self.preserved_token_ids or [])
         self.logit_bias = _bias_map(self.logit_bias)
+        if self.lora is not None and isinstance(self.lora, (list, tuple)):
+            self.lora = [tuple(p) if isinstance(p, (list, tuple)) else p for p in self.lora]
         if isinstance(self.structured_output, dict):
             try:
                 self.structured_output = StructuredOutput(**self.structured_output)
@@ -111,6 +118,11 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict) or not all(
                 is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.lora is not None and (not isinstance(self.lora, list) or len(self.lora) > self.MAX_LORA or not all(
+                isinstance(p, tuple) and len(p) == 2 and is_int(p[0]) and 0 <= p[0] < 2**31 and is_num(p[1])
+                for p in self.lora)):
+            raise bad("lora", f"must be at most {self.MAX_LORA} (adapter id, scale) pairs, ids integers >= 0, "
+                      "scales finite numbers")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise bad("structured_output", "must be a gpullama.structured.StructuredOutput, a dict of its fields "
                       "or None")

@@ -18,7 +18,9 @@ class Block:
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
-        self.parent: tuple[int, int] | None = None  # (block id, epoch) of the block before it when it was filled
+        # (block id, epoch) of the block before it when it was filled; for a sequence's first block, the sequence's
+        # cache salt (its LoRA adapters; None for the base model)
+        self.parent: tuple | None = None
         self.epoch = 0  # bumped each time the block is handed out again
 
     @property
@@ -78,7 +80,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[Block] = []
-        parent = None
+        salt = seq.cache_salt  # the first block's parent: its LoRA adapters (None: the base model)
+        parent = None if salt is None else hash(salt)
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
             ids = seq.block_key(start, start + self.block_size)
             parent = chain_hash(parent, ids)
@@ -86,7 +89,7 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.token_ids != ids or block.parent != (hits[-1].key if hits else None):
+            if block.token_ids != ids or block.parent != (hits[-1].key if hits else salt):
                 break
             hits.append(block)
         return hits
@@ -141,21 +144,22 @@ class BlockManager:
         bs = self.block_size
         first, last = old_num_computed // bs, seq.num_computed_tokens // bs
         previous = self.blocks[seq.block_table[first - 1]] if first > 0 else None
+        salt = seq.cache_salt
         stored: BlockStored | None = None  # the run of blocks that became findable, for the event sink
         for index in range(first, last):
             block = self.blocks[seq.block_table[index]]
             ids = seq.block_key(index * bs, (index + 1) * bs)  # token ids (and the images they show)
             findable = False
             if block.hash is None:
-                block.hash = chain_hash(previous.hash if previous else None, ids)
+                block.hash = chain_hash(previous.hash if previous else (None if salt is None else hash(salt)), ids)
                 block.token_ids = ids
-                block.parent = previous.key if previous else None
+                block.parent = previous.key if previous else salt
                 findable = self.cached.setdefault(block.hash, block.block_id) == block.block_id
             if self.event_sink is not None:
                 if findable:
                     if stored is None:
                         parent = external_hash(previous.hash) if previous and previous.hash is not None else None
-                        stored = BlockStored([], parent, [], bs)
+                        stored = BlockStored([], parent, [], bs, lora_id=seq.lora[0][0] if seq.lora else None)
                     stored.block_hashes.append(external_hash(block.hash))
                     stored.token_ids.extend(seq.token_ids[index * bs : (index + 1) * bs])
                 elif stored is not None:  # a gap: the blocks after it go in an event of their own

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from gpullama.checks import RequestError
 from gpullama.engine.admission import AdmissionLimits, check_embedding_request, check_images, check_request
 from gpullama.engine.args import EngineConfig
 from gpullama.engine.block_manager import BlockManager
@@ -55,6 +56,7 @@ class LLMEngine:
         self.stats = EngineStats()  # token counters for the status line
         self.structured_output = StructuredOutputManager(tokenizer, model.config.vocab_size, model.ops.device)
         self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self._next_lora_id = max(model.adapters, default=-1) + 1
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -71,9 +73,40 @@ class LLMEngine:
         if images:
             check_images(images, len(prompt_token_ids), self.limits, self.config.max_num_batched_tokens)
         seq = Sequence(request_id, prompt_token_ids, params, max_tokens, images=images)
+        if params.lora:
+            seq.lora = self._lora_of(params.lora)
         if params.structured_output is not None:  # compiles off this thread while the prompt waits and prefills
             seq.grammar = self.structured_output.submit(params.structured_output)
         return seq
+
+    def _lora_of(self, pairs: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+        """A request's LoRA adapters as the sequence keeps them: each loaded id once (the last scale given), zero
+        scales left out, sorted by id; RequestError (param "lora") naming an id that is not loaded."""
+        chosen: dict[int, float] = {}
+        for adapter_id, scale in pairs:
+            if adapter_id not in self.model.adapters:
+                loaded = ", ".join(str(i) for i in sorted(self.model.adapters)) or "none"
+                raise RequestError(f"LoRA adapter id {adapter_id} is not loaded (loaded ids: {loaded})", "lora")
+            chosen[adapter_id] = float(scale)
+        return tuple(sorted((i, s) for i, s in chosen.items() if s != 0))
+
+    def add_lora(self, adapter) -> int:
+        """Make a prepared adapter (`gpullama.lora.Adapter`, of this engine's model) available to requests; its id
+        (never reused after `remove_lora`)."""
+        adapter_id = self._next_lora_id
+        self._next_lora_id += 1
+        self.model.adapters[adapter_id] = adapter
+        return adapter_id
+
+    def remove_lora(self, adapter_id: int) -> None:
+        """Unload adapter `adapter_id`; ValueError while a request that uses it is queued or running (abort it, or
+        wait for it to finish), KeyError when no such adapter is loaded."""
+        if adapter_id not in self.model.adapters:
+            raise KeyError(f"LoRA adapter {adapter_id} is not loaded")
+        users = [rid for rid, seq in list(self.requests.items()) if any(i == adapter_id for i, _ in seq.lora)]
+        if users:
+            raise ValueError(f"LoRA adapter {adapter_id} is in use by {len(users)} request(s), e.g. {users[0]!r}")
+        del self.model.adapters[adapter_id]
 
     def admit_embedding(self, request_id: str, prompt_token_ids: list[int],
                         pooling: PoolingParams | None = None) -> Sequence:
@@ -372,11 +405,12 @@ class LLMEngine:
         )
 
     # -- scoring -------------------------------------------------------------------------------------
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Next-token logits of every position of `token_ids` from one forward pass, float32 ``[n, vocab]``."""
+    def score(self, token_ids: list[int], lora: list[tuple[int, float]] | None = None) -> torch.Tensor:
+        """Next-token logits of every position of `token_ids` from one forward pass, float32 ``[n, vocab]`` (with
+        the LoRA adapters `lora`, (id, scale) pairs, as `SamplingParams.lora`)."""
         if self.scheduler.has_work():
             raise RuntimeError("score() needs an idle engine")
-        seq = self.admit("__score__", token_ids, SamplingParams(max_tokens=1))
+        seq = self.admit("__score__", token_ids, SamplingParams(max_tokens=1, lora=lora))
         if not self.block_manager.allocate(seq, len(token_ids), use_prefix_cache=False):
             raise ValueError(f"{len(token_ids)} tokens do not fit the KV pool ({self.kv_capacity_tokens} tokens)")
         try:

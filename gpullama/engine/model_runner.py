@@ -26,6 +26,7 @@ from gpullama.engine.sequence import Sequence
 from gpullama.engine.step_inputs import StepBroadcast, StepInputs, step_buffer_size
 from gpullama.model import Decoder
 from gpullama.ops import BatchMetadata
+from gpullama.ops.metadata import LoraGroup
 
 log = logging.getLogger("gpullama")
 
@@ -248,7 +249,7 @@ class ModelRunner:
 
     def _run(self, step: StepInputs) -> StepOutput:
         """The forward of one step on this rank: the static decode buffers for a decode step, else eagerly."""
-        if step.decode and self.decode_graphs is not None:
+        if step.decode and self.decode_graphs is not None and not step.loras:  # adapters: the eager forward
             return StepOutput(self._decode(step))
         token_ids, meta = self._prepare(step)
         return StepOutput(*self.model.forward_pooled(token_ids, meta, self.k_caches, self.v_caches, self.states))
@@ -271,6 +272,33 @@ class ModelRunner:
             return []
         return [slot if slot >= 0 else self.scratch_state_slot
                 for slot in step.state_slots or [-1] * len(step.num_new)]
+
+    def _lora_groups(self, step: StepInputs, starts: list[int], logits_rows: list[int]) -> list[LoraGroup]:
+        """The step's rows grouped by LoRA adapter (a row of a sequence with two adapters is in two groups), with
+        their scales, and the same for the logits rows. KeyError naming an adapter that was unloaded."""
+        out_of = {row: j for j, row in enumerate(logits_rows)}
+        groups: dict[int, tuple[list, list, list, list]] = {}
+        for i, pairs in enumerate(step.loras):
+            for adapter_id, scale in pairs:
+                rows, scales, out_rows, out_scales = groups.setdefault(adapter_id, ([], [], [], []))
+                span = range(starts[i], starts[i + 1])
+                rows.extend(span)
+                scales.extend([scale] * len(span))
+                out = [out_of[r] for r in span if r in out_of]
+                out_rows.extend(out)
+                out_scales.extend([scale] * len(out))
+        device, adapters = self.device, self.model.adapters
+        result = []
+        for adapter_id, (rows, scales, out_rows, out_scales) in groups.items():
+            adapter = adapters.get(adapter_id)
+            if adapter is None:
+                raise KeyError(f"LoRA adapter {adapter_id} is not loaded (it was unloaded)")
+            result.append(LoraGroup(
+                adapter, torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(scales, dtype=torch.float32, device=device),
+                torch.tensor(out_rows, dtype=torch.long, device=device),
+                torch.tensor(out_scales, dtype=torch.float32, device=device)))
+        return result
 
     def _prepare(self, step: StepInputs) -> tuple[torch.Tensor, BatchMetadata]:
         """Token ids and metadata of a ragged batch; logits rows: each sampling sequence's last token (or every
@@ -327,6 +355,8 @@ class ModelRunner:
             meta.image_attention = self._image_attention(step, positions, slots, tables)
         # per-step tensors the ops read (rotary rows, decode context slots), derived here once, not per layer
         meta = self.model.ops.prepare_step(meta, self.model.cos_sin, bs)
+        if step.loras:
+            meta.lora = self._lora_groups(step, starts, logits_rows)
         return torch.tensor(step.token_ids, dtype=torch.long, device=device), meta
 
     def _image_attention(self, step: StepInputs, positions: list[int], slots: list[int],

@@ -61,6 +61,15 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (n-gram speculation)
         self.ngram_tokens: TokenBuffer | None = None  # its token ids as an array for the n-gram lookup
         self.images: list[ImageSpan] = list(images or [])  # embeddings in place of prompt tokens, by position
+        # its LoRA adapters: (adapter id, scale) pairs, sorted by id, no zero scale (() : the base model); set by
+        # the engine's admission from params.lora
+        self.lora: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def cache_salt(self) -> tuple | None:
+        """What its prefix-cache keys are chained from: its adapters (None for the base model), so KV computed
+        under one adapter is never served to a sequence under another."""
+        return ("lora", self.lora) if self.lora else None
 
     def block_key(self, start: int, end: int) -> tuple:
         """What the prefix cache keys the tokens ``start .. end`` by: their ids, then the content hash of each image

@@ -44,6 +44,8 @@ class StepInputs:
     # attend to the whole image (every key before the context end), not causally
     embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     image_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # rank 0 only (adapters refuse tensor parallelism): each sequence's LoRA adapters, (id, scale) pairs; [] none
+    loras: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
@@ -76,12 +78,14 @@ class StepInputs:
             state_slots=[seq.state_slot for seq in batch.seqs],
             embeds=embeds,
             image_rows=image_rows,
+            loras=[seq.lora for seq in batch.seqs] if any(seq.lora for seq in batch.seqs) else [],
         )
 
     @classmethod
     def for_scoring(cls, seq: Sequence) -> StepInputs:
         """Every token of `seq` (its blocks allocated, none computed), with logits after each."""
-        return cls(list(seq.token_ids), [0], [seq.num_tokens], [seq.block_table], [1], every_row=True)
+        return cls(list(seq.token_ids), [0], [seq.num_tokens], [seq.block_table], [1], every_row=True,
+                   loras=[seq.lora] if seq.lora else [])
 
 
 def step_buffer_size(max_num_seqs: int, max_tokens: int, max_blocks_per_seq: int) -> int:

@@ -68,7 +68,7 @@ _SIGNATURES = {
     "gl_read_sum": [_P, _I64, _I32],
     "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
                _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32],
-    "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I32],
+    "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32],
 }
 _RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder")
 ACT_SILU, ACT_SWIGLU_OAI = 0, 1
@@ -102,6 +102,28 @@ class Layer(ctypes.Structure):
     ]
 
 
+MAX_LORA_RANK = 512
+"""The largest LoRA rank `decoder` takes (``GL_MAX_LORA_RANK``)."""
+
+
+class Lora(ctypes.Structure):
+    """A LoRA adapter's pair on one matrix (``gl_lora_t``): adds ``B (A x)`` to output columns off .. off + n."""
+
+    _fields_ = [("off", _I64), ("n", _I64), ("k", _I64), ("r", _I64), ("a", _P), ("b", _P)]
+
+
+class LoraLayer(ctypes.Structure):
+    """An adapter's pairs on one layer (``gl_lora_layer_t``), by site: q|k|v, o, gate|up, down."""
+
+    _fields_ = [("n", _I64 * 4), ("p", (Lora * 3) * 4)]
+
+
+class LoraGroup(ctypes.Structure):
+    """The rows of a step that use one adapter, with their scales (``gl_lora_group_t``)."""
+
+    _fields_ = [("layers", _P), ("R", _I64), ("rows", _P), ("scales", _P)]
+
+
 class ModelParams(ctypes.Structure):
     """What `decoder`'s layers share (``gl_model_t``)."""
 
@@ -115,12 +137,15 @@ class ModelParams(ctypes.Structure):
 def decoder(
     model: ModelParams, layers: ctypes.Array, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
     slots: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    lora: ctypes.Array | None = None,
 ) -> None:
     """Every layer of a step in one call: `hidden` ``[T, H]`` (the embeddings) in; the last layer's output in
-    `hidden`, the residual stream in `residual` out. The metadata as `rope_and_cache` and `attention` take it."""
+    `hidden`, the residual stream in `residual` out. The metadata as `rope_and_cache` and `attention` take it;
+    `lora` the step's `LoraGroup`s (None: no adapter)."""
     if _lib.gl_decoder(ctypes.byref(model), layers, hidden.shape[0], hidden.data_ptr(), residual.data_ptr(),
                        positions.data_ptr(), slots.data_ptr(), seq_lens.shape[0], query_start.data_ptr(),
-                       seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), torch.get_num_threads()):
+                       seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), lora,
+                       len(lora) if lora is not None else 0, torch.get_num_threads()):
         raise MemoryError(f"no memory for a decoder step of {hidden.shape[0]} tokens")
 
 

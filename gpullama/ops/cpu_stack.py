@@ -151,8 +151,14 @@ class NativeStack:
         """(the last layer's output, the residual stream), both ``[T, H]`` float32, from the embeddings `hidden`
         (overwritten)."""
         residual = torch.empty_like(hidden)
+        lora = None
+        if meta.lora:  # each adapter's rows and scales (`meta.lora` keeps the tensors alive through the call)
+            lora = (cpu_native.LoraGroup * len(meta.lora))()
+            for dst, g in zip(lora, meta.lora):
+                dst.layers, dst.R = ctypes.addressof(g.adapter.native()), g.rows.numel()
+                dst.rows, dst.scales = g.rows.data_ptr(), g.scales.data_ptr()
         cpu_native.decoder(self.model, self.layers, hidden, residual, meta.positions, meta.slot_mapping,
-                           meta.query_start_loc, meta.seq_lens, meta.block_tables)
+                           meta.query_start_loc, meta.seq_lens, meta.block_tables, lora)
         return hidden, residual
 
 

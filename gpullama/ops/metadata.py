@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+
+@dataclass
+class LoraGroup:
+    """The rows of one step that use one LoRA adapter (a `gpullama.lora.Adapter`), each with its scale; a row with
+    several adapters is in several groups. `out_rows`/`out_scales`: the same for the rows of the logits."""
+
+    adapter: Any
+    rows: torch.Tensor  # [R] int64 token rows
+    scales: torch.Tensor  # [R] float32
+    out_rows: torch.Tensor  # [S'] int64 rows of the logits (positions in `logits_indices`)
+    out_scales: torch.Tensor  # [S'] float32
 
 
 @dataclass
@@ -39,6 +52,8 @@ class BatchMetadata:
     # they attend again, to every key of their image (not causally)
     input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     image_attention: tuple[torch.Tensor, BatchMetadata] | None = None
+    # LoRA adapters of the step's rows, one group an adapter (None: no row has one)
+    lora: list[LoraGroup] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -76,3 +76,38 @@ def test_prepare_weight_keeps_gguf_blocks(device):
     prepared = TritonOps(device).prepare_weight(weight)
     assert prepared.qtype == Q.Q4_K and prepared.nbytes == weight.nbytes == 256 * 256 // 256 * 144
     assert prepared.device.type == device.type
+
+
+def test_lora_rows_match_torch_ops(device):
+    """A LoRA adapter on one of the batch's two sequences (q, v, down and the head): TritonOps' layer loop adds the
+    same products as TorchOps' (float32, within 1e-4), the adapted sequence's logits move and the other's do not."""
+    from gpullama.lora import LoraFile, prepare_lora
+    from gpullama.ops.metadata import LoraGroup
+    from gpullama.quants import QTensor
+
+    config = tiny_config()
+    tensors = random_tensors(config, Q.Q8_0, torch.device("cpu"), seed=4)
+    g = torch.Generator().manual_seed(5)
+    pairs = {}
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "output.weight"):
+        n, k = tensors[name].shape
+        a, b = torch.randn(8, k, generator=g) * 0.1, torch.randn(n, 8, generator=g) * 0.1
+        pairs[name] = (QTensor(a, Q.F32, (8, k)), QTensor(b, Q.F32, (n, 8)))
+
+    def run(ops, tensors, with_lora: bool) -> torch.Tensor:
+        decoder = Decoder(config, tensors, ops, max_positions=64)
+        adapter = prepare_lora(decoder, LoraFile("random.gguf", "llama", 16.0, pairs), "random")
+        pools = [torch.zeros(4, 8, config.num_kv_heads, config.head_dim, device=ops.device) for _ in range(2)]
+        meta = batch_metadata([5, 3], [5, 3], 8, ops.device)
+        if with_lora:  # sequence 0's five rows, its logits row 0
+            dev = ops.device
+            meta.lora = [LoraGroup(adapter, torch.arange(5, device=dev), torch.full((5,), 0.7, device=dev),
+                                   torch.tensor([0], device=dev), torch.tensor([0.7], device=dev))]
+        prompt = torch.randint(0, config.vocab_size, (8,), generator=torch.Generator().manual_seed(0))
+        return decoder.forward(prompt.to(ops.device), meta, pools[:1], pools[1:]).cpu()
+
+    cpu = torch.device("cpu")
+    want, base = run(TorchOps(cpu), tensors, True), run(TorchOps(cpu), tensors, False)
+    got = run(TritonOps(device), {k: v.to(device) for k, v in tensors.items()}, True)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert float((want[0] - base[0]).abs().max()) > 1e-2 and torch.equal(want[1], base[1])
