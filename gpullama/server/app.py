@@ -26,6 +26,7 @@ from .http.middleware import AccessLogMiddleware, APIKeyMiddleware, RequestIdMid
 from .http.root_path import RootPathMiddleware
 from .llamacpp import completion as llamacpp_completion
 from .llamacpp import embeddings as llamacpp_embeddings
+from .llamacpp import lora as llamacpp_lora
 from .llamacpp import props as llamacpp_props
 from .ollama import chat as ollama_chat
 from .ollama import embed as ollama_embed
@@ -36,6 +37,7 @@ from .openai.embeddings import create_embeddings
 from .openai.models import get_model, list_models
 from .openai.responses.serving import create_response
 from .state import ServerConfig, ServerState
+from .vllm import lora as vllm_lora
 from .vllm.health import health, metrics
 from .vllm.tokenization import detokenize, tokenize, version
 from .webui import serving as webui
@@ -82,6 +84,10 @@ def routes() -> list[Route]:
         Route("/infill", llamacpp_completion.infill, methods=["POST"]),
         Route("/apply-template", llamacpp_props.apply_template, methods=["POST"]),
         Route("/props", llamacpp_props.props, methods=["GET"]),
+        Route("/lora-adapters", llamacpp_lora.get_adapters, methods=["GET"]),
+        Route("/lora-adapters", llamacpp_lora.set_adapters, methods=["POST"]),
+        Route("/v1/load_lora_adapter", vllm_lora.load_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", vllm_lora.unload_adapter, methods=["POST"]),
         # vLLM's tokenizer endpoints
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

@@ -19,6 +19,7 @@ from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
 from gpullama.pooling_params import POOLING_KINDS
 
+from .adapters import parse_lora, parse_lora_scaled
 from .engine_log import DEFAULT_INTERVAL_S
 from .http.connection import head_timeout_protocol
 from .http.root_path import normalize_root_path
@@ -180,6 +181,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults.add_argument("--verbose", "-v", action="store_true",
                           help="answers of chat and completions carry llama.cpp's __verbose (the native result, with "
                           "the prompt as text and special tokens) unless the request says \"verbose\": false")
+    lora = p.add_argument_group("LoRA adapters (docs/server.md, 'LoRA adapters')")
+    lora.add_argument("--lora", action="append", default=[], metavar="FILE|NAME=PATH[:SCALE]",
+                      help="a GGUF LoRA adapter (llama.cpp's format); repeat for more. FILE (or FILE,FILE...): "
+                      "llama.cpp's, applied to every request at scale 1 unless its `lora` field says otherwise; "
+                      "NAME=PATH[:SCALE]: a named adapter, applied when a request's `model` is NAME (vLLM's "
+                      "--lora-modules)")
+    lora.add_argument("--lora-scaled", action="append", nargs="+", default=[], metavar="FILE SCALE",
+                      help="llama.cpp's adapter with a scale: FILE SCALE, or FILE:SCALE[,FILE:SCALE...]")
+    lora.add_argument("--lora-init-without-apply", action="store_true",
+                      help="load the FILE adapters at scale 0 (llama.cpp's): apply them per request or with POST "
+                      "/lora-adapters")
+    lora.add_argument("--enable-lora-runtime-updating", action="store_true",
+                      help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default: "
+                      "anyone who can reach the server could load a file of this machine)")
     p.add_argument("--headless", action="store_true",
                    help="a node other than 0 of multi-node tensor parallelism (--nnodes, --node-rank 1 and up): load "
                    "this machine's ranks and follow node 0's steps, without an HTTP server; implied by --node-rank > "
@@ -237,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     if args.headless or engine_args.node_rank > 0 or _torchrun_rank() > 0:
         return _run_headless(engine_args)
+    try:
+        lora_specs = [spec for value in args.lora for spec in parse_lora(value)]
+        lora_specs += [spec for values in args.lora_scaled for spec in parse_lora_scaled(values)]
+    except ValueError as exc:
+        return fail(str(exc))
+    missing = next((spec.path for spec in lora_specs if not os.path.isfile(spec.path)), None)
+    if missing is not None:
+        return fail(f"LoRA adapter {missing!r} does not exist")
     hosts, args.host = args.host, ",".join(args.host)
     config = ServerConfig(engine=engine_args, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, api_key=args.api_key,
@@ -249,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                           chat=ChatDefaults(args.reasoning, args.prefill_assistant),
                           defaults=RequestDefaults(args.temp, None if args.seed == -1 else args.seed,
                                                    None if args.n_predict == -1 else args.n_predict, args.verbose),
-                          pooling=args.pooling)
+                          pooling=args.pooling, lora=lora_specs,
+                          lora_init_without_apply=args.lora_init_without_apply,
+                          lora_runtime_updating=args.enable_lora_runtime_updating)
     state = ServerState(config)
     from .app import create_app  # the routes load once the flags and the model reference are known good
 

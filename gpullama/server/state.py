@@ -64,6 +64,17 @@ class RequestDefaults:
     seed: int | None = None
     max_tokens: int | None = None
     verbose: bool = False  # answers carry llama.cpp's "__verbose" unless the request says "verbose": false
+    # LoRA adapters (gpullama/server/adapters.py): llama.cpp's applied to every request that has no `lora` field,
+    # (engine id, scale) pairs (None: none); the named ones a request's `model` picks, (name, pairs) pairs
+    lora: tuple[tuple[int, float], ...] | None = None
+    lora_models: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+
+    def lora_of_model(self, model: Any) -> list[tuple[int, float]] | None:
+        """The adapters of a request whose `model` is a named adapter's name (None: it is not one)."""
+        for name, pairs in self.lora_models:
+            if name == model:
+                return list(pairs)
+        return None
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` fields these defaults set."""
@@ -99,6 +110,9 @@ class ServerConfig:
     chat: ChatDefaults = field(default_factory=ChatDefaults)  # --reasoning, --no-prefill-assistant
     defaults: RequestDefaults = NO_DEFAULTS  # --temp, --seed, -n, --verbose
     pooling: str | None = None  # --pooling: how embeddings pool (mean, cls, last, none); None: the model's
+    lora: list = field(default_factory=list)  # --lora, --lora-scaled: gpullama.server.adapters.LoraSpec
+    lora_init_without_apply: bool = False  # --lora-init-without-apply (llama.cpp's): unnamed adapters at scale 0
+    lora_runtime_updating: bool = False  # --enable-lora-runtime-updating: /v1/load_lora_adapter and unload
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
@@ -127,7 +141,10 @@ def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
     from gpullama.engine.async_engine import AsyncEngine
     from gpullama.llm import LLM
 
+    from .adapters import load_adapters
+
     llm = LLM.from_engine_args(config.engine)
+    llm.served_adapters = load_adapters(llm, config.lora, config.lora_init_without_apply)
     chat_format(llm.tokenizer)  # scans the vocabulary once, here rather than on the event loop
     return llm, lambda loaded: AsyncEngine(loaded.engine)
 
@@ -150,6 +167,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
         self._status_task: asyncio.Task | None = None
         self.kv_events: Any = None  # the KV-event publisher, when the config enables one
+        self.adapters: list = []  # the loaded LoRA adapters (gpullama.server.adapters.ServedAdapter)
 
     async def load(self) -> None:
         """Load the model off the event loop, then start the engine; on failure record it and notify."""
@@ -169,12 +187,20 @@ class ServerState:
                 self.on_load_failed(exc)
             return
         self.model_name = self.config.served_model_name or llm.model_name
+        self.set_adapters(getattr(llm, "served_adapters", []))
         self.status = "ready"
         if self.config.log_stats_interval > 0 and hasattr(llm, "engine"):
             self._status_task = asyncio.create_task(log_engine_status(llm.engine, self.config.log_stats_interval))
         log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
                  self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
                  self.config.host, self.config.port)
+
+    def set_adapters(self, adapters: list) -> None:
+        """The loaded LoRA adapters changed (load, unload, POST /lora-adapters): the request defaults follow."""
+        from .adapters import lora_defaults
+
+        self.adapters = adapters
+        self.config.defaults = lora_defaults(self.config.defaults, adapters)
 
     def _start_kv_events(self, llm: Any) -> None:
         """Publish the prefix cache's KV events when the config asks for them (before the engine runs a step)."""
@@ -252,7 +278,7 @@ def require_ready(state: ServerState) -> None:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    """404 unless `model` is absent or the served model's name."""
-    if model is not None and model != state.model_name:
+    """404 unless `model` is absent, the served model's name or a named LoRA adapter's (``--lora name=path``)."""
+    if model is not None and model != state.model_name and state.config.defaults.lora_of_model(model) is None:
         raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
                        param="model", code="model_not_found")

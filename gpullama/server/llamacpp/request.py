@@ -33,7 +33,7 @@ from ..pipeline.sampling import (
 from ..state import NO_DEFAULTS, RequestDefaults
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed
-FIELDS = OPENAI.select("presence_penalty", "frequency_penalty", "stop", "ignore_eos").but(
+FIELDS = OPENAI.select("presence_penalty", "frequency_penalty", "stop", "ignore_eos", "lora").but(
     Field("n_predict", "max_tokens", max_tokens(until_full=(-1,))),
     Field("max_tokens", "max_tokens", max_tokens(until_full=(-1,)), alias=True),
     # llama.cpp's sampler defaults where a request leaves a field out (its common_params_sampling)

@@ -37,12 +37,14 @@ def now_iso() -> str:
 
 
 def check_model_name(state: ServerState, name: Any) -> None:
-    """404 unless `name` is absent, the served model's name, or that name with Ollama's ``:latest`` tag."""
+    """404 unless `name` is absent, the served model's name, or that name with Ollama's ``:latest`` tag, or a LoRA
+    adapter's name (`gpullama.server.adapters`)."""
     if name is None or name == "":
         return
     if not isinstance(name, str):
         raise bad("model", "'model' must be a string")
-    if name not in (state.model_name, f"{state.model_name}:latest"):
+    if name not in (state.model_name, f"{state.model_name}:latest") and \
+            state.config.defaults.lora_of_model(name) is None:
         raise APIError(404, f"model '{name}' not found; this server serves '{state.model_name}'", param="model",
                        code="model_not_found")
 

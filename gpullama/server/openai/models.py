@@ -19,12 +19,19 @@ async def list_models(request: Request) -> Response:
     """``GET /v1/models``: the one served model in OpenAI's list shape."""
     state = server_state(request)
     require_ready(state)
-    return JSONResponse({"object": "list", "data": [model_card(state)]})
+    base = model_card(state)
+    # LoRA adapters as models of their own (vLLM lists its --lora-modules so), their base as `parent`
+    adapters = [{**base, "id": a.name, "root": a.path, "parent": state.model_name} for a in state.adapters]
+    return JSONResponse({"object": "list", "data": [base, *adapters]})
 
 
 async def get_model(request: Request) -> Response:
     """``GET /v1/models/{model}``: the served model's card, 404 for any other name."""
     state = server_state(request)
     require_ready(state)
-    check_model(state, request.path_params["model"])
-    return JSONResponse(model_card(state))
+    name = request.path_params["model"]
+    check_model(state, name)
+    card = model_card(state)
+    adapter = next((a for a in state.adapters if a.name == name and name != state.model_name), None)
+    return JSONResponse(card if adapter is None else {**card, "id": name, "root": adapter.path,
+                                                      "parent": state.model_name})

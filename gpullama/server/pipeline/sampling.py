@@ -128,6 +128,12 @@ class FieldTable:
         for target, value in defaults.sampling().items():
             if target in targets and target not in given:
                 opts.kwargs[target] = value
+        if "lora" not in opts.kwargs:  # a named adapter's model name (vLLM), else the server's adapters (llama.cpp)
+            lora = defaults.lora_of_model(body.get("model")) if isinstance(body, dict) else None
+            if lora is None and defaults.lora is not None:
+                lora = list(defaults.lora)
+            if lora is not None:
+                opts.kwargs["lora"] = lora
         opts.max_tokens = opts.kwargs.pop("max_tokens", None)
         used = {t: self.path(f.wire) for t, f in chosen.items() if f.alias}
         if used:
@@ -260,6 +266,27 @@ def token_ids(value: Any, where: str, scope: Scope) -> list[int] | None:
     return value
 
 
+def lora(value: Any, where: str, scope: Scope) -> list[tuple[int, float]] | None:
+    """llama.cpp's per-request adapters, ``[{"id": 0, "scale": 0.5}, ...]`` (ids of GET /lora-adapters; an adapter
+    left out is off; an empty list: the server's own adapters, as llama.cpp) as (id, scale) pairs."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise bad(where, f"'{where}' must be a list of {{\"id\", \"scale\"}} objects, got {kind(value)}")
+    check_count(where, len(value), SamplingParams.MAX_LORA)
+    pairs = []
+    for i, entry in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, dict):
+            raise bad(at, f"'{at}' must be an object with 'id' and 'scale', got {kind(entry)}")
+        adapter_id = fields.integer(entry.get("id"), f"{at}.id")
+        if not 0 <= adapter_id < 2**31:
+            raise bad(f"{at}.id", f"'{at}.id' must be an adapter id >= 0, got {adapter_id}")
+        scale = fields.number(entry.get("scale", 0.0), f"{at}.scale")  # llama.cpp's default: 0 (off)
+        pairs.append((adapter_id, float(scale)))
+    return pairs or None
+
+
 def _token_id_key(key: str) -> bool:
     # ASCII digits only, and few: str.isdigit() takes "²", which int() refuses, and int() of thousands of digits
     # raises; no vocabulary has 10**10 tokens
@@ -356,6 +383,7 @@ OPENAI = FieldTable((
     Field("stop_token_ids", "stop_token_ids", token_ids),
     Field("logit_bias", "logit_bias", logit_bias()),
     Field("ignore_eos", "ignore_eos", boolean),
+    Field("lora", "lora", lora),  # llama.cpp's, which its OpenAI-compatible endpoints read too
 ))
 """The sampling fields of OpenAI's bodies and the extensions vLLM takes beside them (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos); each OpenAI endpoint adds or leaves out a few (`FieldTable.but`)."""
