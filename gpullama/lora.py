@@ -80,18 +80,22 @@ class Adapter:
             self.output is not None)
 
     def native(self) -> ctypes.Array:
-        """Its layers as `cpu_native.LoraLayer` structs for the CPU stack (built once; they point into `layers`)."""
+        """Its layers as `cpu_native.LoraLayer` structs for the CPU stack (built once; they point into `layers`'
+        A matrices and into B's transposed copies, kept with them)."""
         if self._native is None:
             arr = (cpu_native.LoraLayer * len(self.layers))()
+            keep = []
             for dst, layer in zip(arr, self.layers):
                 for s, site in enumerate(SITES):
                     pairs = layer.get(site, [])
                     dst.n[s] = len(pairs)
                     for j, p in enumerate(pairs):
+                        bt = p.b.t().contiguous()
+                        keep.append(bt)
                         dst.p[s][j] = cpu_native.Lora(p.offset, p.b.shape[0], p.a.shape[1], p.a.shape[0],
-                                                      p.a.data_ptr(), p.b.data_ptr())
-            self._native = arr
-        return self._native
+                                                      p.a.data_ptr(), bt.data_ptr())
+            self._native = (arr, keep)
+        return self._native[0]
 
 
 def read_lora(path: str | os.PathLike) -> LoraFile:

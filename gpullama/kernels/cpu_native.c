@@ -1907,12 +1907,12 @@ static int mat_parts(const gl_mat_t *parts, int64_t n_parts, const float *x, int
 }
 
 /* A LoRA adapter's low-rank pair on one matrix (gpullama/lora.py): y[t, off : off + n] += s_t * B (A x_t), A [r, k]
-   and B [n, r] float32 (B already times alpha / r). An adapter's pairs on one layer by site (0: q|k|v, up to 3;
-   1: o; 2: gate|up, up to 2; 3: down), n[site] of them. A group: the rows of a step that use one adapter, each with
-   its scale, and that adapter's layers. */
+   and bt = B transposed [r, n], float32 (B already times alpha / r). An adapter's pairs on one layer by site (0:
+   q|k|v, up to 3; 1: o; 2: gate|up, up to 2; 3: down), n[site] of them. A group: the rows of a step that use one
+   adapter, each with its scale, and that adapter's layers. */
 typedef struct {
     int64_t off, n, k, r;
-    const float *a, *b;
+    const float *a, *bt;
 } gl_lora_t;
 typedef struct {
     int64_t n[4];
@@ -1926,10 +1926,21 @@ typedef struct {
 } gl_lora_group_t;
 #define GL_MAX_LORA_RANK 512
 
+/* a . b over n floats, in 16 independent partial sums (so the compiler keeps them in vector registers) */
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0};
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[c + j] * b[c + j];
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += acc[j];
+    for (; c < n; c++) s += a[c] * b[c];
+    return s;
+}
+
 /* adds every group's low-rank products of site `site` of layer `layer` to y (x [T, ldx] its matrix's input) */
 static void lora_add(const gl_lora_group_t *groups, int64_t n_groups, int64_t layer, int site, const float *x,
-                     int64_t ldx, float *y, int64_t ldy, int threads) {
-    (void)threads;
+                     int64_t ldx, float *y, int64_t ldy) {
     for (int64_t g = 0; g < n_groups; g++) {
         const gl_lora_layer_t *l = groups[g].layers + layer;
         for (int64_t j = 0; j < l->n[site]; j++) {
@@ -1937,21 +1948,11 @@ static void lora_add(const gl_lora_group_t *groups, int64_t n_groups, int64_t la
             int64_t r = p->r, k = p->k, n = p->n;
             for (int64_t q = 0; q < groups[g].R; q++) {
                 int64_t t = groups[g].rows[q];
-                const float *xt = x + t * ldx;
-                float ax[GL_MAX_LORA_RANK];
-                for (int64_t i = 0; i < r; i++) {
-                    const float *a = p->a + i * k;
-                    float s = 0.0f;
-                    for (int64_t c = 0; c < k; c++) s += a[c] * xt[c];
-                    ax[i] = s * groups[g].scales[q];
-                }
                 float *yt = y + t * ldy + p->off;
-                GL_OMP(parallel for num_threads(threads) if (n * r >= 65536))
-                for (int64_t c = 0; c < n; c++) {
-                    const float *b = p->b + c * r;
-                    float s = 0.0f;
-                    for (int64_t i = 0; i < r; i++) s += b[i] * ax[i];
-                    yt[c] += s;
+                for (int64_t i = 0; i < r; i++) {
+                    float v = dot_f32(p->a + i * k, x + t * ldx, k) * groups[g].scales[q];
+                    const float *b = p->bt + i * n;
+                    for (int64_t c = 0; c < n; c++) yt[c] += b[c] * v;
                 }
             }
         }
@@ -2002,7 +2003,7 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         int64_t w = 0;
         for (int64_t p = 0; p < l->n_qkv; p++) w += l->qkv[p].n;
         if (mat_parts(l->qkv, l->n_qkv, x, T, H, qkv, w, threads)) return -1;
-        lora_add(lora, n_lora, i, 0, x, H, qkv, w, threads);
+        lora_add(lora, n_lora, i, 0, x, H, qkv, w);
         if (l->qkv_bias) add_bias(qkv, T, qs + 2 * kvs, w, l->qkv_bias);
         if (l->q_norm)
             for (int64_t t = 0; t < T; t++) {
@@ -2017,7 +2018,7 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
             return -1;
         hid = free_buffer(bufs, res, NULL);
         if (gl_matmul((int)l->o.fmt, attn, T, qs, qs, l->o.data, l->o.n, hid, H, threads)) return -1;
-        lora_add(lora, n_lora, i, 1, attn, qs, hid, H, threads);
+        lora_add(lora, n_lora, i, 1, attn, qs, hid, H);
         if (l->o_bias) add_bias(hid, T, H, H, l->o_bias);
         if (l->post_attn_norm) {
             float *y = free_buffer(bufs, res, hid);
@@ -2030,11 +2031,11 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         if (l->n_gate_up) {
             int64_t I = l->inter;
             if (mat_parts(l->gate_up, l->n_gate_up, x, T, H, gu, 2 * I, threads)) return -1;
-            lora_add(lora, n_lora, i, 2, x, H, gu, 2 * I, threads);
+            lora_add(lora, n_lora, i, 2, x, H, gu, 2 * I);
             if (m->act == 1) gl_gelu_tanh_mul(gu, T, I, act, threads);
             else gl_silu_mul(gu, T, I, act, threads);
             if (gl_matmul((int)l->down.fmt, act, T, I, I, l->down.data, l->down.n, hid, H, threads)) return -1;
-            lora_add(lora, n_lora, i, 3, act, I, hid, H, threads);
+            lora_add(lora, n_lora, i, 3, act, I, hid, H);
         } else {
             int64_t *ids = (int64_t *)act;
             float *wts = (float *)(ids + T * m->top_k);

@@ -107,9 +107,10 @@ MAX_LORA_RANK = 512
 
 
 class Lora(ctypes.Structure):
-    """A LoRA adapter's pair on one matrix (``gl_lora_t``): adds ``B (A x)`` to output columns off .. off + n."""
+    """A LoRA adapter's pair on one matrix (``gl_lora_t``): adds ``B (A x)`` to output columns off .. off + n (A
+    ``[r, k]``, bt = B transposed ``[r, n]``, float32)."""
 
-    _fields_ = [("off", _I64), ("n", _I64), ("k", _I64), ("r", _I64), ("a", _P), ("b", _P)]
+    _fields_ = [("off", _I64), ("n", _I64), ("k", _I64), ("r", _I64), ("a", _P), ("bt", _P)]
 
 
 class LoraLayer(ctypes.Structure):
