@@ -5,7 +5,7 @@
 
 `--make-adapter` writes a random adapter in llama.cpp's GGUF layout (`general.type` adapter, `adapter.type` lora,
 `adapter.lora.alpha`, `blk.N.<name>.weight.lora_a` [r, K] and `.lora_b` [N, r], float32) for every attention and
-MLP matrix of every layer of the model, with the `gguf` package. Timing: one process loads the model with the
+MLP matrix of every layer of the model (`--targets attn_q,attn_v`: those only), with the `gguf` package. Timing: one process loads the model with the
 adapter, then alternates requests with and without it (base, adapter, base, ...) `--rounds` times, the same prompt
 each time (the prefix cache serves the prompt; each adapter has its own cache keys). Decode tokens/s is (tokens -
 1) / (time of a `--tokens` request - time of a one-token request), greedy with EOS ignored. Prints the median of
@@ -30,8 +30,9 @@ from gpullama.sampling_params import SamplingParams
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def make_adapter(model: str, out: str, rank: int, alpha: float) -> None:
-    """A random rank-`rank` adapter for every attention and MLP matrix of `model`, in llama.cpp's layout."""
+def make_adapter(model: str, out: str, rank: int, alpha: float, targets: tuple[str, ...] = TARGETS) -> None:
+    """A random rank-`rank` adapter for the `targets` matrices (default: every attention and MLP matrix) of every
+    layer of `model`, in llama.cpp's layout."""
     import gguf
 
     from gpullama.gguf_file import read_header
@@ -45,7 +46,7 @@ def make_adapter(model: str, out: str, rank: int, alpha: float) -> None:
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
     rng = np.random.default_rng(0)
     for i in range(header.config.num_layers):
-        for target in TARGETS:
+        for target in targets:
             name = f"blk.{i}.{target}.weight"
             n, k = shapes[name]
             writer.add_tensor(f"{name}.lora_a", (rng.standard_normal((rank, k)) * 0.02).astype(np.float32))
@@ -74,6 +75,7 @@ def main() -> None:
     p.add_argument("--make-adapter", metavar="PATH")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--targets", default=",".join(TARGETS), help="the matrices --make-adapter adapts (default: all)")
     p.add_argument("--adapter", metavar="PATH")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
@@ -82,7 +84,7 @@ def main() -> None:
     p.add_argument("--only", choices=("base", "lora"))
     args = p.parse_args()
     if args.make_adapter:
-        make_adapter(args.model, args.make_adapter, args.rank, args.alpha)
+        make_adapter(args.model, args.make_adapter, args.rank, args.alpha, tuple(args.targets.split(",")))
         print(f"wrote {args.make_adapter} (rank {args.rank}, alpha {args.alpha:g})")
         return
     llm = LLM(args.model, device=args.device, threads=args.threads, lora={"bench": args.adapter},
@@ -103,7 +105,7 @@ def main() -> None:
         lora.append(a)
         ratios.append(a / b)
     adapter = llm.lora_adapters["bench"]
-    rank = adapter.layers[0]["qkv"][0].a.shape[0]
+    rank = next(p.a.shape[0] for layer in adapter.layers for pairs in layer.values() for p in pairs)
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
           f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; {llm.model_name}, ops {llm.model.ops.name} "
           f"({llm.model.ops.mode}), threads {args.threads}; adapter rank {rank} on {adapter.targets} matrices")
