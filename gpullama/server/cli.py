@@ -18,6 +18,7 @@ from gpullama.engine.args import EngineArgs, positive_int
 from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
 from gpullama.pooling_params import POOLING_KINDS
+from gpullama.vision.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST, ImagePolicy
 
 from .adapters import parse_lora, parse_lora_scaled
 from .engine_log import DEFAULT_INTERVAL_S
@@ -169,6 +170,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how embeddings pool the hidden states: mean, cls, last token, or none (llama.cpp's native "
                    "/embeddings then gives one unnormalised vector per token; the OpenAI and Ollama embeddings "
                    "refuse it) (default: the model's pooling_type, else the last token)")
+    images = p.add_argument_group("images (with --mmproj; docs/server.md, 'Images')")
+    images.add_argument("--max-image-bytes", type=positive_int, default=MAX_IMAGE_BYTES,
+                        help="largest encoded image a request may send, in bytes (default: %(default)s); the body "
+                        "must also fit --max-body-bytes")
+    images.add_argument("--max-image-pixels", type=positive_int, default=MAX_IMAGE_PIXELS,
+                        help="largest image in pixels (width x height), checked before it is decoded: the "
+                        "decompression-bomb guard (default: %(default)s)")
+    images.add_argument("--max-images-per-request", type=positive_int, default=MAX_IMAGES_PER_REQUEST,
+                        help="images one request may carry (default: %(default)s)")
+    images.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="DOMAIN",
+                        help="fetch http(s) image URLs from these domains and their subdomains (vLLM's flag; "
+                        "default: none, no request makes the server fetch anything)")
+    images.add_argument("--allowed-local-media-path", "--media-path", default=None, metavar="DIR",
+                        help="read file:// image URLs under this folder (vLLM's flag; llama.cpp's --media-path) "
+                        "(default: none)")
     defaults = p.add_argument_group("request defaults (llama.cpp's flags): for requests that leave the field out")
     defaults.add_argument("--temp", "--temperature", dest="temp", type=temperature, default=None,
                           help="sampling temperature (default: each API's own, such as llama.cpp's 0.8 on "
@@ -274,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    None if args.n_predict == -1 else args.n_predict, args.verbose),
                           pooling=args.pooling, lora=lora_specs,
                           lora_init_without_apply=args.lora_init_without_apply,
-                          lora_runtime_updating=args.enable_lora_runtime_updating)
+                          lora_runtime_updating=args.enable_lora_runtime_updating,
+                          images=ImagePolicy(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
+                                             tuple(args.allowed_media_domains), args.allowed_local_media_path))
     state = ServerState(config)
     from .app import create_app  # the routes load once the flags and the model reference are known good
 

@@ -18,6 +18,7 @@ from gpullama import __version__
 from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineStopped
 from gpullama.engine.kv_events import KVEventsConfig
+from gpullama.vision.images import ImagePolicy
 
 from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
 from .http.errors import APIError
@@ -113,6 +114,7 @@ class ServerConfig:
     lora: list = field(default_factory=list)  # --lora, --lora-scaled: gpullama.server.adapters.LoraSpec
     lora_init_without_apply: bool = False  # --lora-init-without-apply (llama.cpp's): unnamed adapters at scale 0
     lora_runtime_updating: bool = False  # --enable-lora-runtime-updating: /v1/load_lora_adapter and unload
+    images: ImagePolicy = field(default_factory=ImagePolicy)  # --max-image-bytes, --allowed-media-domains, ...
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""

@@ -25,7 +25,7 @@ from ..http.body import JSONResponse, off_loop_if_large, parse_json
 from ..http.errors import ANTHROPIC, APIError, internal_error
 from ..http.streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
 from ..pipeline.chat_output import ChatOutputShaper
-from ..pipeline.chat_plan import ChatPlan, plan_chat, render_chat, render_planned_chat
+from ..pipeline.chat_plan import ChatPlan, image_input, plan_chat, render_planned_chat
 from ..pipeline.generation import Generation, Job, start_generation
 from ..pipeline.intake import read_and_prepare, read_request_body
 from ..pipeline.sampling import sampling_params
@@ -164,7 +164,7 @@ def _plan(request: Request, state: ServerState, raw: bytes,
 def _prepare(request: Request, state: ServerState, raw: bytes) -> tuple[MessagesRequest, ChatPlan, str, list[int]]:
     """Parse, plan, render and tokenize (a worker thread may run it)."""
     req, plan = _plan(request, state, raw)
-    text, ids = render_planned_chat(state.llm.tokenizer, plan, req.options.kwargs)
+    text, ids = render_planned_chat(state.llm.tokenizer, plan, req.options.kwargs, **image_input(state))
     return req, plan, text, ids
 
 
@@ -238,7 +238,7 @@ async def count_tokens(request: Request) -> Response:
     raw = await read_request_body(request)
 
     def count() -> int:
-        _, plan = _plan(request, state, raw, count_only=True)
-        return len(state.llm.tokenizer.encode(render_chat(state.llm.tokenizer, plan), add_special_tokens=False))
+        _, plan = _plan(request, state, raw, count_only=True)  # images count as the tokens they take
+        return len(render_planned_chat(state.llm.tokenizer, plan, {}, **image_input(state))[1])
 
     return JSONResponse({"input_tokens": await off_loop_if_large(len(raw), count)})

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.chat.messages import message_items, role_of, text_of
+from gpullama.chat.messages import image_part, message_items, role_of, text_of
 
 from ..http.errors import FieldNames
 from ..http.fields import bad, bool_field, kind, object_body, str_field
@@ -60,6 +60,7 @@ def _message(message: dict, where: str) -> list[dict[str, Any]]:
     """The chat messages of one Anthropic message (a user message's tool results come first, as their own)."""
     role = role_of(message, where, ROLES)
     texts: list[str] = []
+    parts: list[dict] = []  # a user message's text and image blocks in order, when it has an image
     calls: list[dict] = []
     results: list[dict] = []
     reasoning: list[str] = []
@@ -69,8 +70,11 @@ def _message(message: dict, where: str) -> list[dict[str, Any]]:
             if not isinstance(block.get("text"), str):
                 raise bad(f"{at}.text", f"'{at}.text' must be a string")
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind_ == "image" and role == "user":
+            parts.append({"type": "image", "image": image_part(block, at)})
         elif kind_ in ("image", "document"):
-            raise bad(at, f"'{at}' is an {kind_} block: this server's models read text only")
+            raise bad(at, f"'{at}' is an {kind_} block: images go in user messages; documents are not read")
         elif kind_ == "tool_use" and role == "assistant":
             name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
             if not isinstance(name, str) or not name:
@@ -106,6 +110,8 @@ def _message(message: dict, where: str) -> list[dict[str, Any]]:
         if reasoning:
             entry["reasoning_content"] = "\n".join(reasoning)
         out.append(entry)
+    elif len(parts) > len(texts):  # images among the blocks: the parts in order (the chat template places them)
+        out.append({"role": "user", "content": parts})
     elif texts or not results:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out

@@ -27,7 +27,7 @@ from ..http.streaming import ClientDisconnected, StreamResponse, event, unless_d
 from ..pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import read_and_prepare
-from ..pipeline.prompts import tokenize_pieces
+from ..pipeline.prompts import MEDIA_MARKER, MediaPrompt, tokenize_pieces
 from ..pipeline.sampling import sampling_params
 from ..state import ServerState, check_model
 from .request import NAMES, NativeRequest, finite, input_extra, parse_native
@@ -239,7 +239,19 @@ def _prepare_completion(state: ServerState, raw: bytes) -> tuple[NativeRequest, 
     check_model(state, body.get("model"))
     tok = state.llm.tokenizer
     req = parse_native(body, tok, defaults=state.config.defaults)
-    return req, [tokenize_pieces(tok, pieces) for pieces in req.prompts]
+    return req, [media_prompt_ids(state, pieces[0]) if pieces and isinstance(pieces[0], MediaPrompt)
+                 else tokenize_pieces(tok, pieces) for pieces in req.prompts]
+
+
+def media_prompt_ids(state: ServerState, prompt: MediaPrompt) -> list[int]:
+    """The ids of a ``prompt_string`` with ``multimodal_data``: each media marker becomes the model's image tokens
+    (Gemma 3: ``<start_of_image>``, expanded as its processor does), BOS as for any text prompt."""
+    vision = getattr(state.llm, "vision", None)
+    if vision is None:
+        raise APIError(400, "this model reads no images: start the server with --mmproj FILE (the model's vision "
+                       "projector, an mmproj GGUF)", param=prompt.images[0].where)
+    text = prompt.text.replace(MEDIA_MARKER, vision.marker)
+    return vision.prompt(text, prompt.images, state.config.images, add_special_tokens=True)
 
 
 def _prepare_infill(state: ServerState, raw: bytes) -> tuple[NativeRequest, list[list[int]]]:

@@ -35,7 +35,7 @@ async def props(request: Request) -> Response:
         "total_slots": engine_args.max_num_seqs,
         "model_alias": state.model_name,
         "model_path": str(engine_args.model),
-        "modalities": {"vision": False, "video": False, "audio": False},
+        "modalities": {"vision": getattr(llm, "vision", None) is not None, "video": False, "audio": False},
         "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
         "chat_template": tok.chat_template.source,
         "chat_template_caps": {},

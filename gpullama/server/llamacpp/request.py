@@ -76,7 +76,7 @@ class NativeRequest:
 def prompts(body: dict, name: str = "prompt") -> list[Pieces]:
     """llama.cpp's prompt shapes (`gpullama.server.pipeline.prompts`): one prompt or a list of them, each as its
     pieces."""
-    return prompt_list(body.get(name), name, MAX_N)
+    return prompt_list(body.get(name), name, MAX_N, media=name == "prompt")
 
 
 def sampling(body: dict, tokenizer: Any, defaults: RequestDefaults = NO_DEFAULTS

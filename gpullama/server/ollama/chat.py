@@ -25,13 +25,23 @@ from ..http.errors import OLLAMA, APIError, FieldNames, internal_error
 from ..http.fields import bad, bool_field, object_body, str_field
 from ..http.streaming import NDJSON_MEDIA_TYPE, ClientDisconnected, StreamResponse, ndjson_line, unless_disconnected
 from ..pipeline.chat_output import ChatOutputShaper
-from ..pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat, response_format_spec
+from ..pipeline.chat_plan import ChatPlan, image_input, plan_chat, render_planned_chat, response_format_spec
 from ..pipeline.generation import Generation, Job, start_generation
 from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import read_and_prepare
 from ..pipeline.sampling import SamplingOptions, sampling_params
 from ..state import ServerState
-from .request import GENERATE_NAMES, NAMES, chat_messages, check_model_name, now_iso, options, response_format, think
+from .request import (
+    GENERATE_NAMES,
+    NAMES,
+    chat_messages,
+    check_model_name,
+    now_iso,
+    options,
+    response_format,
+    think,
+    with_images,
+)
 
 log = logging.getLogger("gpullama.server")
 
@@ -180,7 +190,7 @@ def _prepare_chat(request: Request, state: ServerState, raw: bytes):
     request.state.field_names = NAMES
     tok = state.llm.tokenizer
     plan = plan_chat(chat_fields, messages, chat_format(tok), state.config.chat)
-    text, ids = render_planned_chat(tok, plan, opts.kwargs)
+    text, ids = render_planned_chat(tok, plan, opts.kwargs, **image_input(state))
     return opts, plan, text, ids, stream
 
 
@@ -194,7 +204,7 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
     body = object_body(parse_json(raw))
     check_model_name(state, body.get("model"))
     prompt = str_field(body, "prompt") or ""
-    for name in ("context", "images", "template"):
+    for name in ("context", "template"):
         if body.get(name):
             raise bad(name, f"'{name}' is not supported" + (
                 ": send the conversation to /api/chat" if name == "context" else ""))
@@ -205,6 +215,8 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
     request.state.field_names = GENERATE_NAMES
     tok = state.llm.tokenizer
     suffix = str_field(body, "suffix")
+    if body.get("images") and (suffix or raw_mode):
+        raise bad("images", "'images' need the chat template: not with 'raw' or 'suffix'")
     if suffix:  # fill in the middle: the prompt is the code before (llama.cpp's /infill layout)
         opts.kwargs["stop_token_ids"] = [*opts.kwargs.get("stop_token_ids", []), *tok.fim.stop_ids]
         return opts, None, prompt, fim_prompt_ids(tok, state.llm.max_model_len, prompt, suffix), stream, False
@@ -213,10 +225,11 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
         if spec is not None:
             opts.kwargs["structured_output"] = spec
         return opts, None, prompt, tok.encode(prompt, add_special_tokens=True), stream, prompt == ""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    content = with_images(prompt, body.get("images"), "images")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     fields = {"response_format": response_format(body), "chat_template_kwargs": think(body)}
     plan = plan_chat(fields, messages, chat_format(tok), state.config.chat)
-    text, ids = render_planned_chat(tok, plan, opts.kwargs)
+    text, ids = render_planned_chat(tok, plan, opts.kwargs, **image_input(state))
     return opts, plan, text, ids, stream, prompt == ""
 
 

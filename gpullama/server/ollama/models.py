@@ -84,6 +84,8 @@ async def show(request: Request) -> Response:
     capabilities = ["completion", "embedding"] + (["tools"] if "tools" in template else [])
     if "</think>" in template:
         capabilities.append("thinking")
+    if getattr(state.llm, "vision", None) is not None:
+        capabilities.append("vision")
     _, _, modified = _file(state)
     return JSONResponse({"modelfile": f"FROM {llm.path}\n", "parameters": f"num_ctx {llm.max_model_len}",
                          "template": template, "details": _details(state), "model_info": info,

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from gpullama.chat.messages import message_items, role_of
+from gpullama.vision.images import ImageRef
 
 from ..http.errors import APIError, FieldNames
 from ..http.fields import bad, integer, kind
@@ -85,6 +86,21 @@ def think(body: dict) -> dict[str, Any] | None:
     return {"enable_thinking": bool(value)}
 
 
+def with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content with Ollama's ``images`` (base64 strings, or data URLs) before its text, as chat parts;
+    the text alone without images."""
+    if not images:
+        return text
+    if not isinstance(images, list):
+        raise bad(where, f"'{where}' must be a list of base64-encoded images, got {kind(images)}")
+    parts: list[dict[str, Any]] = []
+    for i, image in enumerate(images):
+        if not isinstance(image, str):
+            raise bad(f"{where}[{i}]", f"'{where}[{i}]' must be a base64 string, got {kind(image)}")
+        parts.append({"type": "image", "image": ImageRef(image, f"{where}[{i}]")})
+    return [*parts, {"type": "text", "text": text}] if text else parts
+
+
 def chat_messages(value: Any) -> list[dict[str, Any]]:
     """Ollama chat messages in chat completions' shape: assistant ``tool_calls`` with object arguments get ids and
     JSON strings, ``tool`` messages their ``tool_name`` as ``name``, ``thinking`` the ``reasoning_content``."""
@@ -95,9 +111,7 @@ def chat_messages(value: Any) -> list[dict[str, Any]]:
         content = message.get("content") or ""
         if not isinstance(content, str):
             raise bad(f"{where}.content", f"'{where}.content' must be a string, got {kind(content)}")
-        if message.get("images"):
-            raise bad(f"{where}.images", f"'{where}.images': this server's models read text only")
-        entry: dict[str, Any] = {"role": role, "content": content}
+        entry: dict[str, Any] = {"role": role, "content": with_images(content, message.get("images"), f"{where}.images")}
         if role == "tool" and isinstance(message.get("tool_name"), str):
             entry["name"] = message["tool_name"]
         if role == "assistant" and isinstance(message.get("thinking"), str) and message["thinking"]:

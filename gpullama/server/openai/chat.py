@@ -9,14 +9,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpullama.chat.messages import message_items, role_of, text_of
+from gpullama.chat.messages import content_of, message_items, role_of
 from gpullama.chat.model_format import chat_format
 
 from ..http.body import JSONResponse, parse_json
 from ..http.errors import FieldNames
 from ..http.fields import bad, bool_field
 from ..pipeline.chat_output import ChatOutputShaper
-from ..pipeline.chat_plan import ChatPlan, plan_chat, render_planned_chat
+from ..pipeline.chat_plan import ChatPlan, image_input, plan_chat, render_planned_chat
 from ..pipeline.generation import Job
 from ..pipeline.intake import read_and_prepare
 from ..pipeline.sampling import OPENAI, Field, SamplingOptions, sampling_params, streamed, top_count, top_logprobs
@@ -63,7 +63,7 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             content = ""
         elif content is None:
             raise bad(f"{where}.content", f"'{where}.content' is required for role {role!r}")
-        entry = {"role": CHAT_ROLES[role], "content": text_of(content, f"{where}.content")}
+        entry = {"role": CHAT_ROLES[role], "content": content_of(content, f"{where}.content")}
         entry.update((k, message[k]) for k in PASSED_MESSAGE_FIELDS if message.get(k) is not None)
         out.append(entry)
     return out
@@ -87,7 +87,7 @@ def prepare_chat(state: ServerState, raw: bytes) -> tuple[ChatRequest, ChatPlan,
     check_model(state, req.model)
     tok = state.llm.tokenizer
     plan = plan_chat(body, req.messages, chat_format(tok), state.config.chat)
-    text, ids = render_planned_chat(tok, plan, req.options.kwargs)
+    text, ids = render_planned_chat(tok, plan, req.options.kwargs, **image_input(state))
     return req, plan, text, ids
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpullama.chat.messages import check_messages
+from gpullama.chat.messages import chat_images, check_messages
 from gpullama.chat.model_format import ChatFormat
 from gpullama.checks import kind as kind_of
 from gpullama.structured.spec import StructuredOutput, StructuredOutputError
@@ -232,11 +232,27 @@ def render_chat(tokenizer: Any, plan: ChatPlan) -> str:
     return text[: cut + len(final)]
 
 
-def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+def image_input(state: Any) -> dict[str, Any]:
+    """`render_planned_chat`'s image keywords for a server's state: the model's vision (None: no mmproj) and the
+    server's image policy (its limits and allowed sources)."""
+    return {"vision": getattr(state.llm, "vision", None), "policy": state.config.images}
+
+
+def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[str, Any], vision: Any = None,
+                        policy: Any = None) -> tuple[str, list[int]]:
     """Give the request's sampling options the plan's grammar and kept marker tokens, render the chat template on
-    the plan's messages and tools (`render_chat`), and tokenize."""
+    the plan's messages and tools (`render_chat`), and tokenize. Image parts (any API's shape, read into the chat
+    by `gpullama.chat.messages.content_of`) are loaded under `policy`, encoded by `vision` (the model's mmproj)
+    and come back with the ids (`gpullama.vision.prompt.PromptIds`); a 400 naming --mmproj without one."""
     if plan.spec is not None:
         sampling_kwargs["structured_output"] = plan.spec
     sampling_kwargs["preserved_token_ids"] = plan.preserved_token_ids
-    text = render_chat(tokenizer, plan)
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    messages, refs = chat_images(plan.messages)
+    if not refs:
+        text = render_chat(tokenizer, plan)
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    if vision is None:
+        raise APIError(400, "this model reads no images: start the server with --mmproj FILE (the model's vision "
+                       "projector, an mmproj GGUF)", param=refs[0].where)
+    text = render_chat(tokenizer, replace(plan, messages=messages))
+    return text, vision.prompt(text, refs, policy) if policy is not None else vision.prompt(text, refs)

@@ -41,6 +41,12 @@ class Job:
     pooling: PoolingParams | None = None
 
 
+def images_of(prompt_ids: list[int]) -> dict:
+    """The engine's ``images`` keyword for a prompt with images (`gpullama.vision.prompt.PromptIds`), else none."""
+    images = getattr(prompt_ids, "images", None)
+    return {"images": images} if images else {}
+
+
 def _api_error(exc: Exception, job: Job, http_request_id: str = "-") -> APIError:
     """An engine error as the client sees it: the admission check's in the common plan's field names (the API's
     boundary renames them), a failure of ours as a 500 with only the request id."""
@@ -112,7 +118,8 @@ class Generation:
             if job.pooling is not None:
                 self._streams[job.index] = self.engine.embed(job.request_id, job.prompt_ids, job.pooling)
             else:
-                self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params)
+                self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params,
+                                                                **images_of(job.prompt_ids))
         except Exception as exc:
             raise _api_error(exc, job, self.http_request_id) from exc
 

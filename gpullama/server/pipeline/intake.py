@@ -31,4 +31,6 @@ async def read_and_prepare(request: Request, prepare, *args) -> tuple[float, Ser
     state = server_state(request)
     require_ready(state)
     raw = await read_request_body(request)
-    return arrival, state, await off_loop_if_large(len(raw), prepare, *args, state, raw)
+    # a model that reads images may encode some while preparing: never on the event loop
+    size = len(raw) if getattr(state.llm, "vision", None) is None else 1 << 62
+    return arrival, state, await off_loop_if_large(size, prepare, *args, state, raw)

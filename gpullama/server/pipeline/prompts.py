@@ -6,14 +6,27 @@ list of those. Each prompt is read as its pieces, text and token ids in order.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from gpullama.checks import check_count, kind
+from gpullama.vision.images import ImageRef
 
 from ..http.fields import bad
 
-Pieces = list[int | str]
-"""One prompt: its text and token-id pieces, in order."""
+Pieces = list[Any]
+"""One prompt: its text and token-id pieces, in order (or one `MediaPrompt`)."""
+
+MEDIA_MARKER = "<__media__>"
+"""Where each of ``multimodal_data``'s images goes in ``prompt_string`` (llama.cpp's ``mtmd_default_marker()``)."""
+
+
+@dataclass
+class MediaPrompt:
+    """``{"prompt_string": text, "multimodal_data": [base64, ...]}``: the text with one `MEDIA_MARKER` per image."""
+
+    text: str
+    images: list[ImageRef]
 
 
 def is_token(value: Any) -> bool:
@@ -36,15 +49,27 @@ def _text_parts(value: Any, where: str) -> str:
     return text
 
 
-def prompt_pieces(value: Any, where: str, content: bool = False) -> Pieces:
-    """One prompt as its pieces (`content`: OpenAI content objects taken too); a 400 naming `where` otherwise."""
+def prompt_pieces(value: Any, where: str, content: bool = False, media: bool = False) -> Pieces:
+    """One prompt as its pieces (`content`: OpenAI content objects taken too; `media`: ``multimodal_data`` taken,
+    as one `MediaPrompt`); a 400 naming `where` otherwise."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value and all(is_token(x) or isinstance(x, str) for x in value):
         return list(value)
     if isinstance(value, dict):
         if value.get("multimodal_data") is not None:
-            raise bad(where, f"'{where}' carries multimodal_data, but this model reads text only")
+            if not media:
+                raise bad(where, f"'{where}' carries multimodal_data, which only /completion reads")
+            data, text = value["multimodal_data"], value.get("prompt_string")
+            if not isinstance(text, str):
+                raise bad(f"{where}.prompt_string", f"'{where}.prompt_string' must be a string with one "
+                          f"{MEDIA_MARKER} per image")
+            if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
+                raise bad(f"{where}.multimodal_data", f"'{where}.multimodal_data' must be a list of base64 strings")
+            if text.count(MEDIA_MARKER) != len(data):
+                raise bad(f"{where}.multimodal_data", f"'{where}.prompt_string' has {text.count(MEDIA_MARKER)} "
+                          f"{MEDIA_MARKER} markers for {len(data)} multimodal_data items")
+            return [MediaPrompt(text, [ImageRef(d, f"{where}.multimodal_data[{i}]") for i, d in enumerate(data)])]
         if "prompt_string" in value and not isinstance(value["prompt_string"], dict):
             return prompt_pieces(value["prompt_string"], where)
         if content and "content" in value:
@@ -54,7 +79,8 @@ def prompt_pieces(value: Any, where: str, content: bool = False) -> Pieces:
               f"{{\"prompt_string\": ...}}{forms}; got {kind(value)}")
 
 
-def prompt_list(value: Any, name: str, limit: int, content: bool = False, mixed: bool = True) -> list[Pieces]:
+def prompt_list(value: Any, name: str, limit: int, content: bool = False, mixed: bool = True,
+                media: bool = False) -> list[Pieces]:
     """The prompts of a field (at most `limit`): one prompt, or a list of them. A list that holds a token id is one
     prompt when `mixed` (llama.cpp's rule), or only when every item is a token id (OpenAI's: ``["a", 3]`` is then
     two inputs, the second a 400)."""
@@ -64,8 +90,8 @@ def prompt_list(value: Any, name: str, limit: int, content: bool = False, mixed:
         any(is_token(x) for x in value) if mixed else all(is_token(x) for x in value))
     if isinstance(value, list) and value and not one:
         check_count(name, len(value), limit)
-        return [prompt_pieces(p, f"{name}[{i}]", content) for i, p in enumerate(value)]
-    return [prompt_pieces(value, name, content)]
+        return [prompt_pieces(p, f"{name}[{i}]", content, media) for i, p in enumerate(value)]
+    return [prompt_pieces(value, name, content, media)]
 
 
 def tokenize_pieces(tokenizer: Any, pieces: Pieces) -> list[int]:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpullama.chat.messages import message_items, role_of, text_of
+from gpullama.chat.messages import content_of, message_items, role_of, text_of
 
 from ...http.errors import FieldNames
 from ...http.fields import bad as _bad
@@ -108,7 +108,8 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = role_of(item, where, tuple(INPUT_ROLES))
-            message = {"role": INPUT_ROLES[role], "content": text_of(item.get("content"), f"{where}.content", TEXT_PARTS)}
+            message = {"role": INPUT_ROLES[role],
+                       "content": content_of(item.get("content"), f"{where}.content", TEXT_PARTS)}
             messages.append(assistant(message) if message["role"] == "assistant" else message)
         elif kind == "function_call":
             call = _function_call(item, where)

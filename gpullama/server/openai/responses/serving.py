@@ -25,7 +25,7 @@ from ...http.body import JSONResponse, off_loop_if_long
 from ...http.errors import APIError
 from ...http.streaming import ClientDisconnected, StreamResponse, typed_event, unless_disconnected
 from ...pipeline.chat_output import ChatOutputShaper
-from ...pipeline.chat_plan import DEFAULTS, ChatPlan, plan_chat, render_planned_chat
+from ...pipeline.chat_plan import DEFAULTS, ChatPlan, image_input, plan_chat, render_planned_chat
 from ...pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ...pipeline.intake import read_json
 from ...pipeline.sampling import sampling_params
@@ -69,11 +69,12 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def prepare(tokenizer: Any, req: ResponsesRequest, defaults: ChatDefaults = DEFAULTS) -> tuple[ChatPlan, str, list[int]]:
+def prepare(tokenizer: Any, req: ResponsesRequest, defaults: ChatDefaults = DEFAULTS,
+            images: dict | None = None) -> tuple[ChatPlan, str, list[int]]:
     """Plan the request's tools and format as chat's (errors in chat's names), render the chat template and
-    tokenize (a worker thread may run it)."""
+    tokenize (a worker thread may run it); `images`: `image_input` of the server."""
     plan = plan_chat(req.chat_fields, req.messages, chat_format(tokenizer), defaults)
-    text, ids = render_planned_chat(tokenizer, plan, req.options.kwargs)
+    text, ids = render_planned_chat(tokenizer, plan, req.options.kwargs, **(images or {}))
     return plan, text, ids
 
 
@@ -93,7 +94,9 @@ async def create_response(request: Request) -> Response:
     require_ready(state)
     req = parse_responses(await read_json(request), state.config.defaults)
     check_model(state, req.model)
-    plan, prompt, ids = await off_loop_if_long(_input_size(req), prepare, state.llm.tokenizer, req, state.config.chat)
+    images = image_input(state)
+    size = _input_size(req) if images["vision"] is None else 1 << 62  # images are encoded off the event loop
+    plan, prompt, ids = await off_loop_if_long(size, prepare, state.llm.tokenizer, req, state.config.chat, images)
     response = ResponseObject(req, state.model_name)
     job = Job(0, ids, sampling_params(req.options), request_id=response.id)
     gen = await start_generation(request, state, [job], arrival)
