@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 from gpullama import __version__
 from gpullama.engine.args import EngineArgs, positive_int
@@ -338,6 +339,25 @@ def state_contents(c) -> str:
     return ", ".join(parts)
 
 
+def modalities(model_path: str, config, mmproj: str | None = None) -> str:
+    """What a model reads: text, and images when its mmproj (named, or the one beside it) fits it."""
+    from gpullama.gguf_file import ModelFileError, read_header
+    from gpullama.vision.loading import ARCHITECTURES, find_mmproj
+
+    path = mmproj or find_mmproj(model_path)
+    if path is None:
+        return "text (no mmproj file beside it)" if config.architecture in ARCHITECTURES else "text"
+    try:
+        meta = read_header(path, text_model=False).metadata
+    except ModelFileError as exc:
+        return f"text ({Path(path).name}: {exc})"
+    projector, dim = meta.get("clip.projector_type"), meta.get("clip.vision.projection_dim")
+    if ARCHITECTURES.get(config.architecture) != projector or dim != config.hidden_size:
+        return f"text ({Path(path).name}: projector {projector} does not fit this model)"
+    size = meta.get("clip.vision.image_size")
+    return f"text, image ({Path(path).name}: {projector} projector, {size}x{size} pixels)"
+
+
 def cmd_info(args) -> int:
     """Print what a GGUF model is (from its header only): architecture, size, tensor types, context, template."""
     from gpullama.gguf_file import model_size, read_header
@@ -378,6 +398,7 @@ def cmd_info(args) -> int:
           if c.has_recurrent_state else []),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
         ("chat template", "yes" if meta.get("tokenizer.chat_template") else "no (ChatML fallback)"),
+        ("modalities", modalities(h.path, c, args.mmproj)),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -418,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("info", help="describe a GGUF model (reads its header only)")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--mmproj", default=None, help="the model's vision projector (default: the mmproj*.gguf beside it)")
     p.set_defaults(func=cmd_info)
     return parser
 

@@ -236,3 +236,10 @@ def test_chunked_prefill_never_splits_an_image(vision_folder, hf) -> None:
     tiny = LLM(str(vision_folder / "gemma3-f32.gguf"), device="cpu", dtype="float32", max_num_batched_tokens=3)
     with pytest.raises(RequestError, match="more than max_num_batched_tokens"):
         tiny.chat(messages, GREEDY)
+
+
+def test_info_shows_the_modalities(vision_folder, capsys) -> None:
+    from gpullama.cli import main
+
+    assert main(["info", str(vision_folder / "gemma3-f32.gguf")]) == 0
+    assert "text, image (mmproj-gemma3-f32.gguf: gemma3 projector, 32x32 pixels)" in capsys.readouterr().out

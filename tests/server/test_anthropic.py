@@ -123,7 +123,7 @@ def test_auth_by_x_api_key_or_bearer(server, model_name: str) -> None:
     ({"messages": USER}, "max_tokens"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
-     "messages[0].content[0]"),
+     "--mmproj"),  # an image to a text-only model
     ({"max_tokens": 8, "messages": USER, "tools": [{"name": "f", "input_schema": {"type": 7}}]},
      "tools[0].input_schema"),
     ({"max_tokens": 8, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},

@@ -120,7 +120,7 @@ def test_seed_repeats_and_timings_per_token_and_progress(http):
     ({"prompt": PROMPT, "n_predict": 0}, "n_predict"),
     ({"prompt": PROMPT, "mirostat": 2}, "mirostat"),
     ({"prompt": PROMPT, "n_probs": 99}, "n_probs"),
-    ({"prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}}, "prompt"),
+    ({"prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}}, "prompt.multimodal_data"),  # no marker
     ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ({"prompt": PROMPT, "grammar": "root ::= undefined_rule"}, "grammar"),
     ({"prompt": PROMPT, "grammar": 'root ::= "a"', "json_schema": {}}, "json_schema"),
@@ -349,7 +349,8 @@ def test_unprefixed_openai_routes_fingerprint_and_timings(server, model_name):
 
 def test_completion_takes_prompt_string_objects_and_mixed_lists(http, hf_tokenizer):
     """llama.cpp's prompt shapes: {"prompt_string": s} alone or in a list, token lists with strings spliced in
-    (each string after the first piece tokenized without BOS); multimodal_data on a text model is a clear 400."""
+    (each string after the first piece tokenized without BOS); multimodal_data on a text model is a clear 400
+    naming --mmproj (and, on any model, one whose markers do not match its items)."""
     ids = hf_tokenizer.encode(PROMPT)
     text = _greedy(http, prompt=PROMPT, n_predict=4)["content"]
     assert _greedy(http, prompt={"prompt_string": PROMPT}, n_predict=4)["content"] == text
@@ -358,9 +359,11 @@ def test_completion_takes_prompt_string_objects_and_mixed_lists(http, hf_tokeniz
     out = _greedy(http, prompt=[{"prompt_string": PROMPT}, mixed, {"prompt_string": mixed}], n_predict=4,
                   return_tokens=True)
     assert [o["content"] for o in out] == [text] * 3 and out[1]["tokens_evaluated"] == len(ids)
+    bad = http.post("/completion", json={"prompt": [{"prompt_string": "x <__media__>", "multimodal_data": ["AAAA"]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[0].multimodal_data[0]"
+    assert "--mmproj" in bad.json()["error"]["message"]
     bad = http.post("/completion", json={"prompt": [{"prompt_string": "x", "multimodal_data": ["AAAA"]}]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[0]"
-    assert "multimodal_data" in bad.json()["error"]["message"] and "text only" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[0].multimodal_data"
 
 
 def test_completions_without_v1_is_native(http):

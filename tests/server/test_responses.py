@@ -174,7 +174,7 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete(http: httpx.Client, mod
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 100000}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input[0].content[0]"),
+     "input[0].content[0].image_url"),  # a text-only model: the image is refused, naming --mmproj
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": [{"role": ["user"], "content": "hi"}]}, "input[0].role"),

@@ -248,8 +248,8 @@ def media_prompt_ids(state: ServerState, prompt: MediaPrompt) -> list[int]:
     (Gemma 3: ``<start_of_image>``, expanded as its processor does), BOS as for any text prompt."""
     vision = getattr(state.llm, "vision", None)
     if vision is None:
-        raise APIError(400, "this model reads no images: start the server with --mmproj FILE (the model's vision "
-                       "projector, an mmproj GGUF)", param=prompt.images[0].where)
+        raise APIError(400, f"'{prompt.images[0].where}': this model reads no images: start the server with "
+                       "--mmproj FILE (the model's vision projector, an mmproj GGUF)", param=prompt.images[0].where)
     text = prompt.text.replace(MEDIA_MARKER, vision.marker)
     return vision.prompt(text, prompt.images, state.config.images, add_special_tokens=True)
 

@@ -252,7 +252,7 @@ def render_planned_chat(tokenizer: Any, plan: ChatPlan, sampling_kwargs: dict[st
         text = render_chat(tokenizer, plan)
         return text, tokenizer.encode(text, add_special_tokens=False)
     if vision is None:
-        raise APIError(400, "this model reads no images: start the server with --mmproj FILE (the model's vision "
-                       "projector, an mmproj GGUF)", param=refs[0].where)
+        raise APIError(400, f"'{refs[0].where}': this model reads no images: start the server with --mmproj FILE "
+                       "(the model's vision projector, an mmproj GGUF)", param=refs[0].where)
     text = render_chat(tokenizer, replace(plan, messages=messages))
     return text, vision.prompt(text, refs, policy) if policy is not None else vision.prompt(text, refs)
