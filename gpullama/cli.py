@@ -22,6 +22,7 @@ from gpullama.hub import ALIASES, DEFAULT_MODEL, cached_models, pull, resolve_mo
 CHAT_HELP = """commands:
   /help           this text
   /system TEXT    set the system prompt (kept by /reset)
+  /image PATH     attach an image to your next message (a model with an mmproj)
   /reset          forget the conversation
   /exit           leave (also Ctrl-D, or Ctrl-C at an empty prompt)
 Ctrl-C while the model answers stops that answer; the conversation is kept."""
@@ -133,8 +134,10 @@ def cmd_generate(args) -> int:
     engine_args, params = _checked(args)
     llm = _load(engine_args)
     prompt = args.prompt
-    if args.system is not None:
-        prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    if args.system is not None or args.image:
+        content = [*({"type": "image", "image": Path(p)} for p in args.image), {"type": "text", "text": args.prompt}]
+        prompt = [*([{"role": "system", "content": args.system}] if args.system is not None else []),
+                  {"role": "user", "content": content if args.image else args.prompt}]
     reason = _stream(llm, prompt, params)
     sys.stdout.write("\n")
     _say_why_it_stopped(reason, params.max_tokens)
@@ -148,7 +151,8 @@ class ChatSession:
         self.llm = llm
         self.params = params
         self.system = system
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict] = []
+        self.images: list[Path] = []  # attached to the next user message (--image, /image PATH)
 
     def conversation(self) -> list[dict[str, str]]:
         """What the model sees: the system prompt, then the turns so far."""
@@ -166,6 +170,13 @@ class ChatSession:
         elif name == "/system":
             self.system = rest.strip() or None
             print(f"(system prompt {'set' if self.system else 'cleared'})", file=sys.stderr)
+        elif name == "/image":
+            path = Path(rest.strip()).expanduser()
+            if not path.is_file():
+                print(f"no such file: {path}", file=sys.stderr)
+            else:
+                self.images.append(path)
+                print(f"(image {path.name} goes with your next message)", file=sys.stderr)
         elif name == "/help":
             print(CHAT_HELP, file=sys.stderr)
         else:
@@ -174,7 +185,9 @@ class ChatSession:
 
     def answer(self, text: str) -> None:
         """Send one user turn and stream the reply; Ctrl-C stops the reply and keeps what came so far."""
-        self.messages.append({"role": "user", "content": text})
+        images, self.images = self.images, []
+        content = [*({"type": "image", "image": p} for p in images), {"type": "text", "text": text}]
+        self.messages.append({"role": "user", "content": content if images else text})
         reply: list[str] = []
         reason = None
         pieces = self.llm.stream(self.conversation(), self.params)
@@ -185,6 +198,10 @@ class ChatSession:
                 except StopIteration as stop:
                     reason = stop.value
                     break
+                except ValueError as exc:  # the turn cannot run (an unreadable image, no mmproj): say so, drop it
+                    print(f"error: {exc}", file=sys.stderr)
+                    self.messages.pop()
+                    return
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -223,7 +240,9 @@ class ChatSession:
 def cmd_chat(args) -> int:
     """Interactive chat through the model's template."""
     engine_args, params = _checked(args)
-    ChatSession(_load(engine_args), params, args.system).run()
+    session = ChatSession(_load(engine_args), params, args.system)
+    session.images = [Path(p) for p in args.image]
+    session.run()
     return 0
 
 
@@ -415,10 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     p.add_argument("--prompt", "-p", required=True)
     _add_sampling(p, max_tokens=128)
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image before the prompt (a model with an mmproj; repeat for more)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="interactive chat (/help inside for its commands)")
     EngineArgs.add_cli_args(p)
     _add_sampling(p, max_tokens=512)
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image to go with your first message (a model with an mmproj; /image PATH later)")
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("serve", help="the OpenAI-compatible server (gpullama-serve; `serve --help` for its flags)",
                        add_help=False)

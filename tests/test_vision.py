@@ -243,3 +243,23 @@ def test_info_shows_the_modalities(vision_folder, capsys) -> None:
 
     assert main(["info", str(vision_folder / "gemma3-f32.gguf")]) == 0
     assert "text, image (mmproj-gemma3-f32.gguf: gemma3 projector, 32x32 pixels)" in capsys.readouterr().out
+
+
+def test_the_command_line_takes_images(vision_llm, vision_folder, tmp_path, capsys) -> None:
+    from gpullama.cli import ChatSession, main
+
+    path = tmp_path / "cat.png"
+    path.write_bytes(encoded(picture(30)))
+    expected = vision_llm().chat(one_image(path, "What is it?"), GREEDY)[0].text
+    session = ChatSession(vision_llm(), GREEDY, None)
+    session.command(f"/image {path}")
+    session.answer("What is it?")
+    assert capsys.readouterr().out == expected + "\n"
+    (tmp_path / "notes.txt").write_text("not an image")
+    session.command(f"/image {tmp_path / 'notes.txt'}")
+    session.answer("And this?")
+    assert "not a readable image" in capsys.readouterr().err and len(session.messages) == 2  # the bad turn dropped
+    assert main(["generate", "--model", str(vision_folder / "gemma3-f32.gguf"), "--device", "cpu", "--dtype",
+                 "float32", "--prompt", "What is it?", "--image", str(path), "--max-tokens", "10",
+                 "--ignore-eos"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
