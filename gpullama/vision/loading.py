@@ -15,7 +15,7 @@ ARCHITECTURES = {"gemma3": "gemma3"}
 def find_mmproj(model_path: str) -> str | None:
     """The ``mmproj*.gguf`` file beside `model_path` when its folder holds exactly one (None otherwise; several
     are logged and none is taken: name one with --mmproj)."""
-    folder = Path(model_path).resolve().parent
+    folder = Path(os.path.abspath(model_path)).parent  # not resolved: a cache's symlinks stay in the model's folder
     try:
         found = sorted(p for p in folder.iterdir()
                        if p.name.lower().startswith("mmproj") and p.name.lower().endswith(".gguf") and p.is_file())
