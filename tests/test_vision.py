@@ -124,6 +124,27 @@ def test_fast_tower_matches_transformers_image_features(vision_llm, hf) -> None:
     torch.testing.assert_close(vision_llm(fast=True).vision.tower.encode(pixels), ref, atol=2e-3, rtol=1e-2)
 
 
+@needs_kernels
+@pytest.mark.parametrize(("kind", "tolerance"), [("f16", 1e-3), ("q8_0", 2e-2)])
+def test_f16_and_q8_0_towers_on_the_c_kernels(vision_folder, hf, kind: str, tolerance: float) -> None:
+    """The converter's F16 and Q8_0 mmproj files: the fast path's tower multiplies their blocks with the C kernels
+    (`CpuWeight`), as the exact path does after dequantizing them, and stays near transformers' float32 features."""
+    from gpullama.ops.cpu_weights import CpuWeight
+    from gpullama.ops.torch_ops import TorchOps
+    from gpullama.vision.tower import VisionTower
+
+    model, processor = hf
+    pixels = processor.image_processor([picture(5), picture(6)], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        ref = model.model.get_image_features(pixels).pooler_output
+    path = vision_folder / kind / f"mmproj-gemma3-{kind}.gguf"
+    fast = VisionTower(path, CpuOps(torch.device("cpu")))
+    assert isinstance(fast.blocks[0].qkv, CpuWeight) and isinstance(fast.blocks[0].down, CpuWeight)
+    exact = VisionTower(path, TorchOps(torch.device("cpu"))).encode(pixels)
+    torch.testing.assert_close(fast.encode(pixels), exact, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(exact, ref, atol=tolerance, rtol=0)
+
+
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
 @pytest.mark.parametrize("chat", list(CHATS))
 def test_greedy_tokens_equal_transformers(vision_llm, hf, chat: str, fast: bool) -> None:
@@ -263,3 +284,15 @@ def test_the_command_line_takes_images(vision_llm, vision_folder, tmp_path, caps
                  "float32", "--prompt", "What is it?", "--image", str(path), "--max-tokens", "10",
                  "--ignore-eos"]) == 0
     assert capsys.readouterr().out == expected + "\n"
+
+
+def test_the_projector_beside_the_model_is_found_only_when_alone(tmp_path) -> None:
+    from gpullama.vision.loading import find_mmproj
+
+    model = tmp_path / "gemma-3-4b-it-Q4_K_M.gguf"
+    model.write_bytes(b"")
+    assert find_mmproj(str(model)) is None
+    (tmp_path / "mmproj-gemma-3-4b-it-f16.gguf").write_bytes(b"")
+    assert find_mmproj(str(model)) == str(tmp_path / "mmproj-gemma-3-4b-it-f16.gguf")
+    (tmp_path / "mmproj-other.gguf").write_bytes(b"")
+    assert find_mmproj(str(model)) is None  # two: none is guessed (--mmproj names one)
