@@ -31,6 +31,7 @@ from gpullama.pooling_params import PoolingParams
 from gpullama.sampling_params import SamplingParams
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.tokenizer import Tokenizer
+from gpullama.vision.images import ImageRef
 from gpullama.vision.loading import load_vision
 
 log = logging.getLogger("gpullama")
@@ -223,12 +224,29 @@ class LLM:
         return params if pairs is None else dataclasses.replace(params, lora=pairs)
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int] | dict) -> list[int]:
+        if isinstance(prompt, dict):  # vLLM's {"prompt": text, "multi_modal_data": {"image": one or a list}}
+            return self._encode_multimodal(prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _encode_multimodal(self, prompt: dict) -> list[int]:
+        """A text prompt with images, each at a marker in the text: the model's own (Gemma 3's
+        ``<start_of_image>``) or llama.cpp's ``<__media__>``."""
+        text, data = prompt.get("prompt"), (prompt.get("multi_modal_data") or {}).get("image")
+        if not isinstance(text, str):
+            raise ValueError("a prompt dict needs 'prompt', a string")
+        images = data if isinstance(data, (list, tuple)) else [] if data is None else [data]
+        if not images:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        if self.vision is None:
+            raise RequestError("this model reads no images: load its vision projector with mmproj=... "
+                               "(--mmproj FILE)", "multi_modal_data")
+        refs = [ImageRef(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
+        return self.vision.prompt(text.replace("<__media__>", self.vision.marker), refs, add_special_tokens=True)
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         check_messages(messages)
@@ -285,8 +303,10 @@ class LLM:
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None, lora=None) -> list[Completion]:
         """Complete one prompt or many (run together as one continuous batch); one Completion per prompt. A request
         whose step fails ends with finish_reason "error" (its `error` says why) while the others finish. `lora`:
-        the adapters to run with (see the class; None: the base model, or what `params.lora` says)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        the adapters to run with (see the class; None: the base model, or what `params.lora` says). A prompt may be
+        vLLM's dict ``{"prompt": text, "multi_modal_data": {"image": image or [images]}}`` for a model with an mmproj:
+        each image at a marker in the text (Gemma 3's ``<start_of_image>``, or llama.cpp's ``<__media__>``)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([self._encode_prompt(p) for p in prompts], self._with_lora(params, lora))
 

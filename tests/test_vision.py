@@ -296,3 +296,18 @@ def test_the_projector_beside_the_model_is_found_only_when_alone(tmp_path) -> No
     assert find_mmproj(str(model)) == str(tmp_path / "mmproj-gemma-3-4b-it-f16.gguf")
     (tmp_path / "mmproj-other.gguf").write_bytes(b"")
     assert find_mmproj(str(model)) is None  # two: none is guessed (--mmproj names one)
+
+
+def test_generate_takes_a_prompt_with_images(vision_llm, hf) -> None:
+    """vLLM's prompt dict: the text with the model's image marker (or llama.cpp's <__media__>) and the images."""
+    model, processor = hf
+    image = picture(31)
+    inputs = processor(text="Look: <start_of_image> What is it?", images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    ref = out[0, inputs["input_ids"].shape[1]:].tolist()
+    llm = vision_llm()
+    for marker in ("<start_of_image>", "<__media__>"):
+        got = llm.generate({"prompt": f"Look: {marker} What is it?", "multi_modal_data": {"image": image}}, GREEDY)[0]
+        assert got.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert got.token_ids == ref
