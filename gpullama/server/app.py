@@ -34,8 +34,9 @@ from .ollama import models as ollama_models
 from .openai.chat import chat_completions, input_tokens
 from .openai.completions import completions
 from .openai.embeddings import create_embeddings
-from .openai.models import get_model, list_models
+from .openai.models import get_model, list_models, load_model, unload_model
 from .openai.responses.serving import create_response
+from .registry import LeaseMiddleware
 from .state import ServerConfig, ServerState
 from .vllm import lora as vllm_lora
 from .vllm.health import health, metrics
@@ -88,6 +89,8 @@ def routes() -> list[Route]:
         Route("/lora-adapters", llamacpp_lora.set_adapters, methods=["POST"]),
         Route("/v1/load_lora_adapter", vllm_lora.load_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", vllm_lora.unload_adapter, methods=["POST"]),
+        Route("/models/load", load_model, methods=["POST"]),  # its router mode's
+        Route("/models/unload", unload_model, methods=["POST"]),
         # vLLM's tokenizer endpoints
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -141,7 +144,7 @@ LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
 
 def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:
     """Outermost first: the path prefix (``--root-path``), access log, request id and 500s, Host allow-list, CORS,
-    API key.
+    API key, model leases.
 
     CORS comes before the key check (a browser's preflight carries no Authorization); it allows only the
     configured origins (none by default), so a preflight from any other gets Starlette's 400 "Disallowed CORS
@@ -154,6 +157,7 @@ def _middleware(config: ServerConfig, state: ServerState) -> list[Middleware]:
     stack.append(Middleware(CORSMiddleware, allow_origins=origins, allow_origin_regex=local,
                             allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=["x-request-id"]))
     stack.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+    stack.append(Middleware(LeaseMiddleware))  # gives back the models a request held
     return stack
 
 

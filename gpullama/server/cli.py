@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from gpullama.engine.args import EngineArgs, positive_int
+from gpullama.engine.args import DEFAULT_MODEL, EngineArgs, positive_int
 from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
 from gpullama.pooling_params import POOLING_KINDS
@@ -24,6 +24,7 @@ from .adapters import parse_lora, parse_lora_scaled
 from .engine_log import DEFAULT_INTERVAL_S
 from .http.connection import head_timeout_protocol
 from .http.root_path import normalize_root_path
+from .registry import DEFAULT_KEEP_ALIVE, display_name, models_in_dir, parse_keep_alive, parse_model_spec
 from .state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -68,6 +69,22 @@ def seconds(text: str) -> float:
 def seconds_or_off(text: str) -> float:
     """An argparse type: a duration in seconds, or 0 for no limit."""
     return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
+def keep_alive_arg(text: str) -> float:
+    """An argparse type: a keep-alive duration (Ollama's: seconds or "5m"; negative: forever)."""
+    try:
+        return parse_keep_alive(float(text) if _is_number(text) else text, "--keep-alive")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("'--keep-alive' ", "")) from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def temperature(text: str) -> float:
@@ -120,7 +137,21 @@ def _kv_events_config(text: str) -> KVEventsConfig:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags: the engine's (from `EngineArgs`) and the server's own."""
     p = argparse.ArgumentParser(prog="gpullama-serve", description="OpenAI-compatible HTTP server for a GGUF model.")
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, skip=("model",))
+    models = p.add_argument_group("models (docs/server.md, 'Several models')")
+    models.add_argument("--model", "-m", dest="model", action="append", default=None, metavar="[NAME=]MODEL",
+                        help=f"GGUF path or alias (default: {DEFAULT_MODEL}); give it again to serve several "
+                        "models, each under NAME or its file's stem; the first is the default, loaded at start")
+    models.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="also serve every *.gguf in DIR (mmproj*.gguf skipped), each under its file's stem, "
+                        "loaded at its first request (llama.cpp's router flag)")
+    models.add_argument("--keep-alive", type=keep_alive_arg, default=DEFAULT_KEEP_ALIVE, metavar="DURATION",
+                        help="how long a model loaded on demand stays once idle: seconds or a duration such as "
+                        "5m or 1h; 0 unloads it after each request, a negative value keeps it (Ollama's; a "
+                        "request's keep_alive overrides it) (default: 5m)")
+    models.add_argument("--max-loaded-models", type=int, default=0, metavar="N",
+                        help="models loaded at once; loading one more unloads the least recently used idle one "
+                        "(Ollama's OLLAMA_MAX_LOADED_MODELS, llama.cpp's --models-max) (default: 0, no limit)")
     p.add_argument("--host", type=name_list, default=["127.0.0.1"],
                    help="address to bind, or several comma-separated (default: 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8080, help="port to bind (default: 8080)")
@@ -231,6 +262,23 @@ EXIT_BAD_INPUT = 2  # bad arguments, or a model that cannot be used (checked bef
 EXIT_CANNOT_BIND = 3  # the address could not be bound (port in use, no permission): uvicorn's startup failure
 
 
+def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, path or alias) of every model the flags name: each ``--model`` in order, then ``--models-dir``'s
+    files; the first is the default. ValueError for a name given twice."""
+    specs = [parse_model_spec(text) for text in args.model or []]
+    if args.models_dir is not None:
+        given = {path for _, path in specs}
+        specs += [(name, path) for name, path in models_in_dir(args.models_dir) if path not in given]
+    if not specs:
+        specs = [(display_name(DEFAULT_MODEL), DEFAULT_MODEL)]
+    seen: set[str] = set()
+    for name, _ in specs:
+        if name in seen:
+            raise ValueError(f"two models are named {name!r}: name them apart with --model NAME=PATH")
+        seen.add(name)
+    return specs
+
+
 def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
     """One listening socket per address (IPv6 ones written bare or in brackets), for several ``--host``; OSError
     (with the others closed) when one cannot be bound."""
@@ -262,10 +310,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        specs = model_specs(args)
+        args.model = specs[0][1]
         engine_args = EngineArgs.from_cli_args(args)
         check_model(engine_args.model)
     except ValueError as exc:
         return fail(str(exc))
+    several = len(specs) > 1 or args.models_dir is not None
+    if several and args.served_model_name:
+        return fail("--served-model-name names the one model of a server; with several, name each as "
+                    "--model NAME=PATH")
+    if args.max_loaded_models < 0:
+        return fail(f"--max-loaded-models must be >= 0, got {args.max_loaded_models}")
+    bad_files = {}
+    for name, path in specs[1:]:  # another model's bad file fails only that model's requests
+        try:
+            check_model(path)
+        except ValueError as exc:
+            log.warning("model %s (%s) cannot be loaded: %s", name, path, exc)
+            bad_files[name] = f"{type(exc).__name__}: {exc}"
     if args.headless or engine_args.node_rank > 0 or _torchrun_rank() > 0:
         return _run_headless(engine_args)
     try:
@@ -292,8 +355,15 @@ def main(argv: list[str] | None = None) -> int:
                           lora_init_without_apply=args.lora_init_without_apply,
                           lora_runtime_updating=args.enable_lora_runtime_updating,
                           images=ImagePolicy(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
-                                             tuple(args.allowed_media_domains), args.allowed_local_media_path))
+                                             tuple(args.allowed_media_domains), args.allowed_local_media_path),
+                          models=specs if several else [],
+                          models_dir=args.models_dir, keep_alive=args.keep_alive,
+                          max_loaded_models=args.max_loaded_models)
+    if not several and specs[0][0] != display_name(specs[0][1]) and not args.served_model_name:
+        config.served_model_name = specs[0][0]  # --model NAME=PATH
     state = ServerState(config)
+    for name, error in bad_files.items():
+        state.models[name].status, state.models[name].error = "failed", error
     from .app import create_app  # the routes load once the flags and the model reference are known good
 
     app = create_app(config, state)

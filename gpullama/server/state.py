@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -20,7 +20,7 @@ from gpullama.engine.errors import EngineStopped
 from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.vision.images import ImagePolicy
 
-from .engine_log import DEFAULT_INTERVAL_S, log_engine_status
+from .engine_log import DEFAULT_INTERVAL_S
 from .http.errors import APIError
 from .http.metrics import ServerMetrics
 
@@ -115,6 +115,10 @@ class ServerConfig:
     lora_init_without_apply: bool = False  # --lora-init-without-apply (llama.cpp's): unnamed adapters at scale 0
     lora_runtime_updating: bool = False  # --enable-lora-runtime-updating: /v1/load_lora_adapter and unload
     images: ImagePolicy = field(default_factory=ImagePolicy)  # --max-image-bytes, --allowed-media-domains, ...
+    models: list[tuple[str, str]] = field(default_factory=list)  # (name, path) of each model; empty: engine.model
+    models_dir: str | None = None  # --models-dir: where `models` came from (a server of several models)
+    keep_alive: float = 300.0  # --keep-alive: seconds an idle model stays loaded (negative: forever)
+    max_loaded_models: int = 0  # --max-loaded-models: loaded at once, then the LRU idle one goes (0: no limit)
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
@@ -152,59 +156,82 @@ def load_engine(config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
 
 
 class ServerState:
-    """What every route reads: status (``loading``/``ready``/``failed``), model, engine, metrics."""
+    """What every route reads: status (``loading``/``ready``/``failed``), the served models (`registry`), metrics;
+    ``llm``, ``engine`` and ``model_name`` are the default (first) model's."""
 
     def __init__(self, config: ServerConfig,
                  loader: Callable[[ServerConfig], tuple[Any, Callable[[Any], Any]]] = load_engine) -> None:
+        from .registry import ModelState, Registry, display_name
+
         self.config = config
         self.loader = loader
         self.status = "loading"
         self.error: str | None = None
-        self.llm: Any = None
-        self.engine: Any = None
-        self.model_name: str | None = config.served_model_name
         self.created = int(time.time())
-        self.metrics = ServerMetrics()
+        specs = config.models or [(config.served_model_name or display_name(config.engine.model), config.engine.model)]
+        self.multi = len(specs) > 1 or config.models_dir is not None
+        self.metrics = ServerMetrics(labelled=self.multi)
+        self.registry = Registry(self, config.max_loaded_models)
+        self.models: dict[str, ModelState] = {}
+        for name, path in specs:
+            self.models[name] = ModelState(self, name, replace(config.engine, model=path), pinned=not self.models)
+        self.default: ModelState = next(iter(self.models.values()))
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
-        self._status_task: asyncio.Task | None = None
         self.kv_events: Any = None  # the KV-event publisher, when the config enables one
-        self.adapters: list = []  # the loaded LoRA adapters (gpullama.server.adapters.ServedAdapter)
 
-    async def load(self) -> None:
-        """Load the model off the event loop, then start the engine; on failure record it and notify."""
-        start = time.perf_counter()
-        args = self.config.engine
-        log.info("loading model %s (device=%s, dtype=%s, max_model_len=%s)", args.model, args.device, args.dtype,
-                 args.max_model_len)
-        try:
-            llm, engine_cls = await self._load_in_thread()
-            self._start_kv_events(llm)
-            self.engine = engine_cls(llm)
-            self.llm = llm
-        except Exception as exc:  # noqa: BLE001 - any loading failure ends the server with a clear log line
-            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
-            log.error("loading model %s failed: %s", args.model, self.error)
-            if self.on_load_failed is not None:
-                self.on_load_failed(exc)
-            return
-        self.model_name = self.config.served_model_name or llm.model_name
-        self.set_adapters(getattr(llm, "served_adapters", []))
-        self.status = "ready"
-        if self.config.log_stats_interval > 0 and hasattr(llm, "engine"):
-            self._status_task = asyncio.create_task(log_engine_status(llm.engine, self.config.log_stats_interval))
-        log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
-                 self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
-                 self.config.host, self.config.port)
+    @property
+    def llm(self) -> Any:
+        return self.default.llm
+
+    @property
+    def engine(self) -> Any:
+        return self.default.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.default.name
+
+    @property
+    def adapters(self) -> list:
+        """The default model's loaded LoRA adapters (gpullama.server.adapters.ServedAdapter)."""
+        return self.default.adapters
 
     def set_adapters(self, adapters: list) -> None:
-        """The loaded LoRA adapters changed (load, unload, POST /lora-adapters): the request defaults follow."""
-        from .adapters import lora_defaults
+        """The default model's LoRA adapters changed (load, unload, POST /lora-adapters): its request defaults
+        follow."""
+        self.default.set_adapters(adapters)
 
-        self.adapters = adapters
-        self.config.defaults = lora_defaults(self.config.defaults, adapters)
+    async def load(self) -> None:
+        """Load the default model off the event loop, then start its engine; on failure record it and notify (a
+        server of several models goes on serving the others)."""
+        start = time.perf_counter()
+        await self.default._load()
+        if self.status == "stopping":
+            return
+        if self.default.status != "loaded":
+            if not self.multi:
+                self.status, self.error = "failed", self.default.error
+                if self.on_load_failed is not None:
+                    self.on_load_failed(RuntimeError(self.error))
+                return
+            log.error("the default model %s failed to load; serving the others", self.default.name)
+        self.status = "ready"
+        llm = self.default.llm
+        if llm is not None:
+            log.info("model %s ready on device %s (max_model_len=%d) in %.1fs; serving at http://%s:%d",
+                     self.model_name, llm.device, llm.max_model_len, time.perf_counter() - start,
+                     self.config.host, self.config.port)
+        if self.multi:
+            log.info("serving %d models: %s", len(self.models), ", ".join(self.models))
 
-    def _start_kv_events(self, llm: Any) -> None:
+    def changed(self) -> None:
+        self.registry.changed()
+
+    async def make_room(self, entry: Any) -> None:
+        await self.registry.make_room(entry, lambda: self.status in ("stopping", "stopped"))
+
+    def start_kv_events(self, llm: Any) -> None:
         """Publish the prefix cache's KV events when the config asks for them (before the engine runs a step)."""
         events = self.config.kv_events
         if events is None or not events.enabled:
@@ -216,49 +243,55 @@ class ServerState:
         log.info("KV-cache events on %s%s", events.endpoint,
                  f" (replay on {events.replay_endpoint})" if events.replay_endpoint else "")
 
-    async def _load_in_thread(self) -> tuple[Any, Callable[[Any], Any]]:
-        # A daemon thread, not the default executor: a server that stops mid-load (port in use, Ctrl-C) must not
-        # wait for the load to finish before the process can exit.
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def settle(value: Any, exc: BaseException | None) -> None:
-            if not future.done():
-                future.set_exception(exc) if exc is not None else future.set_result(value)
-
-        def work() -> None:
-            try:
-                value, exc = self.loader(self.config), None
-            except BaseException as error:  # noqa: BLE001 - handed to the event loop
-                value, exc = None, error
-            try:
-                loop.call_soon_threadsafe(settle, value, exc)
-            except RuntimeError:  # the loop is already closed: the server stopped while loading
-                pass
-
-        threading.Thread(target=work, name="gpullama-load", daemon=True).start()
-        return await future
-
-    def begin_shutdown(self) -> None:
-        """The server is stopping (SIGINT/SIGTERM): refuse new requests and stop the engine after its current
-        step; every open stream then ends with an error event and ``[DONE]`` instead of waiting to be cut."""
-        if self.status in ("loading", "ready"):
-            self.status = "stopping"
-        if self.engine is not None:
-            self.engine.stop(EngineStopped("the server is shutting down"))
-
-    def shutdown(self) -> None:
-        """Stop the engine's step loop."""
-        if self._status_task is not None:
-            self._status_task.cancel()
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+    def stop_kv_events(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
-        if hasattr(self.llm, "shutdown"):  # tensor-parallel worker processes
-            self.llm.shutdown()
+
+    async def load_in_thread(self, config: ServerConfig) -> tuple[Any, Callable[[Any], Any]]:
+        """``loader(config)`` in a thread of its own, awaited."""
+        # A daemon thread, not the default executor: a server that stops mid-load (port in use, Ctrl-C) must not
+        # wait for the load to finish before the process can exit.
+        # The loaded model travels in `box`, emptied once taken: no future, handle or closure the event loop may
+        # keep a while holds on to it (an unloaded model's memory must go back at once).
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        box: list[Any] = []
+
+        def settle(exc: BaseException | None) -> None:
+            if not future.done():
+                future.set_exception(exc) if exc is not None else future.set_result(None)
+
+        def work() -> None:
+            exc = None
+            try:
+                box.append(self.loader(config))
+            except BaseException as error:  # noqa: BLE001 - handed to the event loop
+                exc = error
+            try:
+                loop.call_soon_threadsafe(settle, exc)
+            except RuntimeError:  # the loop is already closed: the server stopped while loading
+                box.clear()
+
+        threading.Thread(target=work, name="gpullama-load", daemon=True).start()
+        await future
+        return box.pop()
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping (SIGINT/SIGTERM): refuse new requests and stop the engines after their current
+        step; every open stream then ends with an error event and ``[DONE]`` instead of waiting to be cut."""
+        if self.status in ("loading", "ready"):
+            self.status = "stopping"
+        for entry in self.models.values():
+            if entry.engine is not None:
+                entry.engine.stop(EngineStopped("the server is shutting down"))
+        self.changed()
+
+    def shutdown(self) -> None:
+        """Stop every engine's step loop."""
+        for entry in self.models.values():
+            entry.shutdown()
+        self.stop_kv_events()
         self.status = "stopped"
 
 
@@ -268,15 +301,14 @@ def server_state(request: Request) -> ServerState:
 
 
 def require_ready(state: ServerState) -> None:
-    """503 while the model loads, when it failed to, while the server stops, or when the engine has stopped."""
+    """503 while the default model loads at start-up, when it failed to, or while the server stops (each model's
+    own readiness, its engine's included, is checked when a request takes it: `registry.use_model`)."""
     if state.status == "loading":
         raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
     if state.status == "stopping":
         raise APIError(503, "the server is shutting down", code="engine_stopped")
-    if state.status != "ready" or state.engine is None:
+    if state.status != "ready":
         raise APIError(503, f"the model is not available ({state.status}: {state.error})", code="model_unavailable")
-    if not getattr(state.engine, "is_alive", True):
-        raise APIError(503, "the generation engine has stopped; restart the server", code="engine_dead")
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -72,14 +72,14 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(model_path: Path, log_path: Path, extra_args: list[str] = ()) -> Server:
+def start_server(model_path: Path | None, log_path: Path, extra_args: list[str] = ()) -> Server:
     """Start a server on a free port; poll /health (recording the 503s while loading) until it is ready."""
     port = free_port()
     # float32: bfloat16 matmuls round differently with the batch's shape, so a near-tied greedy token can flip
     # between a request served alone and the same request in a batch of 8 (seen in the library itself, not only
     # here); the server tests check that concurrent requests do not interfere, which needs batch-invariant numbers.
-    args = ["--model", str(model_path), "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-            "--dtype", "float32", *extra_args]
+    args = ["--model", str(model_path)] if model_path is not None else []  # None: `extra_args` name the models
+    args += ["--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY, "--dtype", "float32", *extra_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     repo = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))

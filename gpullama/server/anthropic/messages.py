@@ -27,8 +27,9 @@ from ..http.streaming import ClientDisconnected, StreamResponse, typed_event, un
 from ..pipeline.chat_output import ChatOutputShaper
 from ..pipeline.chat_plan import ChatPlan, image_input, plan_chat, render_planned_chat
 from ..pipeline.generation import Generation, Job, start_generation
-from ..pipeline.intake import read_and_prepare, read_request_body
+from ..pipeline.intake import model_fields, read_and_prepare, read_request_body
 from ..pipeline.sampling import sampling_params
+from ..registry import use_model
 from ..state import ServerState, check_model, require_ready, server_state
 from .request import NAMES, MessagesRequest, parse_messages_body
 
@@ -233,9 +234,10 @@ async def _events(mid: str, model: str, gen: Generation, blocks: ContentBlocks) 
 
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens as `create_message` would render it."""
-    state = server_state(request)
-    require_ready(state)
+    require_ready(server_state(request))
     raw = await read_request_body(request)
+    name, _ = await off_loop_if_large(len(raw), model_fields, raw, request.url.path)
+    state = await use_model(request, name)
 
     def count() -> int:
         _, plan = _plan(request, state, raw, count_only=True)  # images count as the tokens they take

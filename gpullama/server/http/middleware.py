@@ -125,6 +125,10 @@ class AccessLogMiddleware:
                            scope["method"], scope["path"], scope.get("http_version", "1.1"), status,
                            record.describe(status, time.perf_counter() - start))
             self.metrics.observe_request(scope["path"], status)
+            # Timer handles scheduled while serving (a deadline) keep a copy of this context, with the record, for
+            # as long as they sit in the event loop: drop the generations (and through them the engine), so that
+            # an unloaded model's memory is not held by a cancelled timer.
+            record.generations.clear()
 
 
 def request_id(request: Request) -> str:

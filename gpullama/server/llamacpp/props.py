@@ -16,15 +16,16 @@ from ..http.body import JSONResponse, off_loop_if_long
 from ..http.fields import object_body
 from ..openai.chat import parse_messages
 from ..pipeline.chat_plan import plan_chat, render_chat
-from ..pipeline.intake import read_json
+from ..pipeline.intake import read_json_for_model
+from ..registry import use_model
 from ..state import BUILD_INFO, ChatDefaults, check_model, require_ready, server_state
 from .request import sampling
 
 
 async def props(request: Request) -> Response:
     """``GET /props``: read-only (llama.cpp's ``POST /props`` needs ``--props``; it is not served)."""
-    state = server_state(request)
-    require_ready(state)
+    require_ready(server_state(request))
+    state = await use_model(request, request.query_params.get("model"))  # llama.cpp's router: ?model=NAME
     llm, engine_args = state.llm, state.config.engine
     tok = llm.tokenizer
     _, settings = sampling({}, tok, state.config.defaults)
@@ -54,9 +55,8 @@ def _render(tok: Any, defaults: ChatDefaults, body: dict) -> str:
 async def apply_template(request: Request) -> Response:
     """``POST /apply-template``: a chat completions body's messages (and tools, chat_template_kwargs,
     add_generation_prompt, continue_final_message) rendered with the chat template -> ``{"prompt": text}``."""
-    state = server_state(request)
-    require_ready(state)
-    body = object_body(await read_json(request))
+    state, body = await read_json_for_model(request)
+    body = object_body(body)
     check_model(state, body.get("model"))
     tok = state.llm.tokenizer
     size = len(orjson.dumps(body))

@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from gpullama.chat.model_format import chat_format
 
-from ..http.body import JSONResponse, parse_json
+from ..http.body import JSONResponse, off_loop_if_large, parse_json
 from ..http.errors import OLLAMA, APIError, FieldNames, internal_error
 from ..http.fields import bad, bool_field, object_body, str_field
 from ..http.streaming import NDJSON_MEDIA_TYPE, ClientDisconnected, StreamResponse, ndjson_line, unless_disconnected
@@ -28,8 +28,9 @@ from ..pipeline.chat_output import ChatOutputShaper
 from ..pipeline.chat_plan import ChatPlan, image_input, plan_chat, render_planned_chat, response_format_spec
 from ..pipeline.generation import Generation, Job, start_generation
 from ..pipeline.infill import fim_prompt_ids
-from ..pipeline.intake import read_and_prepare
+from ..pipeline.intake import prepare_size, read_model_body
 from ..pipeline.sampling import SamplingOptions, sampling_params
+from ..registry import find_model, use_model
 from ..state import ServerState
 from .request import (
     GENERATE_NAMES,
@@ -195,9 +196,42 @@ def _prepare_chat(request: Request, state: ServerState, raw: bytes):
 
 
 async def chat(request: Request) -> Response:
-    """``POST /api/chat``."""
-    arrival, state, (opts, plan, text, ids, stream) = await read_and_prepare(request, _prepare_chat, request)
+    """``POST /api/chat``; no messages only loads the model (``keep_alive: 0``: unloads it), as Ollama answers."""
+    arrival, raw, name, keep_alive = await read_model_body(request)
+    if not _has(raw, "messages"):
+        return await _load_or_unload(request, name, keep_alive, chat=True)
+    state = await use_model(request, name, keep_alive)
+    opts, plan, text, ids, stream = await off_loop_if_large(prepare_size(state, raw), _prepare_chat, request, state,
+                                                            raw)
     return await _answer(request, state, ids, opts, plan, text, True, stream, NAMES, arrival)
+
+
+def _has(raw: bytes, *names: str) -> bool:
+    """Whether a body (when it is a JSON object) gives one of `names` as something other than empty."""
+    try:
+        body = parse_json(raw)
+    except APIError:
+        return True  # the endpoint's parse says what is wrong
+    return not isinstance(body, dict) or any(body.get(name) not in (None, "", []) for name in names)
+
+
+async def _load_or_unload(request: Request, name: Any, keep_alive: float | None, chat: bool) -> Response:
+    """Ollama's idiom for an empty request: load the model and answer ``done_reason: "load"``; with
+    ``keep_alive: 0``, unload it (without loading it first) and answer ``"unload"``."""
+    if keep_alive == 0:
+        entry = find_model(request, name)
+        check_model_name(entry, name)
+        entry.request_unload()
+        if entry.active == 0:
+            await entry.released()
+        reason, model = "unload", entry.model_name
+    else:
+        entry = await use_model(request, name, keep_alive)
+        check_model_name(entry, name)
+        reason, model = "load", entry.model_name
+    head = {"model": model, "created_at": now_iso()}
+    fields = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return JSONResponse({**head, **fields, "done": True, "done_reason": reason})
 
 
 def _prepare_generate(request: Request, state: ServerState, raw: bytes):
@@ -234,8 +268,14 @@ def _prepare_generate(request: Request, state: ServerState, raw: bytes):
 
 
 async def generate(request: Request) -> Response:
-    """``POST /api/generate``; an empty prompt only loads the model (done at once, as Ollama answers it)."""
-    arrival, state, (opts, plan, text, ids, stream, empty) = await read_and_prepare(request, _prepare_generate, request)
+    """``POST /api/generate``; an empty prompt only loads the model (done at once, as Ollama answers it; with
+    ``keep_alive: 0`` it unloads it)."""
+    arrival, raw, name, keep_alive = await read_model_body(request)
+    if keep_alive == 0 and not _has(raw, "prompt", "system", "suffix"):
+        return await _load_or_unload(request, name, keep_alive, chat=False)
+    state = await use_model(request, name, keep_alive)
+    opts, plan, text, ids, stream, empty = await off_loop_if_large(prepare_size(state, raw), _prepare_generate,
+                                                                   request, state, raw)
     if empty:
         return JSONResponse({"model": state.model_name, "created_at": now_iso(), "response": "", "done": True,
                              "done_reason": "load"})

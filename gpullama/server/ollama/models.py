@@ -1,11 +1,12 @@
-"""Ollama's model listings: ``GET /api/tags`` (the served model), ``POST /api/show`` (its details, template and
-metadata), ``GET /api/ps`` (it is loaded), ``GET /api/version``, and ``GET /`` (the "is Ollama running" probe that
+"""Ollama's model listings: ``GET /api/tags`` (the served models), ``POST /api/show`` (one's details, template and
+metadata), ``GET /api/ps`` (the loaded ones, until when), ``GET /api/version``, and ``GET /`` (the "is Ollama running" probe that
 apps make)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -13,19 +14,33 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from gpullama import __version__
+from gpullama.gguf_file import read_header
+from gpullama.hub import resolve_model
 
 from ..http.body import JSONResponse
 from ..http.fields import object_body
 from ..pipeline.intake import read_json
-from ..state import ServerState, require_ready, server_state
+from ..registry import FOREVER, ModelState, use_model
+from ..state import require_ready, server_state
 from .request import check_model_name
 
 
-def _details(state: ServerState) -> dict[str, Any]:
-    llm = state.llm
-    file_type = llm.metadata.get("general.file_type")
-    return {"parent_model": "", "format": "gguf", "family": llm.config.architecture,
-            "families": [llm.config.architecture], "parameter_size": _parameter_size(llm.metadata),
+def _metadata(entry: ModelState) -> dict[str, Any]:
+    """The model's GGUF metadata: the loaded model's, else read from the file's header (no load)."""
+    if entry.llm is not None:
+        return entry.llm.metadata
+    try:
+        return read_header(resolve_model(entry.path, download=False)).metadata
+    except (OSError, ValueError):
+        return {}
+
+
+def _details(entry: ModelState) -> dict[str, Any]:
+    metadata = _metadata(entry)
+    architecture = entry.llm.config.architecture if entry.llm is not None else metadata.get("general.architecture", "")
+    file_type = metadata.get("general.file_type")
+    return {"parent_model": "", "format": "gguf", "family": architecture, "families": [architecture],
+            "parameter_size": _parameter_size(metadata),
             "quantization_level": _FILE_TYPES.get(file_type, str(file_type) if file_type is not None else "")}
 
 
@@ -39,9 +54,9 @@ def _parameter_size(metadata: dict[str, Any]) -> str:
     return label if isinstance(label, str) else ""
 
 
-def _file(state: ServerState) -> tuple[int, str, str]:
+def _file(entry: ModelState) -> tuple[int, str, str]:
     """(size in bytes, a digest of the path and size, the file's modification time)."""
-    path = str(state.llm.path)
+    path = str(entry.llm.path) if entry.llm is not None else resolve_model(entry.path, download=False)
     try:
         stat = os.stat(path)
         size, mtime = stat.st_size, stat.st_mtime
@@ -52,32 +67,53 @@ def _file(state: ServerState) -> tuple[int, str, str]:
     return size, digest, modified
 
 
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def expires_at(entry: ModelState) -> str:
+    """Ollama's ``expires_at`` of a loaded model: when its keep-alive runs out (counted from now while a request
+    holds it); a model kept forever, the far future."""
+    if entry.keep_alive == FOREVER:
+        return "9999-12-31T23:59:59Z"
+    return _iso(entry.expires_at if entry.expires_at is not None else time.time() + entry.keep_alive)
+
+
 async def tags(request: Request) -> Response:
-    """``GET /api/tags``: the one served model."""
+    """``GET /api/tags``: every served model, loaded or not."""
     state = server_state(request)
     require_ready(state)
-    size, digest, modified = _file(state)
-    return JSONResponse({"models": [{"name": state.model_name, "model": state.model_name, "modified_at": modified,
-                                     "size": size, "digest": digest, "details": _details(state)}]})
+    models = []
+    for entry in state.models.values():
+        size, digest, modified = _file(entry)
+        models.append({"name": entry.model_name, "model": entry.model_name, "modified_at": modified, "size": size,
+                       "digest": digest, "details": _details(entry)})
+    return JSONResponse({"models": models})
 
 
 async def ps(request: Request) -> Response:
-    """``GET /api/ps``: the served model, loaded."""
+    """``GET /api/ps``: the loaded models, each with when its keep-alive runs out."""
     state = server_state(request)
     require_ready(state)
-    size, digest, _ = _file(state)
-    return JSONResponse({"models": [{"name": state.model_name, "model": state.model_name, "size": size,
-                                     "digest": digest, "details": _details(state),
-                                     "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
-                                     "context_length": state.llm.max_model_len}]})
+    models = []
+    for entry in state.models.values():
+        if entry.status != "loaded":
+            continue
+        size, digest, _ = _file(entry)
+        models.append({"name": entry.model_name, "model": entry.model_name, "size": size, "digest": digest,
+                       "details": _details(entry), "expires_at": expires_at(entry), "size_vram": 0,
+                       "context_length": entry.llm.max_model_len})
+    return JSONResponse({"models": models})
 
 
 async def show(request: Request) -> Response:
-    """``POST /api/show``: the model's details, chat template, parameters, metadata and capabilities."""
-    state = server_state(request)
-    require_ready(state)
+    """``POST /api/show``: the model's details, chat template, parameters, metadata and capabilities (it loads
+    the model when it is not loaded)."""
+    require_ready(server_state(request))
     body = object_body(await read_json(request))
-    check_model_name(state, body.get("model", body.get("name")))
+    name = body.get("model", body.get("name"))
+    state = await use_model(request, name)
+    check_model_name(state, name)
     llm = state.llm
     info = {k: v for k, v in llm.metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
     template = llm.tokenizer.chat_template.source or ""

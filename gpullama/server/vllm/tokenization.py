@@ -17,8 +17,8 @@ from ..http.errors import APIError
 from ..http.fields import bool_field, object_body, str_field
 from ..openai.chat import parse_messages
 from ..pipeline.chat_plan import plan_chat, render_chat
-from ..pipeline.intake import read_json
-from ..state import check_model, require_ready, server_state
+from ..pipeline.intake import read_json_for_model
+from ..state import check_model
 
 
 def _object(body: Any) -> dict:
@@ -68,9 +68,8 @@ async def tokenize(request: Request) -> Response:
 
     Answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (token strings only with `return_token_strs`).
     llama.cpp's `content` instead: answers ``{"tokens", "count", "max_model_len"}`` (see `_tokenize_content`)."""
-    state = server_state(request)
-    require_ready(state)
-    body = _object(await read_json(request))
+    state, body = await read_json_for_model(request)
+    body = _object(body)
     check_model(state, body.get("model"))
     tok = state.llm.tokenizer
     if sum(name in body for name in ("prompt", "messages", "content")) != 1:
@@ -104,9 +103,8 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text, "content": text}`` (vLLM's name and
     llama.cpp's; special tokens kept, as both do)."""
-    state = server_state(request)
-    require_ready(state)
-    body = _object(await read_json(request))
+    state, body = await read_json_for_model(request)
+    body = _object(body)
     check_model(state, body.get("model"))
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):

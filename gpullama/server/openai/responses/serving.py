@@ -27,9 +27,9 @@ from ...http.streaming import ClientDisconnected, StreamResponse, typed_event, u
 from ...pipeline.chat_output import ChatOutputShaper
 from ...pipeline.chat_plan import DEFAULTS, ChatPlan, image_input, plan_chat, render_planned_chat
 from ...pipeline.generation import Generation, Job, prompt_progress, start_generation
-from ...pipeline.intake import read_json
+from ...pipeline.intake import read_json_for_model
 from ...pipeline.sampling import sampling_params
-from ...state import ChatDefaults, check_model, require_ready, server_state
+from ...state import ChatDefaults, check_model
 from .items import Event, OutputItems
 from .request import NAMES, ResponsesRequest, parse_responses
 
@@ -90,9 +90,8 @@ async def create_response(request: Request) -> Response:
     """``POST /v1/responses``."""
     arrival = time.perf_counter()
     request.state.field_names = NAMES
-    state = server_state(request)
-    require_ready(state)
-    req = parse_responses(await read_json(request), state.config.defaults)
+    state, body = await read_json_for_model(request)
+    req = parse_responses(body, state.config.defaults)
     check_model(state, req.model)
     images = image_input(state)
     size = _input_size(req) if images["vision"] is None else 1 << 62  # images are encoded off the event loop
