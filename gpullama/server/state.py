@@ -173,8 +173,9 @@ class ServerState:
         self.metrics = ServerMetrics(labelled=self.multi)
         self.registry = Registry(self, config.max_loaded_models)
         self.models: dict[str, ModelState] = {}
-        for name, path in specs:
-            self.models[name] = ModelState(self, name, replace(config.engine, model=path), pinned=not self.models)
+        for name, path in specs:  # --mmproj names the default model's projector (the others find theirs beside them)
+            args = replace(config.engine, model=path, **({} if not self.models else {"mmproj": None}))
+            self.models[name] = ModelState(self, name, args, pinned=not self.models)
         self.default: ModelState = next(iter(self.models.values()))
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
