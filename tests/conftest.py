@@ -9,6 +9,13 @@ import sys
 # before anything imports triton (transformers and torch do).
 if os.environ.get("GPULLAMA_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP threads (torch's libgomp, which the C kernels share) spin for a while at each barrier before they sleep.
+# On a machine with other work (CI, two busy loops beside the suite, the server subprocesses the tests start), a
+# spinning thread holds a core the thread it waits for needs, and decode collapses: on the default model under a
+# load of 5, tg32 ran at 2.4-6.5 tokens/s with libgomp's default, 38-53 with GOMP_SPINCOUNT=1000, and no idle cost
+# was measurable (docs/performance.md, "OpenMP's wait policy on a busy machine").
+# libgomp reads it when torch loads it, so it is set before anything imports torch; subprocesses inherit it.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
