@@ -10,7 +10,7 @@ from typing import Any
 import gguf
 import pytest
 import transformers
-import transformers.convert_slow_tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from gpullama.tokenizer import Tokenizer
 from tests.fixtures.vocabs import KINDS, SENTENCEPIECE_KINDS, spm_model, vocab_metadata, write_tokenizer_gguf
@@ -340,7 +340,7 @@ def test_byte_level_matches_transformers(kind: str, ours: Any, hf_vocab: Any) ->
 def test_token_bytes_and_str(kind: str, ours: Any, hf_vocab: Any) -> None:
     tok, ref = ours(kind), hf_vocab(kind)
     assert tok.vocab_size == len(vocab_metadata(kind)["tokenizer.ggml.tokens"])
-    byte_decoder = {c: b for b, c in transformers.convert_slow_tokenizer.bytes_to_unicode().items()}
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
     for i in range(tok.vocab_size):
         piece = ref.convert_ids_to_tokens(i)
         if kind in SENTENCEPIECE_KINDS:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -29,8 +29,9 @@ from gpullama.hub import ALIASES
 
 from .http.errors import APIError
 
-if TYPE_CHECKING:
-    from .state import ServerState
+ServerState = Any
+"""`gpullama.server.state.ServerState`, which builds the registry: named here without an import (state imports this
+module; the layers import downward only)."""
 
 log = logging.getLogger("gpullama.server")
 
@@ -330,9 +331,7 @@ def unknown_model(server: ServerState, name: str, path: str) -> APIError:
 def find_model(request: Request, name: Any) -> ModelState:
     """The model a request names, without loading it: 404 for an unknown name on a server of several models (a
     server of one model answers every name with it; its routes' own model check gives today's 404)."""
-    from .state import server_state
-
-    server = server_state(request)
+    server = request.app.state.server  # state.server_state's reading
     if not server.multi or not isinstance(name, str):
         return server.default
     entry = lookup(server, name)
