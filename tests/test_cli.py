@@ -122,7 +122,8 @@ def test_bench_prints_the_llama_bench_table(tiny_model) -> None:
         assert row[4] == "1"  # --threads reached torch
         mean, sd = (float(v) for v in row[6].split(" ± "))
         assert mean > 0 and sd >= 0
-        assert (row[7] == "") if row[5].startswith("pp") else (0 < float(row[7].rstrip("%")) < 1000)
+        # a share of the read bandwidth: a tiny model's token reads so little that a busy machine rounds it to 0%
+        assert (row[7] == "") if row[5].startswith("pp") else (0 <= float(row[7].rstrip("%")) < 1000)
     assert "memory bandwidth: read " in result.stdout and " by 1 threads" in result.stdout
     assert_one_line_error(gpullama("bench", "-m", str(path), "-p", "0", "-n", "0"), "nothing to time")
 
