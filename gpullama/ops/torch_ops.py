@@ -215,26 +215,8 @@ class TorchOps:
         Dv]``; the slots hold the states after the rows."""
         q, k, v = _expand_heads(_l2norm(q) * q.shape[-1] ** -0.5, v.shape[1]), _expand_heads(_l2norm(k), v.shape[1]), \
             v.float()
-        decay, beta, slots = decay.float(), beta.float(), meta.state_slots
-        if meta.is_decode:
-            state = states.index_select(0, slots)
-            state = torch.where((meta.positions == 0)[:, None, None, None], 0.0, state)
-            out, state = recurrent_delta_rule(q, k, v, decay, beta, state)
-            states.index_copy_(0, slots, state)
-            return out
-        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        starts = meta.query_start_loc_cpu
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            a, b = starts[i], starts[i + 1]
-            if a == b:
-                continue
-            slot = slots[i]
-            state = states[slot] if seq_len > b - a else torch.zeros_like(states[slot])
-            form = recurrent_delta_rule if b - a == 1 else chunked_delta_rule
-            out[a:b], new_state = form(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], state[None] if b - a == 1
-                                       else state)
-            states[slot] = new_state[0] if b - a == 1 else new_state
-        return out
+        return _scan_sequences((q, k, v, decay.float(), beta.float()), states, meta, recurrent_delta_rule,
+                               chunked_delta_rule, out_like=v)
 
     def ssm_scan(
         self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -251,27 +233,9 @@ class TorchOps:
         x, dt, a = x.float(), dt.float(), a.float()
         b = b.float().repeat_interleave(heads // b.shape[1], dim=1)
         c = c.float().repeat_interleave(heads // c.shape[1], dim=1)
-        slots = meta.state_slots
-        if meta.is_decode:
-            state = states.index_select(0, slots)
-            state = torch.where((meta.positions == 0)[:, None, None, None], 0.0, state)
-            out, state = recurrent_ssm_scan(x, dt, a, b, c, state)
-            states.index_copy_(0, slots, state)
-            return out
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        starts = meta.query_start_loc_cpu
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            lo, hi = starts[i], starts[i + 1]
-            if lo == hi:
-                continue
-            slot = slots[i]
-            state = states[slot] if seq_len > hi - lo else torch.zeros_like(states[slot])
-            if hi - lo == 1:
-                o, new_state = recurrent_ssm_scan(x[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi], state[None])
-                out[lo:hi], states[slot] = o, new_state[0]
-            else:
-                out[lo:hi], states[slot] = chunked_ssm_scan(x[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi], state)
-        return out
+        return _scan_sequences((x, dt, b, c), states, meta,
+                               lambda x, dt, b, c, state: recurrent_ssm_scan(x, dt, a, b, c, state),
+                               lambda x, dt, b, c, state: chunked_ssm_scan(x, dt, a, b, c, state), out_like=x)
 
     def heads_matmul(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each head's own matrix: ``x [T, heads, K]`` times ``weights [heads, N, K]`` (transposed) is ``[T, heads,
@@ -480,6 +444,38 @@ class TorchOps:
         (Gemma 2's soft-capping); float32."""
         x = x.float() * scale if scale != 1.0 else x.float()
         return torch.tanh(x / cap) * cap if cap else x
+
+
+def _scan_sequences(
+    rows: tuple[torch.Tensor, ...], states: torch.Tensor, meta: BatchMetadata, recurrent, chunked,
+    out_like: torch.Tensor,
+) -> torch.Tensor:
+    """A recurrent layer over each sequence's new rows: `rows` (tensors ``[T, ...]``) cut at the batch's sequence
+    bounds, each sequence's state read from its slot of `states` (zeros for a sequence starting at position 0) and
+    written back after its rows. ``recurrent(*rows, state [B, ...])`` steps one row a sequence (a decode batch in
+    one call: no host values), ``chunked(*rows, state)`` runs a longer chunk; both return ``(out, new state)``.
+    Float32 in `out_like`'s shape."""
+    slots = meta.state_slots
+    if meta.is_decode:
+        first = (meta.positions == 0).view(-1, *[1] * (states.dim() - 1))
+        out, state = recurrent(*rows, torch.where(first, 0.0, states.index_select(0, slots)))
+        states.index_copy_(0, slots, state)
+        return out
+    out = torch.empty(out_like.shape, dtype=torch.float32, device=out_like.device)
+    starts = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        lo, hi = starts[i], starts[i + 1]
+        if lo == hi:
+            continue
+        slot = slots[i]
+        state = states[slot] if seq_len > hi - lo else torch.zeros_like(states[slot])
+        cut = [r[lo:hi] for r in rows]
+        if hi - lo == 1:
+            o, new_state = recurrent(*cut, state[None])
+            out[lo:hi], states[slot] = o, new_state[0]
+        else:
+            out[lo:hi], states[slot] = chunked(*cut, state)
+    return out
 
 
 def _taps(window: torch.Tensor, kernel: torch.Tensor, dim: int) -> torch.Tensor:

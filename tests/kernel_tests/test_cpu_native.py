@@ -284,7 +284,9 @@ def test_processes_compiling_at_once_share_one_library(tmp_path: Path) -> None:
     """Two processes building into the same empty cache at once (tensor-parallel ranks, a server beside a test
     run) both load working kernels; the cache ends with one library and no half-written files."""
     cache = tmp_path / "cache"
+    # built at -O0 (3 s, against 30 s at -O3): what is checked is the cache's locking, not the code the flags make
     code = ("from gpullama.kernels import cpu_native; import torch\n"
+            "cpu_native.FLAG_SETS = (('-O0', '-fopenmp'), ('-O0',))\n"
             "assert cpu_native.library() is not None, cpu_native.build_error()\n"
             "x = torch.randn(3, 40)\n"
             "out = cpu_native.silu_mul(x, torch.empty(3, 20))\n"
@@ -294,7 +296,7 @@ def test_processes_compiling_at_once_share_one_library(tmp_path: Path) -> None:
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr
-        assert stdout.strip() == cpu_native.isa()
+        assert stdout.strip() == "generic"  # the -O0 build: no -march, no vector branch
     assert [p.suffix for p in cache.iterdir()] == [".so"]
 
 
@@ -320,13 +322,19 @@ def test_vector_matmuls_equal_plain_c_bit_for_bit(tmp_path: Path) -> None:
 
     Q = gguf.GGMLQuantizationType
     libs = []
-    builds = [["-O2", "-mavx2", "-mfma", "-mf16c"], ["-O2"]]
+    # the plain C reference at -O0 (3 s to build, against 50 s at -O2: its outputs are integer sums and the same
+    # float epilogue at any level); the builds run at once, one a core
+    builds = [["-O2", "-mavx2", "-mfma", "-mf16c"], ["-O0"]]
     if cpu_native.isa() == "avx512-vnni":
         builds.append(["-O2", "-march=native"])
-    for flags in builds:
-        out = tmp_path / f"lib{len(libs)}.so"
-        subprocess.run([os.environ.get("CC", "cc"), *flags, "-shared", "-fPIC", "-std=gnu11", str(cpu_native.SOURCE),
-                        "-o", str(out), "-lm"], check=True, capture_output=True)
+    targets = [tmp_path / f"lib{i}.so" for i in range(len(builds))]
+    compilers = [subprocess.Popen([os.environ.get("CC", "cc"), *flags, "-shared", "-fPIC", "-std=gnu11",
+                                   str(cpu_native.SOURCE), "-o", str(out), "-lm"], stderr=subprocess.PIPE)
+                 for flags, out in zip(builds, targets)]
+    for compiler in compilers:
+        _, err = compiler.communicate(timeout=600)
+        assert compiler.returncode == 0, err.decode()
+    for out in targets:
         lib = ctypes.CDLL(str(out))
         lib.gl_matmul.argtypes, lib.gl_matmul.restype = cpu_native._SIGNATURES["gl_matmul"], ctypes.c_int
         lib.gl_isa.restype = ctypes.c_char_p
