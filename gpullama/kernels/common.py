@@ -58,6 +58,16 @@ def pow2(n: int, minimum: int = 1) -> int:
     return max(triton.next_power_of_2(max(int(n), 1)), minimum)
 
 
+def scan_inputs(name: str, states: torch.Tensor, *rows: torch.Tensor) -> list[torch.Tensor]:
+    """A recurrent scan's inputs as its kernel reads them: `states` must be contiguous float32 (they are updated in
+    place, so never copied); each of `rows` ``[T, H, D]`` float32 with unit inner strides (as given when it already
+    is, a view of a wider projection say, else a contiguous float32 copy)."""
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError(f"{name}: the states must be contiguous float32")
+    return [x if x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
+            else x.float().contiguous() for x in rows]
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a small stand-in elsewhere, to keep interpreter grids small)."""
     if device.type == "cuda":

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpullama.kernels.common import pow2
+from gpullama.kernels.common import pow2, scan_inputs
 
 
 @triton.jit
@@ -67,10 +67,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: t
     if k.shape != q.shape or states.shape[1:] != (hv, dk, dv) or hv % hk:
         raise ValueError(f"gated_delta_rule: q, k [T, Hk, Dk], v [T, Hv, Dv] with Hk dividing Hv, states [slots, Hv, "
                          f"Dk, Dv]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(states.shape)}")
-    if states.dtype != torch.float32 or not states.is_contiguous():
-        raise ValueError("gated_delta_rule: the states must be contiguous float32")
-    q, k, v = (x if x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
-               else x.float().contiguous() for x in (q, k, v))
+    q, k, v = scan_inputs("gated_delta_rule", states, q, k, v)
     decay, beta = decay.float().contiguous(), beta.float().contiguous()
     out = torch.empty((t, hv, dv), dtype=torch.float32, device=v.device)
     b = slots.shape[0]

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpullama.kernels.common import pow2
+from gpullama.kernels.common import pow2, scan_inputs
 
 
 @triton.jit
@@ -65,10 +65,7 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         raise ValueError(f"ssm_scan: x [T, H, P], dt [T, H], b and c [T, G, N] with G dividing H, states [slots, H, "
                          f"N, P]; got {tuple(x.shape)}, {tuple(dt.shape)}, {tuple(b.shape)}, {tuple(c.shape)}, "
                          f"{tuple(states.shape)}")
-    if states.dtype != torch.float32 or not states.is_contiguous():
-        raise ValueError("ssm_scan: the states must be contiguous float32")
-    x, b, c = (v if v.dtype == torch.float32 and v.stride(-1) == 1 and v.stride(1) == v.shape[2]
-               else v.float().contiguous() for v in (x, b, c))
+    x, b, c = scan_inputs("ssm_scan", states, x, b, c)
     dt, a = dt.float().contiguous(), a.float().contiguous()
     out = torch.empty((t, heads, p), dtype=torch.float32, device=x.device)
     count = slots.shape[0]
