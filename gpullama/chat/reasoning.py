@@ -31,7 +31,7 @@ class ReasoningParser:
 
     The output is reasoning when it starts with `open_tag` (leading whitespace allowed) or when
     `start_in_reasoning` (the prompt opened the block; a repeated open tag is then dropped); the reasoning runs
-    to `close_tag` or the end of the text. An open tag anywhere else is answer text. Whitespace around the
+    to `close_tag`, one of `end_markers` (which then begins the answer) or the end of the text. An open tag anywhere else is answer text. Whitespace around the
     reasoning and at the start of the answer after it is dropped.
     """
 
@@ -46,6 +46,9 @@ class ReasoningParser:
         self._reasoning_started = False
         self.reasoning_ended = False  # True once close_tag was seen: what follows is the answer
         self._out = ReasoningDelta()
+        # markers that also end the reasoning and begin the answer, kept in it (Qwen3.5's <tool_call>); set by the
+        # chat format before the first feed
+        self.end_markers: tuple[str, ...] = ()
 
     @property
     def in_reasoning(self) -> bool:
@@ -119,7 +122,13 @@ class ReasoningParser:
             self._emit_reasoning(held[:-len(self.close_tag)].rstrip(_WS))
             self._held, self._state, self.reasoning_ended = "", "after", True
             return
-        k = _partial_suffix(held, self.close_tag)
+        marker = next((m for m in self.end_markers if held.endswith(m)), None)
+        if marker is not None:  # the answer begins with the marker
+            self._emit_reasoning(held[:-len(marker)].rstrip(_WS))
+            self._held, self._state, self.reasoning_ended = "", "answer", True
+            self._out.content += marker
+            return
+        k = max(_partial_suffix(held, tag) for tag in (self.close_tag, *self.end_markers))
         text, tail = held[:len(held) - k], held[len(held) - k:]
         stripped = text.rstrip(_WS)
         self._emit_reasoning(stripped)

@@ -18,7 +18,12 @@ import re
 from typing import Any
 
 from gpullama.structured.spec import StructuredOutputError, ToolCallGrammar
-from gpullama.structured.tools import TOOL_CALL_FORMATS
+from gpullama.structured.tools import (
+    TOOL_CALL_FORMATS,
+    TaggedToolCallFormat,
+    is_string_only,
+    schema_properties,
+)
 
 HEADER = '%llguidance {"no_forcing": true}\n'
 
@@ -132,8 +137,12 @@ def tool_calls_lark(spec: ToolCallGrammar) -> str:
     rules = []
     calls = []
     for i, (name, schema) in enumerate(spec.tools):
-        body = json.dumps(json_schema_grammar(json.loads(schema)), ensure_ascii=False)
-        rules.append(f"call_{i}: {lark_string(fmt.call_prefix(name))} %json {body} {lark_string(fmt.call_suffix())}")
+        if isinstance(fmt, TaggedToolCallFormat):
+            rules += _tagged_call_rules(fmt, i, name, json.loads(schema))
+        else:
+            body = json.dumps(json_schema_grammar(json.loads(schema)), ensure_ascii=False)
+            rules.append(f"call_{i}: {lark_string(fmt.call_prefix(name))} %json {body} "
+                         f"{lark_string(fmt.call_suffix())}")
         calls.append(f"call_{i}")
     rules.append("one: " + " | ".join(calls))
 
@@ -149,6 +158,43 @@ def tool_calls_lark(spec: ToolCallGrammar) -> str:
         single = seq(lit(fmt.single_open), "one", lit(fmt.single_close))
         body = f"{single} | {body}" if spec.parallel else single
     return HEADER + "\n".join([f"start: {body}", *rules])
+
+
+def _raw_value(fmt: TaggedToolCallFormat, schema: dict, rule: str) -> list[str]:
+    """Rules of an argument whose value is a raw string, its close tag included: one of the schema's strings
+    (``enum``/``const``), else text of ``minLength`` to ``maxLength`` characters that never holds the close tag
+    (other string keywords, such as ``pattern``, are not enforced)."""
+    close = fmt.arg_close
+    if isinstance(schema, dict) and ("const" in schema or "enum" in schema):
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return [f"{rule}: " + " | ".join(lark_string(v + close) for v in values)]
+    core = close.rstrip()  # the tag itself: the value never holds it
+    low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
+    high = schema.get("maxLength", "") if isinstance(schema, dict) else ""
+    text, tag = "(.|\\n)", regex_escape(core)
+    terminal = rule.upper()
+    return [f"{rule}: {terminal}",
+            f"{terminal}: /{text}{{{low},{high}}}{tag}{regex_escape(close[len(core):])}/ & "
+            f"~/{text}*{tag}{text}*{tag}{text}*/"]
+
+
+def _tagged_call_rules(fmt: TaggedToolCallFormat, index: int, name: str, schema: dict) -> list[str]:
+    """Rules of one call in a tagged format: its required arguments in the schema's order, then each optional
+    one or not; each value raw (string-only schemas) or compact, strict JSON."""
+    rules, parts = [], []
+    for j, (key, sub, required) in enumerate(schema_properties(schema)):
+        rule = f"call_{index}_arg_{j}"
+        head = lark_string(fmt.arg_prefix(key))
+        if is_string_only(sub):
+            rules += _raw_value(fmt, sub, f"{rule}_value")
+            rules.append(f"{rule}: {head} {rule}_value")
+        else:
+            body = json.dumps(json_schema_grammar(sub if isinstance(sub, dict) else {}), ensure_ascii=False)
+            rules.append(f"{rule}: {head} %json {body} {lark_string(fmt.arg_close)}")
+        parts.append(rule if required else f"{rule}?")
+    rules.append(f"call_{index}: {lark_string(fmt.call_prefix(name))} {' '.join(parts)} "
+                 f"{lark_string(fmt.call_suffix())}")
+    return rules
 
 
 def reason(message: str) -> str:

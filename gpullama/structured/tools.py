@@ -51,6 +51,85 @@ class ToolCallFormat:
         return self.open + self.sep.join(body) + self.close
 
 
+JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "null", "object", "array"})
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {str: "string", float: "number", dict: "object", list: "array"}.get(type(value), "null")
+
+
+def value_types(schema: Any) -> frozenset[str]:
+    """The JSON types a value of `schema` may have (``type``, else ``const``/``enum`` values, else the union of
+    ``anyOf``/``oneOf``; every type when the schema does not say), as llama.cpp types tagged arguments."""
+    if not isinstance(schema, dict):
+        return JSON_TYPES
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return frozenset({kind}) & JSON_TYPES or JSON_TYPES
+    if isinstance(kind, list):
+        return frozenset(k for k in kind if k in JSON_TYPES) or JSON_TYPES
+    if "const" in schema:
+        return frozenset({_json_type(schema["const"])})
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return frozenset(_json_type(v) for v in schema["enum"])
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return frozenset().union(*(value_types(s) for s in schema[key]))
+    return JSON_TYPES
+
+
+def is_string_only(schema: Any) -> bool:
+    """Whether a value of `schema` can only be a string: tagged formats write it raw, not as JSON."""
+    return value_types(schema) == {"string"}
+
+
+def schema_properties(schema: Any) -> list[tuple[str, Any, bool]]:
+    """(name, schema, required) of each property a parameters schema names, in its order."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+        return []
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    return [(name, sub, name in required) for name, sub in schema["properties"].items()]
+
+
+@dataclass(frozen=True)
+class TaggedToolCallFormat(ToolCallFormat):
+    """Calls written as tags, one per argument (Qwen3-Coder's XML, GLM-4.5's ``<arg_key>``/``<arg_value>``):
+    `call_open` with the function's name for ``{name}``, then each argument as `arg_open` (its key for ``{key}``),
+    the value, `arg_close`; then `call_close`. A value whose schema allows only strings is written raw, any other
+    as JSON (llama.cpp's typing). The grammar writes the required arguments in the schema's order, then any of the
+    optional ones in theirs."""
+
+    arg_open: str = ""
+    arg_close: str = ""
+
+    def call_prefix(self, function: str) -> str:
+        """Text of a call up to its first argument."""
+        return self.call_open.replace("{name}", function)
+
+    def call_suffix(self) -> str:
+        """Text of a call after its last argument."""
+        return self.call_close
+
+    def arg_prefix(self, key: str) -> str:
+        """Text of an argument up to its value."""
+        return self.arg_open.replace("{key}", key)
+
+    def render(self, calls: Sequence[tuple[str, Any]], parallel: bool | None = None) -> str:
+        """The text of `calls` ((name, arguments object) pairs) in this format, as the grammar writes it."""
+        body = []
+        for name, args in calls:
+            text = [self.call_prefix(name)]
+            for key, value in args.items():
+                value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+                text += [self.arg_prefix(key), value, self.arg_close]
+            body.append("".join(text) + self.call_suffix())
+        return self.open + self.sep.join(body) + self.close
+
+
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     # what the generic system prompt asks for: one object, or an array of them for several calls
     "generic": ToolCallFormat("generic", "arguments", sep=", ", open="[", close="]", single_open="",
@@ -62,6 +141,10 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "llama3": ToolCallFormat("llama3", "parameters", sep="; "),
     # Mistral v3 ([TOOL_CALLS] spelled out when it is a control token)
     "mistral": ToolCallFormat("mistral", "arguments", sep=", ", open="[TOOL_CALLS][", close="]"),
+    # Qwen3-Coder / Qwen3.5 XML (llama.cpp's qwen3-coder parser)
+    "qwen3_coder": TaggedToolCallFormat("qwen3_coder", "", call_open="<tool_call>\n<function={name}>\n",
+                                        call_close="</function>\n</tool_call>", sep="\n",
+                                        arg_open="<parameter={key}>\n", arg_close="\n</parameter>\n"),
 }
 
 

@@ -150,7 +150,7 @@ def test_plans_for_templates_with_and_without_tool_support():
     which replaces response_format."""
     plan = plan_chat({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
                      CONVERSATION, HERMES_REASONING)
-    assert plan.tools == TOOLS and plan.tool_names == ["get_weather", "add"]
+    assert plan.tools == TOOLS and list(plan.tool_names) == ["get_weather", "add"]
     assert plan.messages[1]["tool_calls"][1]["function"]["arguments"] == {"a": 2, "b": 3}
     assert plan.spec.kind == "tool_calls" and plan.spec.tool_calls.format == "hermes" and plan.spec.tool_calls.parallel
     prompt = ChatTemplate(QWEN25_TOOLS_TEMPLATE, "", "<|im_end|>").render(plan.messages, tools=plan.tools)

@@ -68,6 +68,8 @@ def _template_renders(messages: Sequence[dict[str, Any]], tools: Sequence[Any] |
 
 def _reasoning_then_calls(tools: ChatToolFormat, tool_names: list[str] | None,
                           reasoning: ReasoningParser | None) -> ChatOutputParser:
+    if reasoning is not None and tools.reasoning_ends:
+        reasoning.end_markers = tools.reasoning_ends
     return ChatOutputParser(reasoning, tools.parser(tool_names) if tool_names is not None else None)
 
 
@@ -86,6 +88,7 @@ class ChatToolFormat:
     prompt_messages: PromptMessages = _template_renders
     # the answer's reader: by default the <think> parser (when the model reasons), then this format's call parser
     output: Callable[[ChatToolFormat, list[str] | None, ReasoningParser | None], Any] = _reasoning_then_calls
+    reasoning_ends: tuple[str, ...] = ()  # markers that also end a <think> block, and begin the answer (a call)
     channels: str = ""  # the format's own markers carry reasoning, answer and calls (what they are, for errors):
     # the model always reasons, those markers are the ones its text must keep, and no grammar may constrain it
 
@@ -96,6 +99,6 @@ class ChatToolFormat:
 
     def output_parser(self, tool_names: list[str] | None, reasoning: ReasoningParser | None) -> Any:
         """A fresh reader of one answer (``feed`` pieces, then ``finish``; each a `ChatDelta`): calls of
-        `tool_names` (None: no tools were offered), reasoning through `reasoning` unless the format reads it
-        itself."""
+        `tool_names` (None: no tools were offered; a mapping of names to parameters schemas types the values of
+        tagged formats), reasoning through `reasoning` unless the format reads it itself."""
         return self.output(self, tool_names, reasoning)

@@ -41,7 +41,9 @@ class ChatPlan:
     tools: list[dict[str, Any]] | None = None  # for the template (templates with tool support only)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     spec: StructuredOutput | None = None
-    tool_names: list[str] | None = None  # parse calls of these functions; None: no tool parsing
+    # parse calls of these functions (each name's parameters schema, which types tagged formats' values); None: no
+    # tool parsing
+    tool_names: dict[str, dict] | None = None
     tool_choice: str = "none"  # none, auto, required or named
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # end the prompt with the template's opening of the assistant's turn
@@ -194,7 +196,7 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat,
         plan.messages = fmt.tools.prompt_messages(messages, offered, choice, parallel)
         plan.tools = offered if fmt.template_tools else None
         if offered:
-            plan.tool_names = [parse_tool(t, i)[0] for i, t in enumerate(offered)]
+            plan.tool_names = dict(parse_tool(t, i) for i, t in enumerate(offered))
             forced = None if fmt.tools.grammar is None else tool_call_grammar(
                 offered, choice, parallel_tool_calls=parallel, format=fmt.tools.grammar.name)
             if forced is not None:  # required or named: the calls' grammar replaces any response_format

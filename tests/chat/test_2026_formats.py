@@ -1,0 +1,169 @@
+"""The 2026 families' tool-call formats against llama.cpp's real templates (``models/templates``): each renders a tool
+conversation as transformers' ``render_jinja_template`` does, is detected as its format, and the calls it writes
+parse back to the conversation's calls; model-like outputs (whole and in any split) parse to the calls and
+reasoning that llama.cpp's parser for the format gives (``common/parsers/*.cpp``, ``common/chat*.cpp``)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from gpullama.chat.formats import FORMAT_BY_NAME, PARSERS, format_for_template, template_messages
+from gpullama.chat.output import accumulate_chat
+from gpullama.chat.reasoning import ReasoningParser, prompt_opens_reasoning
+from gpullama.chat.tool_calls import accumulate
+from gpullama.chat_template import ChatTemplate
+from tests.fixtures.llamacpp_source import llamacpp_source
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "when": {"type": ["string", "integer"]}},
+           "required": ["city"]}
+ADD = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"},
+                                        "opts": {"type": "object"}, "tags": {"type": "array"}},
+       "required": ["a", "b"]}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD, "now": {"type": "object", "properties": {}}}
+TOOLS = [{"type": "function", "function": {"name": n, "description": f"the {n} tool", "parameters": s}}
+         for n, s in SCHEMAS.items()]
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris for 3 days, and 2+3?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "days": 3, "unit": "celsius"}'}},
+        {"id": "call_b", "type": "function", "function": {
+            "name": "add", "arguments": '{"a": 2, "b": 3.5, "opts": {"exact": true}, "tags": ["x", "y z"]}'}}]},
+    {"role": "tool", "tool_call_id": "call_a", "content": "21 C"},
+    {"role": "tool", "tool_call_id": "call_b", "content": "5.5"},
+]
+TEMPLATES = {  # format -> llama.cpp's real templates that write it
+    "qwen3_coder": ["Qwen3-Coder.jinja", "Qwen3.5-4B.jinja"],
+}
+TEMPLATE_CASES = [(fmt, name) for fmt, names in TEMPLATES.items() for name in names]
+
+
+def _source(name: str) -> str:
+    return (llamacpp_source() / "models" / "templates" / name).read_text(encoding="utf-8")
+
+
+def _ids():
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+def _calls(out) -> list[tuple[str, object]]:
+    return [(c.name, json.loads(c.arguments)) for c in out.tool_calls]
+
+
+def _splits(text: str, seed: int = 0):
+    """The text by character, cut in two at every place, and in random pieces."""
+    yield list(text)
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    rng = random.Random(seed)
+    for _ in range(10):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 8))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("fmt, name", TEMPLATE_CASES)
+@pytest.mark.parametrize("generation", [True, False])
+def test_real_template_renders_as_transformers_and_is_detected(fmt, name, generation):
+    source = _source(name)
+    assert format_for_template(source).name == fmt
+    messages = template_messages(CONVERSATION)
+    ours = ChatTemplate(source, "<s>", "</s>").render(messages, tools=TOOLS, add_generation_prompt=generation)
+    ref, _ = render_jinja_template(conversations=[messages], tools=TOOLS, chat_template=source,
+                                   add_generation_prompt=generation, bos_token="<s>", eos_token="</s>")
+    assert ours == ref[0]
+
+
+@pytest.mark.parametrize("fmt, name", TEMPLATE_CASES)
+def test_calls_the_template_writes_parse_back(fmt, name):
+    """The assistant turn the template renders for the conversation's calls, read by the format's parser with the
+    tools' schemas (reasoning open when the generation prompt opens it): the conversation's calls, typed."""
+    template = ChatTemplate(_source(name), "<s>", "</s>")
+    messages = template_messages(CONVERSATION)
+    head = template.render(messages[:2], tools=TOOLS, add_generation_prompt=True)
+    whole = template.render(messages[:3], tools=TOOLS, add_generation_prompt=False)
+    opening, end = TURN[fmt]
+    turn = whole[whole.rindex(opening) + len(opening):]
+    turn = turn[:turn.index(end)]
+    out = FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(prompt_opens_reasoning(head))).parse(turn)
+    assert _calls(out) == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                           for c in CONVERSATION[2]["tool_calls"]]
+    assert not out.content
+
+
+TURN = {"qwen3_coder": ("<|im_start|>assistant\n", "<|im_end|>")}  # an assistant turn's opening and end
+
+# model-like outputs and what llama.cpp's parser reads from them: (reasoning, content, calls)
+QWEN3_CODER_CASES = [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+     "</parameter>\n</function>\n</tool_call>",
+     (None, None, [("get_weather", '{"city":"Paris","days":3}')])),
+    # schema types: a string-only value stays a string even when it reads as a number; multi-line values keep
+    # their inner newlines; a string-or-integer value is JSON when it parses as one
+    ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n</parameter>\n"
+     "<parameter=when>\n7\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n"
+     "1.5\n</parameter>\n<parameter=b>\n-2\n</parameter>\n<parameter=opts>\n{\"x\": [1, 2]}\n</parameter>\n"
+     "<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n</function>\n</tool_call>",
+     (None, "Let me check.", [("get_weather", '{"city":"123","when":7}'),
+                              ("add", '{"a":1.5,"b":-2,"opts":{"x": [1, 2]},"tags":["a", "b"]}')])),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork \"NY\"\n</parameter>\n<parameter=when>\n"
+     "tomorrow\n</parameter>\n</function>\n</tool_call>",
+     (None, None, [("get_weather", '{"city":"New\\nYork \\"NY\\"","when":"tomorrow"}')])),
+    ("<tool_call>\n<function=now>\n</function>\n</tool_call>", (None, None, [("now", "{}")])),
+    # not calls: an unknown function, no <function= after the tag
+    ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",
+     (None, "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>", [])),
+    ("I write <tool_call> tags.", (None, "I write <tool_call> tags.", [])),
+    # cut off inside an argument: the call with the arguments read so far
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3",
+     (None, None, [("get_weather", '{"city":"Paris"}')])),
+]
+QWEN35_CASES = [  # Qwen3.5's prompt opens <think>; a <tool_call> also ends the reasoning (llama.cpp's end tags)
+    ("The user wants Paris.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+     "</parameter>\n</function>\n</tool_call>",
+     ("The user wants Paris.", None, [("get_weather", '{"city":"Paris"}')])),
+    ("Calling now.\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+     ("Calling now.", None, [("now", "{}")])),
+    ("\n</think>\n\nIt is sunny.", (None, "It is sunny.", [])),
+]
+OUTPUT_CASES = ([("qwen3_coder", False, text, want) for text, want in QWEN3_CODER_CASES]
+                + [("qwen3_coder", True, text, want) for text, want in QWEN35_CASES])
+
+
+@pytest.mark.parametrize("fmt, opened, text, expected", OUTPUT_CASES)
+def test_model_outputs_parse_as_llamacpp_parses_them_in_any_split(fmt, opened, text, expected):
+    def parser():
+        return FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(start_in_reasoning=opened))
+
+    whole = parser().parse(text)
+    assert (whole.reasoning, whole.content, [(c.name, c.arguments) for c in whole.tool_calls]) == expected
+    for pieces in _splits(text, len(text)):
+        p = parser()
+        streamed = accumulate_chat([p.feed(piece) for piece in pieces] + [p.finish()])
+        assert (streamed.reasoning, streamed.content, [(c.name, c.arguments) for c in streamed.tool_calls]) == \
+            expected, pieces
+
+
+@pytest.mark.parametrize("fmt", sorted(TEMPLATES))
+def test_calls_stream_with_the_openai_shape(fmt):
+    """Each call's id and name come once, in its first piece; its arguments follow as they are read."""
+    text = QWEN3_CODER_CASES[1][0]
+    parser = PARSERS[fmt](SCHEMAS, id_factory=_ids())
+    deltas = [parser.feed(c) for c in text] + [parser.finish()]
+    firsts = {}
+    for d in deltas:
+        for piece in d.tool_calls:
+            if piece.index not in firsts:
+                firsts[piece.index] = piece
+                assert piece.id == f"call_{piece.index}" and piece.name
+            else:
+                assert piece.id is None and piece.name is None
+    assert len(firsts) == 2 and accumulate(deltas).tool_calls[1].name == "add"

@@ -1,0 +1,86 @@
+"""Forced tool calls (tool_choice required and named) in the 2026 families' formats, through the openai SDK against a
+real server: the default model (SmolLM2) with llama.cpp's real template of each format (``--chat-template-file``),
+so the grammar writes the format's text and the server's parser reads it back. The calls' arguments validate
+against the tools' schemas (jsonschema), and a streamed answer accumulates to the whole one."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.fixtures.llamacpp_source import llamacpp_source
+from tests.server.conftest import start_server, stop_server
+from tests.server.helpers import API_KEY
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}}, "required": ["a", "b"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+TEMPLATES = {"qwen3_coder": "Qwen3.5-4B.jinja"}  # format -> the llama.cpp template that writes it
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def served(request, default_model_path, tmp_path_factory):
+    """(format, openai client, httpx client, model id) of a server on the default model with the format's real template."""
+    fmt = request.param
+    template = llamacpp_source() / "models" / "templates" / TEMPLATES[fmt]
+    srv = start_server(default_model_path, tmp_path_factory.mktemp(fmt) / "server.log",
+                       ["--chat-template-file", str(template)])
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    with httpx.Client(base_url=srv.base_url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        yield fmt, client, http, model
+    stop_server(srv)
+
+
+def test_the_server_reads_the_template_as_its_format(served):
+    fmt, _, http, _ = served
+    prompt = http.post("/apply-template", json={"messages": QUESTION, "tools": TOOLS}).json()["prompt"]
+    assert "get_weather" in prompt  # the template rendered the tools itself
+    assert http.get("/props").json()["chat_template"].count("<tool_call>") > 0
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_calls_parse_and_validate(served, choice):
+    _, client, _, model = served
+    out = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice=choice, n=2,
+                                         temperature=1.0, seed=3, max_tokens=160)
+    for c in out.choices:
+        calls = c.message.tool_calls
+        assert calls and not c.message.content, c.message
+        if c.finish_reason == "length":  # parallel calls cut by max_tokens: the complete ones still count
+            assert choice == "required" and len(calls) > 1
+            calls = calls[:-1]
+        else:
+            assert c.finish_reason == ("tool_calls" if choice == "required" else "stop")
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        if choice != "required":
+            assert [call.function.name for call in calls] == ["add"]
+
+
+def test_streamed_calls_accumulate_to_the_whole_answer(served):
+    _, client, _, model = served
+    body = dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                temperature=0, max_tokens=160)
+    whole = client.chat.completions.create(**body).choices[0]
+    with client.chat.completions.stream(**body) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert whole.message.tool_calls and streamed.finish_reason == whole.finish_reason
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
