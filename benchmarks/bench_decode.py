@@ -67,15 +67,15 @@ class LlamaCpp:
 class LlamaBench:
     """llama.cpp's own `llama-bench` binary: one run per test (-r 1 after its warm-up), its tokens/s."""
 
-    def __init__(self, binary: str, path: str, threads: int, kv_cache_type: str = "f16"):
-        self.binary, self.path, self.threads, self.kv = binary, path, threads, kv_cache_type
+    def __init__(self, binary: str, path: str, threads: int, kv_cache_type: str = "f16", flash_attn: str = "auto"):
+        self.binary, self.path, self.threads, self.kv, self.fa = binary, path, threads, kv_cache_type, flash_attn
         version = subprocess.run([binary, "--version"], capture_output=True, text=True)
         build = (version.stdout + version.stderr).strip().splitlines()
-        self.label = f"llama.cpp llama-bench ({build[0] if build else '?'}; KV {kv_cache_type})"
+        self.label = f"llama.cpp llama-bench ({build[0] if build else '?'}; KV {kv_cache_type}; -fa {flash_attn})"
 
     def _run(self, pp: int, tg: int, depth: int) -> float:
         cmd = [self.binary, "-m", self.path, "-t", str(self.threads), "-p", str(pp), "-n", str(tg), "-d", str(depth),
-               "-r", "1", "-ctk", self.kv, "-ctv", self.kv, "-o", "json"]
+               "-r", "1", "-ctk", self.kv, "-ctv", self.kv, "-fa", self.fa, "-o", "json"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-1000:]}")
@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--n-depth", default="0", help="depths, comma-separated (llama-bench's -d; default 0)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="gpullama's KV cache format (default auto)")
     parser.add_argument("--llama-kv", default="f16", help="llama-bench's -ctk/-ctv (default f16)")
+    parser.add_argument("--llama-fa", default="0,1", help="llama-bench's -fa settings, a row each; the ratio is to "
+                        "the fastest of them per test (default 0,1: on CPUs flash attention is sometimes the slow one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -163,7 +165,8 @@ def main() -> None:
                               kv_cache_dtype=args.kv_cache_dtype)
                      for d in args.dtypes.split(",") if d]
     if args.llama_bench:
-        engines.append(LlamaBench(args.llama_bench, path, args.threads, args.llama_kv))
+        engines += [LlamaBench(args.llama_bench, path, args.threads, args.llama_kv, fa)
+                    for fa in args.llama_fa.split(",") if fa]
     if (args.llama_cpp or args.transformers) and depths != [0]:
         raise SystemExit("--n-depth: gpullama and --llama-bench only")
     if args.llama_cpp:
@@ -187,17 +190,19 @@ def main() -> None:
                 times[i, name].append(timed(engine, kind, n, d))
     tokens = {name: n for name, _, n, _ in tests}
     speeds = {key: sorted(tokens[key[1]] / s for s in seconds) for key, seconds in times.items()}
-    reference = next((i for i, e in enumerate(engines) if isinstance(e, LlamaCpp | LlamaBench)), None)
+    llama = [i for i, e in enumerate(engines) if isinstance(e, LlamaCpp | LlamaBench)]
+    reference = {name: max(llama, key=lambda i: statistics.median(speeds[i, name])) for name, *_ in tests} \
+        if llama else None
     print(f"\nmodel: {os.path.basename(path)}; device: {args.device} ({cpu_name()}, {os.cpu_count()} logical cores), "
           f"{args.threads} threads, torch {torch.__version__}; {datetime.datetime.now():%Y-%m-%d %H:%M}; "
           f"{args.repeats} alternating rounds\n")
-    ratio = " | vs llama.cpp" if reference is not None else ""
+    ratio = " | vs llama.cpp's best" if reference is not None else ""
     print(f"| engine | test | tokens/s (median) | min-max{ratio} |")
     print("| --- | --- | ---: | ---:" + (" | ---:" if ratio else "") + " |")
     for name, *_ in tests:
         for i, engine in enumerate(engines):
             s = speeds[i, name]
-            cell = f" | {statistics.median(s) / statistics.median(speeds[reference, name]):.2f}x" if ratio else ""
+            cell = f" | {statistics.median(s) / statistics.median(speeds[reference[name], name]):.2f}x" if ratio else ""
             print(f"| {engine.label} | {name} | {statistics.median(s):.1f} | {s[0]:.1f}-{s[-1]:.1f}{cell} |")
     for engine in engines:
         if isinstance(engine, Gpullama):
