@@ -82,6 +82,27 @@ def coder_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_tokenizer(default_model_path: Path):
+    """The reference tokenizer: transformers' own reading of the default GGUF's vocabulary and chat template (read
+    once a session: about 6 s)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(default_model_path.parent),
+                                                      gguf_file=default_model_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path: Path):
+    """The reference model: transformers' float32 reading of the default GGUF (dequantized by transformers itself;
+    read once a session: 10-20 s). Tests must not change it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def default_llm(default_model_path: Path) -> "LLM":
     """The real default model on the CPU in float32, loaded once per session."""
     from gpullama import LLM

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -55,17 +54,12 @@ def test_bfloat16_also_says_paris(short_bf16_llm: LLM) -> None:
     assert "Paris" in answer, answer
 
 
-def test_logits_match_transformers_on_the_same_gguf(default_llm: LLM, default_model_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_logits_match_transformers_on_the_same_gguf(default_llm: LLM, hf_default_model) -> None:
     ids = default_llm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
     assert 10 <= len(ids) <= 24
     got = default_llm.logits(ids)
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
-    ).eval()
     with torch.no_grad():
-        want = reference(torch.tensor([ids])).logits[0].float()
+        want = hf_default_model(torch.tensor([ids])).logits[0].float()
     assert got.dtype == torch.float32 and got.shape == want.shape == (len(ids), default_llm.config.vocab_size)
     rel = ((got - want).abs().max() / want.abs().max()).item()
     assert rel < 1e-4, f"max relative error {rel:.3g}"

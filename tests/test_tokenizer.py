@@ -291,10 +291,10 @@ def _read_tokenizer_metadata(path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def smollm2(default_model_path: Path) -> tuple[Tokenizer, Any, dict[str, Any]]:
+def smollm2(default_model_path: Path, hf_tokenizer) -> tuple[Tokenizer, Any, dict[str, Any]]:
     """(ours, transformers', metadata) for the real SmolLM2-135M-Instruct GGUF."""
     meta = _read_tokenizer_metadata(default_model_path)
-    return Tokenizer.from_metadata(meta), _load_hf(default_model_path), meta
+    return Tokenizer.from_metadata(meta), hf_tokenizer, meta
 
 
 def _assert_parity(tok: Tokenizer, ref: Any, strings: list[str]) -> None:

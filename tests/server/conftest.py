@@ -149,11 +149,3 @@ def model_name(http: httpx.Client) -> str:
     return http.get("/v1/models").json()["data"][0]["id"]
 
 
-@pytest.fixture(scope="session")
-def hf_tokenizer(default_model_path: Path):
-    """The reference tokenizer: transformers' own reading of the GGUF vocabulary and chat template."""
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(default_model_path.parent),
-                                                      gguf_file=default_model_path.name)
-

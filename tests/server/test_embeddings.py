@@ -5,7 +5,6 @@ value within 1e-4)."""
 from __future__ import annotations
 
 import base64
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -16,18 +15,9 @@ import torch
 TEXTS = ["The capital of France is Paris.", "Embeddings turn text into vectors.", "ça va? 😀"]
 
 
-@pytest.fixture(scope="module")
-def hf_model(default_model_path: Path):
-    """The reference: transformers' float32 model of the served GGUF."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name,
-                                                dtype=torch.float32).eval()
-
-
-def reference(hf_model, ids: list[int], dimensions: int | None = None) -> np.ndarray:
+def reference(hf_default_model, ids: list[int], dimensions: int | None = None) -> np.ndarray:
     with torch.no_grad():
-        last = hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1].double()
+        last = hf_default_model.model(torch.tensor([ids])).last_hidden_state[0, -1].double()
     return torch.nn.functional.normalize(last[:dimensions] if dimensions else last, dim=0).numpy()
 
 
@@ -37,17 +27,17 @@ def assert_matches(got, want: np.ndarray) -> None:
     assert got.shape == want.shape and cosine >= 0.9999 and np.abs(got - want).max() <= 1e-4, cosine
 
 
-def test_the_sdk_gets_the_reference_embeddings(client: openai.OpenAI, model_name: str, hf_model,
+def test_the_sdk_gets_the_reference_embeddings(client: openai.OpenAI, model_name: str, hf_default_model,
                                                hf_tokenizer) -> None:
     out = client.embeddings.create(model=model_name, input=TEXTS)
     ids = [hf_tokenizer.encode(t, add_special_tokens=True) for t in TEXTS]
     assert [d.index for d in out.data] == [0, 1, 2] and out.model == model_name
     assert out.usage.prompt_tokens == out.usage.total_tokens == sum(map(len, ids))
     for d, want_ids in zip(out.data, ids):
-        assert_matches(d.embedding, reference(hf_model, want_ids))
+        assert_matches(d.embedding, reference(hf_default_model, want_ids))
 
 
-def test_float_token_ids_and_dimensions(http: httpx.Client, hf_model, hf_tokenizer) -> None:
+def test_float_token_ids_and_dimensions(http: httpx.Client, hf_default_model, hf_tokenizer) -> None:
     ids = hf_tokenizer.encode(TEXTS[0], add_special_tokens=True)
     r = http.post("/v1/embeddings", json={"input": [ids, TEXTS[0]], "encoding_format": "float", "dimensions": 64})
     assert r.status_code == 200, r.text
@@ -55,10 +45,10 @@ def test_float_token_ids_and_dimensions(http: httpx.Client, hf_model, hf_tokeniz
     assert body["object"] == "list" and all(d["object"] == "embedding" for d in body["data"])
     first, second = (d["embedding"] for d in body["data"])
     assert len(first) == 64 and first == second
-    assert_matches(first, reference(hf_model, ids, dimensions=64))
+    assert_matches(first, reference(hf_default_model, ids, dimensions=64))
     b64 = http.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
     vector = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
-    assert_matches(vector, reference(hf_model, ids))
+    assert_matches(vector, reference(hf_default_model, ids))
 
 
 @pytest.mark.parametrize("body, param", [
