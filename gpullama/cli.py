@@ -361,20 +361,23 @@ def state_contents(c) -> str:
 def modalities(model_path: str, config, mmproj: str | None = None) -> str:
     """What a model reads: text, and images when its mmproj (named, or the one beside it) fits it."""
     from gpullama.gguf_file import ModelFileError, read_header
-    from gpullama.vision.loading import ARCHITECTURES, find_mmproj
+    from gpullama.vision.loading import ARCHITECTURES, EXPECTS_MMPROJ, find_mmproj
+    from gpullama.vision.tower import PROJECTORS, describe_projector
 
     path = mmproj or find_mmproj(model_path)
     if path is None:
-        return "text (no mmproj file beside it)" if config.architecture in ARCHITECTURES else "text"
+        return "text (no mmproj file beside it)" if config.architecture in EXPECTS_MMPROJ else "text"
     try:
         meta = read_header(path, text_model=False).metadata
     except ModelFileError as exc:
         return f"text ({Path(path).name}: {exc})"
     projector, dim = meta.get("clip.projector_type"), meta.get("clip.vision.projection_dim")
-    if ARCHITECTURES.get(config.architecture) != projector or dim != config.hidden_size:
+    if projector not in PROJECTORS:
+        return (f"text ({Path(path).name}: projector {projector} is not supported; gpullama reads "
+                f"{', '.join(PROJECTORS)})")
+    if projector not in ARCHITECTURES.get(config.architecture, ()) or dim != config.hidden_size:
         return f"text ({Path(path).name}: projector {projector} does not fit this model)"
-    size = meta.get("clip.vision.image_size")
-    return f"text, image ({Path(path).name}: {projector} projector, {size}x{size} pixels)"
+    return f"text, image ({Path(path).name}: {describe_projector(meta)})"
 
 
 def cmd_info(args) -> int:

@@ -235,7 +235,7 @@ class LLM:
 
     def _encode_multimodal(self, prompt: dict) -> list[int]:
         """A text prompt with images, each at a marker in the text: the model's own (Gemma 3's
-        ``<start_of_image>``) or llama.cpp's ``<__media__>``."""
+        ``<start_of_image>``, SmolVLM's ``<image>``) or llama.cpp's ``<__media__>``."""
         text, data = prompt.get("prompt"), (prompt.get("multi_modal_data") or {}).get("image")
         if not isinstance(text, str):
             raise ValueError("a prompt dict needs 'prompt', a string")
@@ -374,10 +374,10 @@ class LLM:
 
     def logits(self, token_ids: list[int], lora=None) -> torch.Tensor:
         """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass
-        (with the adapters `lora`, as `generate` takes them)."""
+        (with the adapters `lora`, as `generate` takes them; the images of a `PromptIds` from `vision.prompt`)."""
         pairs = self._lora_pairs(lora)
         with self._lock:
-            return self.engine.score(list(token_ids), pairs).cpu()
+            return self.engine.score(list(token_ids), pairs, getattr(token_ids, "images", None)).cpu()
 
     # -- lifetime --------------------------------------------------------------------------------------
     @property

@@ -116,7 +116,8 @@ def check_embedding_request(prompt_token_ids: list[int], pooling: PoolingParams,
 
 def check_images(images: list, prompt_len: int, limits: AdmissionLimits, max_num_batched_tokens: int) -> None:
     """Image spans (`gpullama.vision.ImageSpan`) inside the prompt, in order, not overlapping, each of the model's
-    embedding size and no longer than one step's token budget (an image is computed in one step)."""
+    embedding size and, unless causal, no longer than one step's token budget (such an image is computed in one
+    step)."""
     previous_end = 0
     for i, span in enumerate(images):
         shape = tuple(span.embeds.shape)
@@ -126,7 +127,7 @@ def check_images(images: list, prompt_len: int, limits: AdmissionLimits, max_num
         if span.start < previous_end or span.end > prompt_len:
             raise RequestError(f"image {i}: tokens {span.start}..{span.end} are not inside the prompt of "
                                f"{prompt_len} tokens after the image before it", "images")
-        if span.length > max_num_batched_tokens:
+        if not span.causal and span.length > max_num_batched_tokens:
             raise RequestError(f"image {i} takes {span.length} tokens, more than max_num_batched_tokens "
                                f"({max_num_batched_tokens}): an image is computed in one step", "images")
         previous_end = span.end

@@ -405,12 +405,13 @@ class LLMEngine:
         )
 
     # -- scoring -------------------------------------------------------------------------------------
-    def score(self, token_ids: list[int], lora: list[tuple[int, float]] | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], lora: list[tuple[int, float]] | None = None,
+              images: list[ImageSpan] | None = None) -> torch.Tensor:
         """Next-token logits of every position of `token_ids` from one forward pass, float32 ``[n, vocab]`` (with
-        the LoRA adapters `lora`, (id, scale) pairs, as `SamplingParams.lora`)."""
+        the LoRA adapters `lora`, (id, scale) pairs, as `SamplingParams.lora`; `images` in place of some tokens)."""
         if self.scheduler.has_work():
             raise RuntimeError("score() needs an idle engine")
-        seq = self.admit("__score__", token_ids, SamplingParams(max_tokens=1, lora=lora))
+        seq = self.admit("__score__", token_ids, SamplingParams(max_tokens=1, lora=lora), images=images)
         if not self.block_manager.allocate(seq, len(token_ids), use_prefix_cache=False):
             raise ValueError(f"{len(token_ids)} tokens do not fit the KV pool ({self.kv_capacity_tokens} tokens)")
         try:

@@ -162,8 +162,8 @@ class Scheduler:
             left -= 1
         n = max(0, min(left, budget))
         first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        for span in seq.images:  # a chunk never splits an image: its tokens attend to each other both ways
-            if span.start < end < span.end:
+        for span in seq.images:  # a chunk never splits an image whose tokens attend to each other both ways
+            if not span.causal and span.start < end < span.end:
                 n = max(0, span.start - first)  # up to the image, or (the chunk starts at or in it) wait for room
                 break
         return n

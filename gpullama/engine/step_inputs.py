@@ -57,12 +57,7 @@ class StepInputs:
         for i, (seq, n, drafts) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.drafts)):
             own = n - len(drafts)
             first = seq.num_computed_tokens
-            for span in seq.images:
-                lo, hi = max(span.start, first), min(span.end, first + own)
-                if lo < hi:  # the scheduler never splits an image: its rest is in this step
-                    assert hi == span.end, "an image span was split across steps"
-                    embeds.append((len(ids) + lo - first, span.embeds[lo - span.start : hi - span.start]))
-                    image_rows.append((i, len(ids) + lo - first, hi - lo, span.end))
+            _image_inputs(seq, i, first, own, len(ids), embeds, image_rows)
             ids.extend(seq.token_ids[first : first + own])
             ids.extend(drafts)
             reaches_end = seq.pooling is None and seq.num_computed_tokens + own == seq.num_tokens
@@ -84,8 +79,23 @@ class StepInputs:
     @classmethod
     def for_scoring(cls, seq: Sequence) -> StepInputs:
         """Every token of `seq` (its blocks allocated, none computed), with logits after each."""
+        embeds: list[tuple[int, torch.Tensor]] = []
+        image_rows: list[tuple[int, int, int, int]] = []
+        _image_inputs(seq, 0, 0, seq.num_tokens, 0, embeds, image_rows)
         return cls(list(seq.token_ids), [0], [seq.num_tokens], [seq.block_table], [1], every_row=True,
-                   loras=[seq.lora] if seq.lora else [])
+                   embeds=embeds, image_rows=image_rows, loras=[seq.lora] if seq.lora else [])
+
+
+def _image_inputs(seq: Sequence, i: int, first: int, own: int, row: int, embeds: list, image_rows: list) -> None:
+    """Append the image embeddings of `seq`'s tokens ``first .. first + own`` (sequence `i` of the step, its first
+    row `row`) to `embeds`, and the rows of its images that attend both ways to `image_rows`."""
+    for span in seq.images:
+        lo, hi = max(span.start, first), min(span.end, first + own)
+        if lo < hi:
+            embeds.append((row + lo - first, span.embeds[lo - span.start : hi - span.start]))
+            if not span.causal:  # the scheduler never splits such an image: its rest is in this step
+                assert hi == span.end, "an image span was split across steps"
+                image_rows.append((i, row + lo - first, hi - lo, span.end))
 
 
 def step_buffer_size(max_num_seqs: int, max_tokens: int, max_blocks_per_seq: int) -> int:

@@ -1,6 +1,6 @@
-"""Images in: mmproj files (`tower.VisionTower`), image sources, limits and preprocessing (`images`), and Gemma 3's
-image tokens in a prompt (`prompt`). An image becomes a run of embeddings (`ImageSpan`) that the engine puts in
-place of its placeholder tokens."""
+"""Images in: mmproj files (`tower.VisionTower`), image sources, limits and preprocessing (`images`), and each
+projector type's image tokens in a prompt (`prompt`). An image (or each of its tiles) becomes a run of embeddings
+(`ImageSpan`) that the engine puts in place of its placeholder tokens."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from typing import Any
 
 @dataclass
 class ImageSpan:
-    """One image in a prompt: its embeddings ``[length, hidden]`` take the place of the prompt's tokens
-    ``start .. start + length`` (each the model's image token), attend to each other both ways, and key the prefix
-    cache by `key` (a hash of the image's pixels)."""
+    """One image (or one tile of it) in a prompt: its embeddings ``[length, hidden]`` take the place of the prompt's
+    tokens ``start .. start + length`` (each the model's image token), attend to each other both ways (Gemma 3) or
+    causally as text does (`causal`: Idefics3), and key the prefix cache by `key` (a hash of the image's pixels)."""
 
     start: int
     embeds: Any  # torch.Tensor [length, hidden] float32
     key: bytes
+    causal: bool = False
 
     @property
     def length(self) -> int:

@@ -1,6 +1,7 @@
 """Images as requests carry them, read with Pillow: the source (bytes, a path, a PIL image, a data URL or raw
 base64), the limits (bytes, pixels, images per request), decoding (PNG, JPEG, WebP, GIF's first frame; EXIF
-orientation; RGB) and the tower's preprocessing (resize to its square size, ``(x / 255 - mean) / std``).
+orientation; RGB) and the tower's preprocessing (resize to its square size, or Idefics3's tiles, then
+``(x / 255 - mean) / std``).
 
 Remote and local sources are resolved by the caller's policy (`ImagePolicy`): ``http(s)`` only from an allow-list of
 domains (off by default; no network access otherwise), ``file://`` and plain paths only under an allowed folder
@@ -12,6 +13,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 import os
 import urllib.parse
 import urllib.request
@@ -191,16 +193,69 @@ def load_image(ref: ImageRef, policy: ImagePolicy = LIBRARY_POLICY) -> LoadedIma
     return LoadedImage(image, key.digest())
 
 
+def normalise(image: Any, mean: list[float], std: list[float]):
+    """float32 pixels ``[3, H, W]`` of an RGB PIL image: scaled to [0, 1], normalised by `mean` and `std` per
+    channel (as the HF image processors' rescale and normalize)."""
+    import numpy as np
+    import torch
+
+    pixels = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / np.float32(255.0)
+    m = np.asarray(mean, dtype=np.float32)[:, None, None]
+    s = np.asarray(std, dtype=np.float32)[:, None, None]
+    return torch.from_numpy(np.ascontiguousarray((pixels - m) / s))
+
+
 def preprocess(image: Any, size: int, mean: list[float], std: list[float], resample: str = "bilinear"):
     """float32 pixels ``[3, size, size]`` of an RGB PIL image: resized (Pillow's bilinear or bicubic, as the HF
     image processors do it on uint8 pixels), scaled to [0, 1], normalised by `mean` and `std` per channel."""
-    import numpy as np
-    import torch
     from PIL import Image
 
     method = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}[resample]
     resized = image.resize((size, size), resample=method) if image.size != (size, size) else image
-    pixels = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / np.float32(255.0)
-    m = np.asarray(mean, dtype=np.float32)[:, None, None]
-    s = np.asarray(std, dtype=np.float32)[:, None, None]
-    return torch.from_numpy(np.ascontiguousarray((pixels - m) / s))
+    return normalise(resized, mean, std)
+
+
+IDEFICS3_MAX_SIDE = 4096
+"""transformers' Idefics3 MAX_IMAGE_SIZE: no side of the resized image is longer."""
+
+
+def idefics3_tiles(image: Any, tile: int, longest_edge: int) -> tuple[list[Any], int, int]:
+    """An RGB PIL image cut as transformers' Idefics3 image processor (do_image_splitting) cuts it, with Pillow's
+    Lanczos on uint8 pixels throughout: its longest side resized to `longest_edge` (aspect kept, the other side made
+    even), both sides then up to multiples of `tile`, cut into rows x cols tiles (row-major) followed by the whole
+    image resized to `tile` x `tile`; one tile and rows = cols = 0 when it fits in one. (tiles, rows, cols)."""
+    from PIL import Image
+
+    def resize(img, width: int, height: int):
+        return img.resize((width, height), resample=Image.LANCZOS)
+
+    width, height = image.size
+    aspect = width / height
+    if width >= height:
+        width = longest_edge
+        height = int(width / aspect)
+        height += height % 2
+    else:
+        height = longest_edge
+        width = int(height * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > IDEFICS3_MAX_SIDE:
+        width, height = IDEFICS3_MAX_SIDE, max(int(IDEFICS3_MAX_SIDE / aspect), 1)
+    elif height > width and height > IDEFICS3_MAX_SIDE:
+        width, height = max(int(IDEFICS3_MAX_SIDE * aspect), 1), IDEFICS3_MAX_SIDE
+    image = resize(image, width, height)
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    image = resize(image, width, height)
+    if height <= tile and width <= tile:
+        return [image], 0, 0
+    rows, cols = (height - tile) // tile + 1, (width - tile) // tile + 1
+    tiles = [image.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile)) for r in range(rows) for c in range(cols)]
+    return [*tiles, resize(image, tile, tile)], rows, cols

@@ -8,8 +8,10 @@ from pathlib import Path
 
 log = logging.getLogger("gpullama")
 
-ARCHITECTURES = {"gemma3": "gemma3"}
-"""Text architecture -> the projector type it takes."""
+ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",)}
+"""Text architecture -> the projector types it takes (SmolVLM's and Idefics3's text models are llama's)."""
+EXPECTS_MMPROJ = ("gemma3",)
+"""Architectures whose models mostly come with an mmproj (`gpullama info` says when none lies beside one)."""
 
 
 def find_mmproj(model_path: str) -> str | None:
@@ -51,14 +53,15 @@ def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
         if tower.config.projection_dim != model.config.hidden_size:
             raise ValueError(f"{path}: its projector writes {tower.config.projection_dim}-dim embeddings, the "
                              f"model's are {model.config.hidden_size}: not this model's mmproj")
-        if tower.config.projector != ARCHITECTURES[arch]:
-            raise ValueError(f"{path}: projector type {tower.config.projector} does not fit a {arch} model")
+        if tower.config.projector not in ARCHITECTURES[arch]:
+            raise ValueError(f"{path}: projector type {tower.config.projector} does not fit a {arch} model "
+                             f"(it takes {', '.join(ARCHITECTURES[arch])})")
         vision = VisionModel(tower, tokenizer)
     except (ValueError, ModelFileError) as exc:
         if explicit:
             raise ValueError(f"--mmproj: {exc}") from None
         log.warning("not loading %s found beside the model: %s", Path(path).name, exc)
         return None
-    log.info("vision: %s (projector %s, %dx%d pixels -> %d tokens an image)", Path(path).name,
-             tower.config.projector, tower.config.image_size, tower.config.image_size, tower.tokens_per_image)
+    log.info("vision: %s (projector %s, %dx%d pixels -> %d tokens a tile)", Path(path).name,
+             tower.config.projector, tower.config.image_size, tower.config.image_size, tower.tokens_per_tile)
     return vision

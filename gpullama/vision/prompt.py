@@ -1,8 +1,8 @@
 """A chat with images as a prompt: the image parts of the messages (`gpullama.chat.messages` reads every API's
 shape of them into ``{"type": "image", "image": ImageRef}``) go to the chat template as ``{"type": "image"}``, which
-Gemma 3's template writes as ``<start_of_image>``; each of those becomes what the HF Gemma 3 processor makes of it,
-``\\n\\n<start_of_image>`` + N ``<image_soft_token>`` + ``<end_of_image>\\n\\n``, and the N soft tokens' embeddings
-are the image's (`ImageSpan`)."""
+the model's template writes as its marker (Gemma 3: ``<start_of_image>``; SmolVLM / Idefics3: ``<image>``); each
+marker becomes what the model's HF processor makes of it (its `ImageFormat`), and the runs of image tokens in it
+take the image's embeddings (`ImageSpan`, one per tile)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,53 @@ from gpullama.vision import ImageSpan
 from gpullama.vision.images import LIBRARY_POLICY, ImagePolicy, ImageRef, load_image
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+
+
+class ImageFormat:
+    """How a projector type's images sit in the prompt: the `marker` the chat template writes for an image, the
+    `image_token` each embedding takes the place of, the `tokens` the vocabulary must hold, and the text one image
+    becomes (`expand`); `causal`: the image tokens attend causally as text does (else both ways)."""
+
+    marker = ""
+    image_token = ""
+    tokens: tuple[str, ...] = ()
+    causal = False
+    model = ""
+
+    def expand(self, tokens_per_tile: int, rows: int, cols: int) -> str:
+        """The text of one image of rows x cols tiles (0 x 0: one tile, the whole image)."""
+        raise NotImplementedError
+
+
+class Gemma3Format(ImageFormat):
+    """Gemma 3's processor: ``\\n\\n<start_of_image>`` + N ``<image_soft_token>`` + ``<end_of_image>\\n\\n``; the
+    image's tokens attend to each other both ways."""
+
+    marker, image_token, tokens, model = BOI, SOFT, (BOI, EOI, SOFT), "Gemma 3"
+
+    def expand(self, tokens_per_tile: int, rows: int, cols: int) -> str:
+        return f"\n\n{BOI}{SOFT * tokens_per_tile}{EOI}\n\n"
+
+
+class Idefics3Format(ImageFormat):
+    """Idefics3's (SmolVLM's) processor: each tile ``<fake_token_around_image><row_R_col_C>`` + N ``<image>``, a
+    ``\\n`` after each row, then ``\\n<fake_token_around_image><global-img>`` + N ``<image>`` +
+    ``<fake_token_around_image>`` (the global image alone when the image is one tile); causal attention."""
+
+    marker = image_token = "<image>"
+    tokens = ("<image>", "<fake_token_around_image>", "<global-img>")
+    causal = True
+    model = "Idefics3 / SmolVLM"
+
+    def expand(self, tokens_per_tile: int, rows: int, cols: int) -> str:
+        fake, run = "<fake_token_around_image>", "<image>" * tokens_per_tile
+        tiles = "".join("".join(f"{fake}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
+                        for r in range(rows))
+        return f"{tiles}\n{fake}<global-img>{run}{fake}" if rows else f"{fake}<global-img>{run}{fake}"
+
+
+FORMATS: dict[str, type[ImageFormat]] = {"gemma3": Gemma3Format, "idefics3": Idefics3Format}
+"""Projector type -> its images' place in the prompt."""
 
 
 class PromptIds(list):
@@ -32,47 +79,51 @@ class VisionModel:
     def __init__(self, tower, tokenizer):
         self.tower = tower
         self.tokenizer = tokenizer
+        self.format = fmt = FORMATS[tower.config.projector]()
         ids = {}
-        for name in (BOI, EOI, SOFT):
+        for name in fmt.tokens:
             found = tokenizer.encode(name)
             if len(found) != 1:
-                raise ValueError(f"the model's vocabulary has no {name} token, which Gemma 3's mmproj needs: is "
-                                 f"{tower.path} the projector of this model?")
+                raise ValueError(f"the model's vocabulary has no {name} token, which {fmt.model}'s mmproj needs: "
+                                 f"is {tower.path} the projector of this model?")
             ids[name] = found[0]
-        self.image_token_id = ids[SOFT]
-        self.marker = BOI
-        self.expanded = f"\n\n{BOI}{SOFT * tower.tokens_per_image}{EOI}\n\n"
+        self.image_token_id = ids[fmt.image_token]
+        self.marker = fmt.marker
 
     @property
     def modalities(self) -> list[str]:
         return ["text", "image"]
 
-    def encode_images(self, refs: list[ImageRef], policy: ImagePolicy = LIBRARY_POLICY) -> list[tuple[Any, bytes]]:
-        """Each image's embeddings ``[tokens, hidden]`` and content hash (loaded and checked as `policy` says)."""
+    def encode_images(self, refs: list[ImageRef], policy: ImagePolicy = LIBRARY_POLICY
+                      ) -> list[tuple[Any, bytes, int, int]]:
+        """Each image's embeddings ``[tiles, tokens_per_tile, hidden]``, content hash, and rows and columns of
+        tiles (loaded and checked as `policy` says)."""
         import torch
 
         check_count("images", len(refs), policy.max_images)
         loaded = [load_image(ref, policy) for ref in refs]
         if not loaded:
             return []
-        pixels = torch.stack([self.tower.preprocess(img.image) for img in loaded])
-        embeds = self.tower.encode(pixels)
-        return [(embeds[i], img.key) for i, img in enumerate(loaded)]
+        cut = [self.tower.tiles(img.image) for img in loaded]
+        embeds = self.tower.encode(torch.cat([pixels for pixels, _, _ in cut])).split([len(p) for p, _, _ in cut])
+        return [(e, img.key, rows, cols) for e, img, (_, rows, cols) in zip(embeds, loaded, cut)]
 
     def prompt(self, text: str, refs: list[ImageRef], policy: ImagePolicy = LIBRARY_POLICY,
                add_special_tokens: bool = False) -> PromptIds:
         """Token ids of rendered prompt `text` whose image markers (one per image, in order) are expanded, with
         the images' spans."""
-        markers = text.count(self.marker)
-        if markers != len(refs):
-            raise RequestError(f"the prompt has {markers} {self.marker} markers for {len(refs)} images (the chat "
-                               "template writes one per image part; a text that spells the marker itself is "
+        parts = text.split(self.marker)
+        if len(parts) - 1 != len(refs):
+            raise RequestError(f"the prompt has {len(parts) - 1} {self.marker} markers for {len(refs)} images (the "
+                               "chat template writes one per image part; a text that spells the marker itself is "
                                "refused)", "messages")
         encoded = self.encode_images(refs, policy)
-        ids = self.tokenizer.encode(text.replace(self.marker, self.expanded), add_special_tokens=add_special_tokens)
-        spans = []
-        i, n = 0, len(ids)
+        per_tile = self.tower.tokens_per_tile
+        expanded = parts[0] + "".join(self.format.expand(per_tile, rows, cols) + part
+                                      for (_, _, rows, cols), part in zip(encoded, parts[1:]))
+        ids = self.tokenizer.encode(expanded, add_special_tokens=add_special_tokens)
         runs = []
+        i, n = 0, len(ids)
         while i < n:
             if ids[i] == self.image_token_id:
                 j = i
@@ -82,11 +133,10 @@ class VisionModel:
                 i = j
             else:
                 i += 1
-        per_image = self.tower.tokens_per_image
-        if len(runs) != len(encoded) or any(j - i != per_image for i, j in runs):
+        tiles = [(embeds[t], key) for embeds, key, _, _ in encoded for t in range(embeds.shape[0])]
+        if len(runs) != len(tiles) or any(j - i != per_tile for i, j in runs):
             raise RequestError(f"the prompt's image tokens ({self.tokenizer.decode([self.image_token_id])}) do not "
-                               f"form {len(encoded)} runs of {per_image}: a text that spells the image token "
+                               f"form {len(tiles)} runs of {per_tile}: a text that spells the image token "
                                "itself is refused", "messages")
-        for (start, _), (embeds, key) in zip(runs, encoded):
-            spans.append(ImageSpan(start, embeds, key))
+        spans = [ImageSpan(start, embeds, key, self.format.causal) for (start, _), (embeds, key) in zip(runs, tiles)]
         return PromptIds(ids, spans)

@@ -1,8 +1,11 @@
 """The vision side of a multimodal model, from llama.cpp's mmproj GGUF (``general.architecture = "clip"``, as
 ``convert_hf_to_gguf.py --mmproj`` writes it and ``tools/mtmd/clip.cpp`` reads it): the SigLIP tower
 (``v.patch_embd``, ``v.position_embd``, ``v.blk.N.*``, ``v.post_ln``) and the projector into the text model's
-embedding space. Projector types read here: ``gemma3`` (a KxK average pool of the patch grid to tokens,
-``mm.soft_emb_norm`` (an RMSNorm, its +1 folded in by the converter), then ``mm.input_projection``).
+embedding space. Projector types read here (each a head class in `HEADS`): ``gemma3`` (a KxK average pool of the
+patch grid to tokens, ``mm.soft_emb_norm`` (an RMSNorm, its +1 folded in by the converter), then
+``mm.input_projection``); ``idefics3`` (SmolVLM, Idefics3: a pixel shuffle that folds each KxK block of patches
+into one token of K*K times the width, then ``mm.model.fc``, no bias; the image is cut into tiles of the tower's
+size plus the whole image, `gpullama.vision.images.idefics3_tiles`).
 
 The tower's matrices go through the text model's ops (`ops.prepare_weight` / `ops.linear`: float32 torch on the
 exact path, the C kernels on F32/F16/Q8_0 blocks on the CPU fast path, the Triton matmul on the GPU); the rest
@@ -19,8 +22,20 @@ import torch.nn.functional as F
 
 from gpullama.gguf_file import ModelFileError, read_gguf
 
-PROJECTORS = ("gemma3",)
+PROJECTORS = ("gemma3", "idefics3")
 """The ``clip.projector_type`` values this module reads."""
+DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2}
+"""``clip.vision.projector.scale_factor`` when a file has none (llama.cpp's defaults)."""
+
+
+def describe_projector(meta: dict) -> str:
+    """A line on what an mmproj file's metadata says its tower reads (`gpullama info`)."""
+    projector, size = meta.get("clip.projector_type"), meta.get("clip.vision.image_size")
+    if projector == "idefics3":
+        edge = meta.get("clip.vision.preproc_image_size", size)
+        return (f"{projector} projector, {size}x{size} pixel tiles of the image resized to {edge} pixels on its "
+                "longest side, plus the whole image")
+    return f"{projector} projector, {size}x{size} pixels"
 
 
 @dataclass
@@ -37,9 +52,10 @@ class VisionConfig:
     eps: float
     mean: list[float]
     std: list[float]
-    tokens_per_image: int
-    pool: int  # the average pool's kernel (Gemma 3: 4, so 896/14 = 64 patches a side -> 16 -> 256 tokens)
+    tokens_per_tile: int  # the tokens of one tile (of the whole image, for gemma3)
+    pool: int  # gemma3's average pool (4: 896/14 = 64 patches a side -> 16 -> 256 tokens), idefics3's pixel shuffle
     projection_dim: int  # the text model's embedding length
+    longest_edge: int = 0  # idefics3: the image's longest side before it is cut into tiles
 
     @classmethod
     def from_metadata(cls, meta: dict, path: str) -> VisionConfig:
@@ -59,13 +75,17 @@ class VisionConfig:
 
         image, patch = int(key("image_size")), int(key("patch_size"))
         side = image // patch
-        pool = int(meta.get("clip.vision.projector.scale_factor", 4))
-        if side % pool:
+        pool = int(meta.get("clip.vision.projector.scale_factor", DEFAULT_SCALE[projector]))
+        if pool < 1 or side % pool:
             raise ModelFileError(f"{path}: {side} patches a side do not pool by {pool}")
+        longest = int(meta.get("clip.vision.preproc_image_size", image)) if projector == "idefics3" else 0
+        if projector == "idefics3" and longest < image:
+            raise ModelFileError(f"{path}: clip.vision.preproc_image_size {longest} is smaller than a tile ({image})")
         return cls(projector, image, patch, int(key("embedding_length")), int(key("feed_forward_length")),
                    int(key("block_count")), int(key("attention.head_count")),
                    float(key("attention.layer_norm_epsilon")), [float(x) for x in key("image_mean")],
-                   [float(x) for x in key("image_std")], (side // pool) ** 2, pool, int(key("projection_dim")))
+                   [float(x) for x in key("image_std")], (side // pool) ** 2, pool, int(key("projection_dim")),
+                   longest)
 
 
 @dataclass
@@ -82,9 +102,54 @@ class _Block:
     down_bias: torch.Tensor
 
 
+class Gemma3Head:
+    """Gemma 3's projector: the patch grid average-pooled KxK, an RMSNorm (``mm.soft_emb_norm``), then
+    ``mm.input_projection`` (stored as ``x @ W``)."""
+
+    def __init__(self, c: VisionConfig, need, dense, ops, path: str):
+        self.soft_emb_norm = dense("mm.soft_emb_norm.weight")
+        proj = need("mm.input_projection.weight")  # [D, text hidden] as torch reads it: x @ W
+        if c.projection_dim != proj.shape[1]:
+            raise ModelFileError(f"{path}: mm.input_projection has {proj.shape[1]} columns, projection_dim is "
+                                 f"{c.projection_dim}")
+        self.projection = ops.prepare_weight(_f32(proj.dequantize(torch.float32).t().contiguous(),
+                                                  "mm.input_projection.weight"))
+
+    def __call__(self, x: torch.Tensor, b: int, side: int, c: VisionConfig, ops) -> torch.Tensor:
+        """``[b * side * side, D]`` tower outputs -> ``[b * tokens_per_tile, projection_dim]``."""
+        grid = x.view(b, side, side, c.hidden).permute(0, 3, 1, 2)
+        pooled = F.avg_pool2d(grid, c.pool, c.pool).flatten(2).transpose(1, 2).reshape(-1, c.hidden)
+        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + c.eps) * self.soft_emb_norm
+        return ops.linear(normed.contiguous(), self.projection)
+
+
+class Idefics3Head:
+    """Idefics3's (SmolVLM's) connector: transformers' pixel shuffle (each KxK block of patches becomes one token of
+    K*K times the width), then ``mm.model.fc`` (no bias)."""
+
+    def __init__(self, c: VisionConfig, need, dense, ops, path: str):
+        fc = need("mm.model.fc.weight")  # [text hidden, D * K * K] as torch reads it
+        if tuple(fc.shape) != (c.projection_dim, c.hidden * c.pool * c.pool):
+            raise ModelFileError(f"{path}: mm.model.fc is {tuple(fc.shape)}, expected "
+                                 f"({c.projection_dim}, {c.hidden * c.pool * c.pool})")
+        self.fc = ops.prepare_weight(fc)
+
+    def __call__(self, x: torch.Tensor, b: int, side: int, c: VisionConfig, ops) -> torch.Tensor:
+        """``[b * side * side, D]`` tower outputs -> ``[b * tokens_per_tile, projection_dim]``."""
+        k, d = c.pool, c.hidden
+        x = x.view(b, side, side // k, d * k).permute(0, 2, 1, 3)
+        x = x.reshape(b, side // k, side // k, d * k * k).permute(0, 2, 1, 3)
+        return ops.linear(x.reshape(b * c.tokens_per_tile, d * k * k).contiguous(), self.fc)
+
+
+HEADS = {"gemma3": Gemma3Head, "idefics3": Idefics3Head}
+"""Projector type -> the head that maps the tower's patches to the text model's embeddings."""
+
+
 class VisionTower:
-    """An mmproj file loaded for `ops` (the text model's backend): `encode(pixels)` -> embeddings of each image in
-    the text model's space, ``[B, tokens_per_image, projection_dim]`` float32."""
+    """An mmproj file loaded for `ops` (the text model's backend): `tiles(image)` -> the pixels of an image's tiles,
+    `encode(pixels)` -> embeddings of each tile in the text model's space, ``[B, tokens_per_tile,
+    projection_dim]`` float32."""
 
     def __init__(self, path: str | os.PathLike, ops):
         path = os.fspath(path)
@@ -130,18 +195,12 @@ class VisionTower:
                 weight(b + "ffn_down.weight"), dense(b + "ffn_down.bias"),
             ))
         self.post_ln = (dense("v.post_ln.weight"), dense("v.post_ln.bias"))
-        # gemma3's projector
-        self.soft_emb_norm = dense("mm.soft_emb_norm.weight")
-        proj = need("mm.input_projection.weight")  # [D, text hidden] as torch reads it: x @ W
-        self.projection = ops.prepare_weight(_f32(proj.dequantize(torch.float32).t().contiguous(),
-                                                  "mm.input_projection.weight"))
-        if c.projection_dim != proj.shape[1]:
-            raise ModelFileError(f"{path}: mm.input_projection has {proj.shape[1]} columns, projection_dim is "
-                                 f"{c.projection_dim}")
+        self.head = HEADS[c.projector](c, need, dense, ops, path)
 
     @property
-    def tokens_per_image(self) -> int:
-        return self.config.tokens_per_image
+    def tokens_per_tile(self) -> int:
+        """The embeddings of one tile (of one image, for a projector that does not cut images)."""
+        return self.config.tokens_per_tile
 
     def preprocess(self, image) -> torch.Tensor:
         """Pixels ``[3, S, S]`` of a decoded RGB PIL image, as the HF Gemma 3 image processor makes them (bilinear
@@ -151,9 +210,21 @@ class VisionTower:
         c = self.config
         return preprocess(image, c.image_size, c.mean, c.std, "bilinear")
 
+    def tiles(self, image) -> tuple[torch.Tensor, int, int]:
+        """The pixels ``[tiles, 3, S, S]`` of a decoded RGB PIL image as the model's HF image processor makes them,
+        and the rows and columns of its tiles (0, 0: one tile, the whole image): gemma3 one resized image;
+        idefics3 `idefics3_tiles` (Lanczos), then mean/std from the file."""
+        from gpullama.vision.images import idefics3_tiles, normalise
+
+        c = self.config
+        if c.projector == "idefics3":
+            tiles, rows, cols = idefics3_tiles(image, c.image_size, c.longest_edge)
+            return torch.stack([normalise(t, c.mean, c.std) for t in tiles]), rows, cols
+        return self.preprocess(image)[None], 0, 0
+
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Embeddings ``[B, tokens_per_image, projection_dim]`` float32 of preprocessed images ``[B, 3, S, S]``."""
+        """Embeddings ``[B, tokens_per_tile, projection_dim]`` float32 of preprocessed tiles ``[B, 3, S, S]``."""
         c, ops = self.config, self.ops
         pixels = pixels.to(self.position.device, torch.float32)
         b, p = pixels.shape[0], c.patch_size
@@ -176,12 +247,8 @@ class VisionTower:
             h = F.gelu(ops.linear(h, blk.up, blk.up_bias), approximate="tanh")
             x = x + ops.linear(h, blk.down, blk.down_bias)
         x = F.layer_norm(x, (c.hidden,), *self.post_ln, c.eps)
-        # gemma3: average pool the patch grid, RMSNorm, project
-        grid = x.view(b, side, side, c.hidden).permute(0, 3, 1, 2)
-        pooled = F.avg_pool2d(grid, c.pool, c.pool).flatten(2).transpose(1, 2).reshape(-1, c.hidden)
-        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + c.eps) * self.soft_emb_norm
-        out = ops.linear(normed.contiguous(), self.projection)
-        return out.float().view(b, c.tokens_per_image, c.projection_dim)
+        out = self.head(x, b, side, c, ops)
+        return out.float().view(b, c.tokens_per_tile, c.projection_dim)
 
 
 def _f32(tensor: torch.Tensor, name: str):

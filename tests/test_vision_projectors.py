@@ -1,0 +1,177 @@
+"""The projector types after Gemma 3's (issue 34), through the library: tiny random transformers models
+(`tests/fixtures/tiny_vlm`) converted by llama.cpp's own converter into a text GGUF and an mmproj GGUF. The
+references are transformers in float32 with the model's processor: the pixels of each tile, the image features, the
+prompt ids, the logits of a prompt with images and the greedy tokens, on the exact path and the CPU fast path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gpullama import LLM, SamplingParams
+from gpullama.ops import CpuOps
+from gpullama.vision.images import ImageRef
+from tests.fixtures.tiny_vlm import tiny_vlm_folder
+from tests.test_converted_models import smollm2_tokenizer
+from tests.test_vision import needs_kernels, picture
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+QUESTION = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def idefics3_folder(default_model_path: Path) -> Path:
+    return tiny_vlm_folder("idefics3", smollm2_tokenizer(default_model_path))
+
+
+@pytest.fixture(scope="module")
+def idefics3_hf(idefics3_folder):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(idefics3_folder)
+    model = Idefics3ForConditionalGeneration.from_pretrained(idefics3_folder, dtype=torch.float32).eval()
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def idefics3_llm(idefics3_folder):
+    """Factory: the model with its mmproj (found beside it) on the exact path, or on the fast path."""
+    made: dict[bool, LLM] = {}
+
+    def get(fast: bool = False) -> LLM:
+        if fast not in made:
+            model = str(idefics3_folder / "idefics3-f32.gguf")
+            if fast:
+                with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+                    made[fast] = LLM(model, device="cpu")
+                assert isinstance(made[fast].model.ops, CpuOps)
+            else:
+                made[fast] = LLM(model, device="cpu", dtype="float32")
+            assert made[fast].vision is not None
+        return made[fast]
+
+    return get
+
+
+def images_of(messages: list[dict]) -> list:
+    return [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+
+
+def hf_inputs(hf, messages: list[dict], **kw):
+    """The processor's inputs for a chat whose image parts hold PIL images (`kw`: the image processor's options)."""
+    _, processor = hf
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, processor(text=text, images=images_of(messages) or None, return_tensors="pt", **kw)
+
+
+CHATS = {
+    "one image": lambda: [{"role": "user", "content": [{"type": "image", "image": picture(1)},
+                                                       {"type": "text", "text": QUESTION}]}],
+    "two images, 2x2 and 2x1 tiles": lambda: [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image", "image": picture(2)},
+        {"type": "text", "text": "with"}, {"type": "image", "image": picture(3, (20, 50))},
+        {"type": "text", "text": "please."}]}],
+    "an image in a later turn": lambda: [
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "image", "image": picture(4, (64, 20))}]}],
+}
+
+
+def test_idefics3_tiles_and_features_equal_transformers(idefics3_llm, idefics3_hf) -> None:
+    model, processor = idefics3_hf
+    tower = idefics3_llm().vision.tower
+    for image, grid in ((picture(5), (2, 2)), (picture(6, (31, 77)), (2, 1)), (picture(7, (300, 7)), (1, 2))):
+        inputs = processor.image_processor([image], return_tensors="pt", return_row_col_info=True)
+        with torch.no_grad():
+            ref = model.model.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"]).pooler_output[0]
+        pixels, rows, cols = tower.tiles(image)
+        assert (rows, cols) == (inputs["rows"][0][0], inputs["cols"][0][0]) == grid
+        torch.testing.assert_close(pixels, inputs["pixel_values"][0], atol=1e-6, rtol=0)  # Pillow's Lanczos, mean/std
+        torch.testing.assert_close(tower.encode(pixels).reshape(ref.shape), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
+@pytest.mark.parametrize("chat", list(CHATS))
+def test_idefics3_logits_and_greedy_tokens_equal_transformers(idefics3_llm, idefics3_hf, chat: str,
+                                                              fast: bool) -> None:
+    model, _ = idefics3_hf
+    messages = CHATS[chat]()
+    text, inputs = hf_inputs(idefics3_hf, messages)
+    with torch.no_grad():
+        want = model(**inputs).logits[0]
+        ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    llm = idefics3_llm(fast)
+    ids = llm.vision.prompt(text, [ImageRef(im) for im in images_of(messages)])
+    assert list(ids) == inputs["input_ids"][0].tolist()
+    got = llm.logits(ids)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel < (1e-3 if fast else 1e-4), f"max error {rel:.3g} of the largest logit"
+    out = llm.chat(messages, GREEDY)[0]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_idefics3_image_of_one_tile(idefics3_llm, idefics3_hf) -> None:
+    """An mmproj whose longest edge is the tile's: the global image alone, as the processor makes it then."""
+    model, _ = idefics3_hf
+    llm = idefics3_llm()
+    messages = CHATS["one image"]()
+    _, inputs = hf_inputs(idefics3_hf, messages, size={"longest_edge": 32})
+    assert inputs["pixel_values"].shape[1] == 1
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    with mock.patch.object(llm.vision.tower.config, "longest_edge", 32):
+        out = llm.chat(messages, GREEDY)[0]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_idefics3_chunked_prefill_may_split_its_causal_tiles(idefics3_folder, idefics3_hf) -> None:
+    model, _ = idefics3_hf
+    messages = CHATS["two images, 2x2 and 2x1 tiles"]()
+    _, inputs = hf_inputs(idefics3_hf, messages)
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    small = LLM(str(idefics3_folder / "idefics3-f32.gguf"), device="cpu", dtype="float32", max_num_batched_tokens=3)
+    assert small.chat(messages, GREEDY)[0].token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_idefics3_info_shows_the_projector(idefics3_folder, capsys) -> None:
+    from gpullama.cli import main
+
+    assert main(["info", str(idefics3_folder / "idefics3-f32.gguf")]) == 0
+    assert ("text, image (mmproj-idefics3-f32.gguf: idefics3 projector, 32x32 pixel tiles of the image resized to 64 "
+            "pixels on its longest side, plus the whole image)") in capsys.readouterr().out
+
+
+def unsupported_mmproj(path: Path, projector: str) -> Path:
+    """An mmproj file of a projector type gpullama does not read (its header and one tensor)."""
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_string("clip.projector_type", projector)
+    writer.add_uint32("clip.vision.projection_dim", 64)
+    writer.add_uint32("clip.vision.image_size", 32)
+    writer.add_tensor("v.patch_embd.weight", np.zeros((32, 3, 8, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unsupported_projectors_are_refused_by_name(idefics3_folder, tmp_path, capsys) -> None:
+    from gpullama.cli import main
+
+    model = str(idefics3_folder / "idefics3-f32.gguf")
+    path = unsupported_mmproj(tmp_path / "mmproj-pixtral.gguf", "pixtral")
+    with pytest.raises(ValueError, match="--mmproj: .*clip.projector_type 'pixtral' is not supported; gpullama reads "
+                                         "gemma3, idefics3"):
+        LLM(model, device="cpu", dtype="float32", mmproj=str(path))
+    assert main(["info", model, "--mmproj", str(path)]) == 0
+    assert "text (mmproj-pixtral.gguf: projector pixtral is not supported; gpullama reads gemma3, idefics3)" in \
+        capsys.readouterr().out
