@@ -56,6 +56,34 @@ def resident_bytes() -> int:
     return 0
 
 
+def held_bytes(*roots: object) -> int:
+    """Bytes of the tensors reachable from `roots` (through lists, tuples, dicts and the attributes of gpullama's
+    objects and torch modules), each storage counted once however many views share it."""
+    storages: dict[tuple, int] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if obj is None or isinstance(obj, (str, bytes, int, float, bool)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            try:
+                storage = obj.untyped_storage()
+                key = (str(obj.device), storage.data_ptr())
+                storages[key] = max(storages.get(key, 0), storage.nbytes())
+            except (RuntimeError, NotImplementedError):  # an opaque (mkldnn) tensor: no storage to share
+                storages[("opaque", id(obj))] = obj.nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("gpullama") or isinstance(obj, torch.nn.Module):
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            stack.extend(getattr(obj, name) for name in getattr(type(obj), "__slots__", ()) if hasattr(obj, name))
+    return sum(storages.values())
+
+
 def _samples(params: SamplingParams) -> list[SamplingParams]:
     """The per-sample params of ``params.n`` samples: sample i of a seeded request draws with seed + i (as the
     server's choices do), so the samples differ yet repeat."""
@@ -378,6 +406,12 @@ class LLM:
         pairs = self._lora_pairs(lora)
         with self._lock:
             return self.engine.score(list(token_ids), pairs, getattr(token_ids, "images", None)).cpu()
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes this model holds in this process: its weights as its ops keep them (LoRA adapters and the vision
+        tower included), the KV pool as reserved, the recurrent states and the step buffers."""
+        return held_bytes(self.model, self.engine.runner, self.vision)
 
     # -- lifetime --------------------------------------------------------------------------------------
     @property

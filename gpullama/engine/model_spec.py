@@ -12,7 +12,8 @@ import torch
 
 from gpullama.distributed import TensorParallel
 from gpullama.engine.args import EngineArgs, EngineConfig
-from gpullama.gguf_file import GGUFModel, read_gguf
+from gpullama.engine.model_runner import kv_block_bytes, kv_pool_size
+from gpullama.gguf_file import GGUFModel, model_size, read_gguf, read_header
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
 from gpullama.quants import FLOAT_TYPES, QTensor
@@ -100,6 +101,26 @@ class ModelSpec:
         return cls(gguf_model.path, str(device), resolve_dtype(args.dtype, device), max_model_len,
                    EngineConfig.from_args(args, max_model_len), threads,
                    quantized_cpu_path(args.dtype, device, gguf_model.tensors))
+
+
+def estimate_memory_bytes(args: EngineArgs, path: str) -> int:
+    """Bytes the model in the file `path` will hold once loaded as `args` say, from the file's header alone (no
+    weight is read): the weights as its ops keep them (quantized as stored on the CPU fast path, else every tensor
+    in the compute dtype) and the KV pool as the engine will reserve it (its scratch block included). Rope tables,
+    step buffers and a vision tower are left out; `LLM.memory_bytes` measures a loaded model."""
+    header = read_header(path)
+    config = header.config
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    quantized = device.type == "cpu" and args.dtype == "auto" and any(
+        t.qtype not in FLOAT_TYPES for t in header.tensors if len(t.shape) >= 2)
+    size = model_size(header)
+    weights = size.bytes if quantized else size.parameters * dtype.itemsize
+    engine = EngineConfig.from_args(args, args.max_model_len or config.context_length)
+    ops = select_ops(device, dtype, quantized)
+    kv_dtype = ops.kv_cache_dtype(engine.kv_cache_dtype, config.head_dim, engine.block_size, latent=config.is_mla)
+    blocks = engine.num_blocks or kv_pool_size(config, engine, kv_dtype, device)[0]
+    return weights + (blocks + 1) * kv_block_bytes(config, engine.block_size, kv_dtype)
 
 
 def build_model(spec: ModelSpec, tp: TensorParallel | None = None, device: torch.device | None = None,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from gpullama.engine.args import DEFAULT_MODEL, EngineArgs, positive_int
+from gpullama.engine.args import DEFAULT_MODEL, EngineArgs, byte_size, positive_int
 from gpullama.engine.kv_events import KVEventsConfig
 from gpullama.hub import check_model
 from gpullama.pooling_params import POOLING_KINDS
@@ -152,6 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     models.add_argument("--max-loaded-models", type=int, default=0, metavar="N",
                         help="models loaded at once; loading one more unloads the least recently used idle one "
                         "(Ollama's OLLAMA_MAX_LOADED_MODELS, llama.cpp's --models-max) (default: 0, no limit)")
+    models.add_argument("--max-model-memory", type=byte_size, default=None, metavar="BYTES",
+                        help="bytes the loaded models may hold together (weights, KV pool, state), such as 4G; "
+                        "loading one more first unloads the least recently used idle ones, and a model that cannot "
+                        "fit alone fails its own requests (Ollama's memory-based scheduling) (default: no limit)")
     p.add_argument("--host", type=name_list, default=["127.0.0.1"],
                    help="address to bind, or several comma-separated (default: 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8080, help="port to bind (default: 8080)")
@@ -358,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                                              tuple(args.allowed_media_domains), args.allowed_local_media_path),
                           models=specs if several else [],
                           models_dir=args.models_dir, keep_alive=args.keep_alive,
-                          max_loaded_models=args.max_loaded_models)
+                          max_loaded_models=args.max_loaded_models, max_model_memory=args.max_model_memory)
     if not several and specs[0][0] != display_name(specs[0][1]) and not args.served_model_name:
         config.served_model_name = specs[0][0]  # --model NAME=PATH
     state = ServerState(config)

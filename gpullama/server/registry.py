@@ -1,6 +1,7 @@
 """The model registry: the models one server serves, each by a name; loaded on demand in the background, kept for
 its ``keep_alive`` (Ollama's semantics), unloaded when that runs out, when a request or ``POST /models/unload``
-asks, or when ``--max-loaded-models`` needs room (the least recently used idle model goes first).
+asks, or when ``--max-loaded-models`` or ``--max-model-memory`` needs room (the least recently used idle model
+goes first).
 
 A request holds its model (a lease) from the moment its ``model`` is resolved until its answer, streamed or not,
 is sent; a model is never unloaded while a request holds it. `LeaseMiddleware` gives the leases back.
@@ -25,7 +26,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpullama.engine.args import EngineArgs
-from gpullama.hub import ALIASES
+from gpullama.engine.model_spec import estimate_memory_bytes
+from gpullama.hub import ALIASES, resolve_model
 
 from .http.errors import APIError
 
@@ -96,6 +98,15 @@ def models_in_dir(folder: str) -> list[tuple[str, str]]:
     return found
 
 
+def mib(nbytes: int) -> str:
+    """Bytes in MiB, for messages."""
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+class MemoryBudgetError(Exception):
+    """A model that cannot fit in ``--max-model-memory`` even alone."""
+
+
 def _release_memory() -> None:
     """Collect the unloaded model's objects and hand freed heap pages back to the OS (glibc's malloc_trim)."""
     gc.collect()
@@ -136,6 +147,11 @@ class ModelState:
         self.last_used = 0.0  # time.monotonic() of its last lease's end (or start)
         self.loaded_at: float | None = None
         self.load_seconds: float | None = None
+        # bytes it holds (weights, KV pool, states: `LLM.memory_bytes`), measured at its last load (None: never
+        # loaded); `reserved` is what ``--max-model-memory`` counts for it while it loads or is loaded (0: nothing)
+        self.memory_bytes: int | None = None
+        self.reserved = 0
+        self.error_code = "model_load_failed"
         # keep-alive: the default (first) model, loaded at start, stays until a request says otherwise
         self.base_keep_alive = FOREVER if pinned else server.config.keep_alive
         self.keep_alive = self.base_keep_alive
@@ -161,11 +177,14 @@ class ModelState:
             self._loading = asyncio.ensure_future(self._load())
         await asyncio.shield(self._loading)
         if self.status != "loaded":
+            if self.error_code == "model_too_large":
+                raise APIError(500, f"model '{self.name}' cannot be loaded: {self.error}", param="model",
+                               code=self.error_code)
             raise APIError(500, f"model '{self.name}' failed to load: {self.error}", param="model",
-                           code="model_load_failed")
+                           code=self.error_code)
 
     async def _load(self) -> None:
-        self.status, self.error = "loading", None
+        self.status, self.error, self.error_code = "loading", None, "model_load_failed"
         self.server.changed()
         start = time.perf_counter()
         args = self.config.engine
@@ -177,9 +196,29 @@ class ModelState:
             if self is self.server.default:
                 self.server.start_kv_events(llm)
             engine = engine_factory(llm)
+        except MemoryBudgetError as exc:  # too large for --max-model-memory even alone: not loaded
+            self.status, self.error, self.error_code, self.reserved = "failed", str(exc), "model_too_large", 0
+            log.error("model %s: %s", self.name, self.error)
+            self.server.changed()
+            return
         except Exception as exc:  # noqa: BLE001 - a failed load fails this model's requests, nothing else
-            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.status, self.error, self.reserved = "failed", f"{type(exc).__name__}: {exc}", 0
             log.error("loading model %s failed: %s", self.name, self.error)
+            self.server.changed()
+            return
+        self.memory_bytes = getattr(llm, "memory_bytes", 0)
+        self.reserved = max(self.memory_bytes, 1)
+        too_large = self.server.registry.after_load(self)
+        if too_large is not None:  # measured, it does not fit even alone: dropped again
+            engine.shutdown()
+            if hasattr(llm, "shutdown"):
+                llm.shutdown()
+            if self is self.server.default:
+                self.server.stop_kv_events()
+            del engine, llm
+            self._released = asyncio.ensure_future(self._give_back_memory(None))
+            self.status, self.error, self.error_code, self.reserved = "failed", too_large, "model_too_large", 0
+            log.error("model %s: %s", self.name, self.error)
             self.server.changed()
             return
         self.llm, self.engine = llm, engine
@@ -192,8 +231,8 @@ class ModelState:
             from .engine_log import log_engine_status
 
             self._status_task = asyncio.create_task(log_engine_status(llm.engine, interval))
-        log.info("model %s loaded on device %s (max_model_len=%d) in %.1fs", self.name, llm.device,
-                 llm.max_model_len, self.load_seconds)
+        log.info("model %s loaded on device %s (max_model_len=%d) in %.1fs, holding %s", self.name, llm.device,
+                 llm.max_model_len, self.load_seconds, mib(self.memory_bytes))
         self.server.changed()
         if self.active == 0:  # loaded by itself (at start-up): its keep-alive runs from now
             self.schedule_expiry()
@@ -258,7 +297,7 @@ class ModelState:
         self.expires_at = None
         engine, llm = self.engine, self.llm
         self.engine = self.llm = None
-        self.status, self.loaded_at = "unloaded", None
+        self.status, self.loaded_at, self.reserved = "unloaded", None, 0
         self.keep_alive = self.base_keep_alive
         status_task, self._status_task = self._status_task, None
         if status_task is not None:
@@ -377,11 +416,13 @@ class LeaseMiddleware:
 
 
 class Registry:
-    """What `ServerState` needs to manage several models: room for one more (``--max-loaded-models``)."""
+    """What `ServerState` needs to manage several models: room for one more (``--max-loaded-models``, and
+    ``--max-model-memory``: the bytes the loaded models may hold together)."""
 
-    def __init__(self, server: ServerState, max_loaded: int) -> None:
+    def __init__(self, server: ServerState, max_loaded: int, max_memory: int | None = None) -> None:
         self.server = server
         self.max_loaded = max_loaded
+        self.max_memory = max_memory
         self._changed: asyncio.Event | None = None
 
     def changed(self) -> None:
@@ -389,20 +430,49 @@ class Registry:
         if self._changed is not None:
             self._changed.set()
 
+    def _holding(self, entry: ModelState) -> list[ModelState]:
+        """The other models that hold memory: loaded, or loading past `make_room`."""
+        return [m for m in self.server.models.values() if m is not entry and m.reserved > 0]
+
+    def _fits(self, entry: ModelState, others: list[ModelState], need: int) -> bool:
+        if self.max_loaded > 0 and len(others) >= self.max_loaded:
+            return False
+        return self.max_memory is None or sum(m.reserved for m in others) + need <= self.max_memory
+
+    def _too_large(self, entry: ModelState, need: int, measured: bool) -> str:
+        how = "holds" if measured else "would hold (estimated from its file)"
+        return (f"it {how} {mib(need)} (weights, KV pool and state), more than --max-model-memory "
+                f"{mib(self.max_memory)} allows even alone: give more --max-model-memory, or load it with a "
+                f"smaller --kv-cache-memory / --max-model-len")
+
+    async def _need(self, entry: ModelState) -> int:
+        """The bytes `entry` will hold once loaded: measured at its last load, else estimated from its file (0 when
+        its file cannot be read: its load then fails by itself)."""
+        if entry.memory_bytes is not None:
+            return entry.memory_bytes
+        args = entry.config.engine
+        try:
+            return await asyncio.to_thread(estimate_memory_bytes, args, resolve_model(args.model, download=False))
+        except Exception as exc:  # noqa: BLE001 - the load reports what is wrong with the file
+            log.debug("model %s: no size estimate (%s)", entry.name, exc)
+            return 0
+
     async def make_room(self, entry: ModelState, is_stopping: Callable[[], bool]) -> None:
-        """Before `entry` loads: while the loaded (and loading) models are at the limit, unload the least recently
-        used one that no request holds; wait for one to become idle when all are busy."""
-        if self.max_loaded <= 0:
-            return
+        """Before `entry` loads: while the loaded (and loading) models are at a limit (their count, or their bytes
+        with `entry`'s), unload the least recently used one that no request holds; wait for one to become idle when
+        all are busy. MemoryBudgetError when `entry` cannot fit ``--max-model-memory`` even alone."""
+        need = await self._need(entry) if self.max_memory is not None else 0
+        if self.max_memory is not None and need > self.max_memory:
+            raise MemoryBudgetError(self._too_large(entry, need, entry.memory_bytes is not None))
         while True:
-            others = [m for m in self.server.models.values() if m is not entry and m.status in ("loaded", "loading")]
-            if len(others) < self.max_loaded:
+            others = self._holding(entry)
+            if self._fits(entry, others, need):
+                entry.reserved = max(need, 1)
                 return
             idle = [m for m in others if m.status == "loaded" and m.active == 0]
             if idle:
                 victim = min(idle, key=lambda m: m.last_used)
-                log.info("model %s: unloaded to make room for %s (--max-loaded-models %d)", victim.name, entry.name,
-                         self.max_loaded)
+                log.info("model %s: unloaded to make room for %s (%s)", victim.name, entry.name, self._limits())
                 victim.unload()
                 continue
             if is_stopping():
@@ -411,3 +481,31 @@ class Registry:
                 self._changed = asyncio.Event()
             self._changed.clear()
             await self._changed.wait()
+
+    def after_load(self, entry: ModelState) -> str | None:
+        """`entry` has loaded and its bytes are measured: when it holds more than estimated and the budget is
+        exceeded, unload least recently used idle models until it fits; the reason it cannot stay when it does not
+        fit even alone (None: it stays)."""
+        if self.max_memory is None:
+            return None
+        if entry.reserved > self.max_memory:
+            return self._too_large(entry, entry.reserved, True)
+        while True:
+            others = self._holding(entry)
+            if sum(m.reserved for m in others) + entry.reserved <= self.max_memory:
+                return None
+            idle = [m for m in others if m.status == "loaded" and m.active == 0]
+            if not idle:  # the busy ones hold the rest: over budget until they end (logged)
+                log.warning("model %s holds more than estimated: the loaded models hold %s, over "
+                            "--max-model-memory %s until a busy one is idle", entry.name,
+                            mib(sum(m.reserved for m in others) + entry.reserved), mib(self.max_memory))
+                return None
+            victim = min(idle, key=lambda m: m.last_used)
+            log.info("model %s: unloaded to make room for %s (%s)", victim.name, entry.name, self._limits())
+            victim.unload()
+
+    def _limits(self) -> str:
+        limits = [f"--max-loaded-models {self.max_loaded}"] if self.max_loaded > 0 else []
+        if self.max_memory is not None:
+            limits.append(f"--max-model-memory {mib(self.max_memory)}")
+        return ", ".join(limits)

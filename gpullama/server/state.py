@@ -119,6 +119,7 @@ class ServerConfig:
     models_dir: str | None = None  # --models-dir: where `models` came from (a server of several models)
     keep_alive: float = 300.0  # --keep-alive: seconds an idle model stays loaded (negative: forever)
     max_loaded_models: int = 0  # --max-loaded-models: loaded at once, then the LRU idle one goes (0: no limit)
+    max_model_memory: int | None = None  # --max-model-memory: bytes the loaded models hold together (None: no limit)
 
     def host_patterns(self) -> list[str]:
         """The Host header values accepted (`allowed_hosts`, else the default for the bound address)."""
@@ -171,7 +172,7 @@ class ServerState:
         specs = config.models or [(config.served_model_name or display_name(config.engine.model), config.engine.model)]
         self.multi = len(specs) > 1 or config.models_dir is not None
         self.metrics = ServerMetrics(labelled=self.multi)
-        self.registry = Registry(self, config.max_loaded_models)
+        self.registry = Registry(self, config.max_loaded_models, config.max_model_memory)
         self.models: dict[str, ModelState] = {}
         for name, path in specs:  # --mmproj names the default model's projector (the others find theirs beside them)
             args = replace(config.engine, model=path, **({} if not self.models else {"mmproj": None}))

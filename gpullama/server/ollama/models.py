@@ -92,16 +92,18 @@ async def tags(request: Request) -> Response:
 
 
 async def ps(request: Request) -> Response:
-    """``GET /api/ps``: the loaded models, each with when its keep-alive runs out."""
+    """``GET /api/ps``: the loaded models, each with the bytes it holds and when its keep-alive runs out."""
     state = server_state(request)
     require_ready(state)
     models = []
     for entry in state.models.values():
         if entry.status != "loaded":
             continue
-        size, digest, _ = _file(entry)
+        _, digest, _ = _file(entry)
+        size = entry.memory_bytes or 0  # what it holds loaded (weights, KV pool, state), as Ollama's ps says
+        on_gpu = getattr(entry.llm.device, "type", "cpu") == "cuda"
         models.append({"name": entry.model_name, "model": entry.model_name, "size": size, "digest": digest,
-                       "details": _details(entry), "expires_at": expires_at(entry), "size_vram": 0,
+                       "details": _details(entry), "expires_at": expires_at(entry), "size_vram": size if on_gpu else 0,
                        "context_length": entry.llm.max_model_len})
     return JSONResponse({"models": models})
 
