@@ -209,6 +209,13 @@ def test_mismatched_adapters_are_refused(tiny, exact) -> None:
         other.generate(["hi"], SamplingParams(lora=[(7, 1.0)]))
 
 
+def openai_model(client, model: str) -> dict:
+    """An OpenAI completion of two tokens by `model`, as JSON."""
+    answer = client.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
 def test_server_flags_field_and_model_names_reach_the_engine(tiny, exact) -> None:
     """gpullama-serve's adapters: `--lora NAME=PATH` is picked by a request's `model` (vLLM), `--lora FILE` applies
     to every request without a `lora` field (llama.cpp), llama.cpp's per-request `lora` field and POST
@@ -250,7 +257,25 @@ def test_server_flags_field_and_model_names_reach_the_engine(tiny, exact) -> Non
                                                       "temperature": 0, "ignore_eos": True})
         assert openai.status_code == 200, openai.text
         assert openai.json()["choices"][0]["text"] == exact.tokenizer.decode(want("all"))
-        assert "sql" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert openai.json()["model"] == "sql"  # vLLM: the answer names the adapter
+        chat = client.post("/v1/chat/completions", json={"model": "sql", "max_tokens": 2,
+                                                         "messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 200 and chat.json()["model"] == "sql"
+        native = client.post("/completion", json={"model": "sql", "prompt": ids, "n_predict": 2})
+        assert native.json()["model"] == "sql"
+        ollama = client.post("/api/generate", json={"model": "sql", "prompt": "Hi", "stream": False,
+                                                    "options": {"num_predict": 2}})
+        assert ollama.status_code == 200 and ollama.json()["model"] == "sql"
+        anthropic = client.post("/v1/messages", json={"model": "sql", "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "Hi"}]})
+        assert anthropic.status_code == 200 and anthropic.json()["model"] == "sql"
+        responses = client.post("/v1/responses", json={"model": "sql", "input": "Hi", "max_output_tokens": 2})
+        assert responses.status_code == 200 and responses.json()["model"] == "sql"
+        base_name = tiny["base"].stem
+        assert openai_model(client, base_name)["model"] == base_name  # the base model by its own name
+        cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert cards["sql"]["parent"] == base_name and cards["sql"]["root"] == str(tiny["all"][1])  # vLLM's card
+        assert "parent" not in cards[base_name]
         assert client.post("/lora-adapters", json=[]).status_code == 200  # every global scale to 0
         assert completion() == want(None)
         bad = client.post("/completion", json={"prompt": ids, "lora": [{"id": 9, "scale": 1}]})

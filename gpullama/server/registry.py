@@ -41,6 +41,7 @@ FOREVER = -1.0
 """A keep-alive that never runs out (Ollama's negative ``keep_alive``)."""
 DEFAULT_KEEP_ALIVE = 300.0  # seconds: Ollama's 5 minutes
 _LEASES = "gpullama.model_leases"  # the scope key of a request's leases
+_ASKED = "gpullama.model_asked"  # the scope key of the `model` a request named
 MODEL_STATES = ("loaded", "loading", "unloaded", "failed")
 
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -383,6 +384,7 @@ async def use_model(request: Request, name: Any, keep_alive: float | None = None
     """The model a request names, loaded (waiting while it loads) and held until the request's answer is sent;
     `keep_alive` (seconds, `FOREVER`, or None for the model's own) is how long it stays once idle."""
     entry = find_model(request, name)
+    request.scope[_ASKED] = name
     entry.hold(keep_alive)
     try:
         await entry.ensure_loaded()
@@ -395,6 +397,15 @@ async def use_model(request: Request, name: Any, keep_alive: float | None = None
     else:
         leases.append(entry)
     return entry
+
+
+def answer_name(request: Request, entry: ModelState) -> str:
+    """The ``model`` an answer names: a named LoRA adapter's name when the request's ``model`` picked one (vLLM
+    answers so), else the model's."""
+    asked = request.scope.get(_ASKED)
+    if isinstance(asked, str) and asked != entry.model_name and entry.config.defaults.lora_of_model(asked) is not None:
+        return asked
+    return entry.model_name
 
 
 class LeaseMiddleware:

@@ -29,7 +29,7 @@ from ..pipeline.chat_plan import ChatPlan, image_input, plan_chat, render_planne
 from ..pipeline.generation import Generation, Job, start_generation
 from ..pipeline.intake import model_fields, read_and_prepare, read_request_body
 from ..pipeline.sampling import sampling_params
-from ..registry import use_model
+from ..registry import answer_name, use_model
 from ..state import ServerState, check_model, require_ready, server_state
 from .request import NAMES, MessagesRequest, parse_messages_body
 
@@ -179,7 +179,7 @@ async def create_message(request: Request) -> Response:
     shaper = ChatOutputShaper(plan, prompt)
     blocks = ContentBlocks(shaper if shaper.active else None)
     if req.stream:
-        return StreamResponse(_events(mid, state.model_name, gen, blocks))
+        return StreamResponse(_events(mid, answer_name(request, state), gen, blocks))
 
     async def collect() -> dict:
         finish, stop = None, None
@@ -192,7 +192,7 @@ async def create_message(request: Request) -> Response:
             await gen.close()
         blocks.end()
         reason, sequence = stop_reason(finish, stop, blocks.called)
-        return _message(mid, state.model_name, blocks.content(), reason, sequence, _usage(gen))
+        return _message(mid, answer_name(request, state), blocks.content(), reason, sequence, _usage(gen))
 
     try:
         return JSONResponse(await unless_disconnected(request.receive, collect))

@@ -29,6 +29,7 @@ from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import read_and_prepare
 from ..pipeline.prompts import MEDIA_MARKER, MediaPrompt, tokenize_pieces
 from ..pipeline.sampling import sampling_params
+from ..registry import answer_name
 from ..state import ServerState, check_model
 from .request import NAMES, NativeRequest, finite, input_extra, parse_native
 
@@ -192,7 +193,7 @@ async def _serve(request: Request, state: ServerState, req: NativeRequest, promp
     if gen is None:
         return Response(status_code=499)
     tok = state.llm.tokenizer
-    answer = NativeAnswer(req, jobs, [tok.decode(ids) for ids in prompt_ids], state.model_name,
+    answer = NativeAnswer(req, jobs, [tok.decode(ids) for ids in prompt_ids], answer_name(request, state),
                           state.llm.max_model_len, arrival)
     results = {job.index: Result(job.index, job.prompt_ids) for job in jobs}
     if req.stream:

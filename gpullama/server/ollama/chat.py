@@ -30,7 +30,7 @@ from ..pipeline.generation import Generation, Job, start_generation
 from ..pipeline.infill import fim_prompt_ids
 from ..pipeline.intake import prepare_size, read_model_body
 from ..pipeline.sampling import SamplingOptions, sampling_params
-from ..registry import find_model, use_model
+from ..registry import answer_name, find_model, use_model
 from ..state import ServerState
 from .request import (
     GENERATE_NAMES,
@@ -125,7 +125,7 @@ async def _answer(request: Request, state: ServerState, ids: list[int], opts: Sa
         return Response(status_code=499)
     shaper = ChatOutputShaper(plan, prompt) if plan is not None else None
     answer = OllamaAnswer(shaper if shaper is not None and shaper.active else None, "content" if chat else "response")
-    model = state.model_name
+    model = answer_name(request, state)
     output_ids: list[int] = []
 
     def line(fields: dict[str, Any], done: bool = False) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ..http.streaming import DONE, ClientDisconnected, StreamResponse, event, un
 from ..pipeline.chat_output import ChatOutputShaper
 from ..pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ..pipeline.sampling import check_choices
+from ..registry import answer_name
 from ..state import BUILD_INFO, ServerState
 
 log = logging.getLogger("gpullama.server")
@@ -244,8 +245,8 @@ async def serve_choices(request: Request, state: ServerState, answer: Answer, st
     if answer.verbose:
         answer.prompt_text = state.llm.tokenizer.decode(answer.jobs[0].prompt_ids)
     if stream:
-        return _stream_response(answer, gen, state.model_name)
-    return await _full_response(request, answer, gen, state.model_name)
+        return _stream_response(answer, gen, answer_name(request, state))
+    return await _full_response(request, answer, gen, answer_name(request, state))
 
 
 def verbose_result(answer: Answer, gen: Generation, model: str, text: str, finish: str | None,

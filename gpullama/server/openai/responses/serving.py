@@ -29,6 +29,7 @@ from ...pipeline.chat_plan import DEFAULTS, ChatPlan, image_input, plan_chat, re
 from ...pipeline.generation import Generation, Job, prompt_progress, start_generation
 from ...pipeline.intake import read_json_for_model
 from ...pipeline.sampling import sampling_params
+from ...registry import answer_name
 from ...state import ChatDefaults, check_model
 from .items import Event, OutputItems
 from .request import NAMES, ResponsesRequest, parse_responses
@@ -96,7 +97,7 @@ async def create_response(request: Request) -> Response:
     images = image_input(state)
     size = _input_size(req) if images["vision"] is None else 1 << 62  # images are encoded off the event loop
     plan, prompt, ids = await off_loop_if_long(size, prepare, state.llm.tokenizer, req, state.config.chat, images)
-    response = ResponseObject(req, state.model_name)
+    response = ResponseObject(req, answer_name(request, state))
     job = Job(0, ids, sampling_params(req.options), request_id=response.id)
     gen = await start_generation(request, state, [job], arrival)
     if gen is None:
