@@ -18,6 +18,7 @@ import httpx
 import pytest
 from playwright.sync_api import sync_playwright
 
+from tests.server.conftest import start_server, stop_server
 from tests.server.helpers import API_KEY
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -118,6 +119,7 @@ def test_a_question_is_answered_in_streamed_text_with_timings(context, server) -
                                                           headers={"authorization": f"Bearer {API_KEY}"}).json()[
         "model_alias"]
     assert "8,192 tokens" in page.text_content("#model-meta")
+    assert page.is_hidden("#model-select")  # one model: no selector
     send(page, "What is the capital of France?")
     # text shows while the answer is still streaming (the Stop button is up), then the timings
     page.wait_for_function("""() => {
@@ -402,3 +404,57 @@ def test_the_policy_blocks_the_page_from_reaching_elsewhere_and_the_guard_sees_w
         assert context.outside == ["http://198.51.100.7/elsewhere"]
     finally:
         context.close()
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_model, tmp_path_factory: pytest.TempPathFactory):
+    """A server of two tiny random llamas, tiny-a (the default, loaded at start) and tiny-b (loaded on demand)."""
+    srv = start_server(None, tmp_path_factory.mktemp("webui-two") / "server.log",
+                       ["--model", f"tiny-a={tiny_model('llama', seed=0).path}",
+                        "--model", f"tiny-b={tiny_model('llama', seed=1).path}", "--log-stats-interval", "0"])
+    yield srv
+    stop_server(srv)
+
+
+def test_the_model_selector_lists_the_models_and_asks_the_chosen_one(browser, two_models, tmp_path: Path) -> None:
+    """On a server of several models the page lists them from /v1/models with their state; the one chosen is the
+    request's `model`, and the answer is that model's (its own API's answer to the same body, not the other's)."""
+    context = new_context(browser, two_models, accept_downloads=True)
+    try:
+        page = open_page(context, two_models, settings=json.dumps({"temperature": "0", "max_tokens": "8"}))
+        wait_for_model(page)
+        page.wait_for_function("() => document.getElementById('model-select').options.length === 2")
+        select = page.locator("#model-select")
+        assert select.is_visible() and page.is_hidden("#model-name")
+        assert select.locator("option").all_text_contents() == ["tiny-a (loaded)", "tiny-b (unloaded)"]
+        assert select.input_value() == "tiny-a"
+        asked: list[dict] = []
+        page.on("request", lambda r: asked.append(r.post_data_json) if r.url.endswith("/v1/chat/completions")
+                else None)
+        select.select_option("tiny-b")
+        page.wait_for_function("() => document.getElementById('model-select').options[1].textContent"
+                               " === 'tiny-b (loaded)'")  # choosing it loaded it
+        wait_for_model(page)
+        send(page, "Hi")
+        answer = wait_answer_done(page)
+        assert answer.locator(".message-error").is_hidden()
+        [body] = asked
+        assert body["model"] == "tiny-b"
+        with page.expect_download() as download:
+            page.click("#export-chat")
+        shown = json.loads(Path(download.value.path()).read_text())["conversations"][0]["messages"][-1]["content"]
+        replies = {}
+        for name in ("tiny-a", "tiny-b"):
+            reply = httpx.post(f"{two_models.base_url}/v1/chat/completions", timeout=300,
+                               headers={"authorization": f"Bearer {API_KEY}"},
+                               json={**{k: v for k, v in body.items() if not k.startswith("stream")}, "model": name})
+            assert reply.status_code == 200, reply.text
+            replies[name] = reply.json()["choices"][0]["message"]["content"]
+        assert shown == replies["tiny-b"] != replies["tiny-a"]
+        page.reload()  # the choice is kept
+        page.wait_for_selector("html[data-ready=true]")
+        page.wait_for_function("() => document.getElementById('model-select').value === 'tiny-b'")
+        assert not page.errors
+    finally:
+        context.close()
+    assert context.outside == []

@@ -1,5 +1,6 @@
-// The server's own API, by relative URL (so the page works below a proxy's path prefix): the model's properties
-// (GET props) and a streamed chat completion (POST v1/chat/completions), with the timings measured here.
+// The server's own API, by relative URL (so the page works below a proxy's path prefix): the served models
+// (GET v1/models), a model's properties (GET props) and a streamed chat completion (POST v1/chat/completions),
+// with the timings measured here.
 
 /** An answer other than 2xx, or an error event in the stream: the server's own message, its status and body. */
 export class ServerError extends Error {
@@ -26,11 +27,25 @@ async function errorOf(response) {
   return new ServerError(message, response.status, body);
 }
 
-/** llama.cpp's GET /props: model_alias, default_generation_settings.n_ctx, modalities, build_info. */
-export async function fetchProps(apiKey) {
-  const response = await fetch("props", { headers: authHeaders(apiKey), cache: "no-store" });
+/**
+ * llama.cpp's GET /props: model_alias, default_generation_settings.n_ctx, modalities, build_info; of `model` (its
+ * `?model=`, which loads it on a server of several models) or of the default model.
+ */
+export async function fetchProps(apiKey, model = null) {
+  const url = model ? `props?model=${encodeURIComponent(model)}` : "props";
+  const response = await fetch(url, { headers: authHeaders(apiKey), cache: "no-store" });
   if (!response.ok) throw await errorOf(response);
   return response.json();
+}
+
+/**
+ * GET /v1/models: the served models, each {id, status?: {value, failed?}, parent?} (a server of several models
+ * gives each one's status, llama.cpp's router mode; a LoRA adapter names its base model as `parent`, as vLLM's).
+ */
+export async function fetchModels(apiKey) {
+  const response = await fetch("v1/models", { headers: authHeaders(apiKey), cache: "no-store" });
+  if (!response.ok) throw await errorOf(response);
+  return (await response.json()).data || [];
 }
 
 /** The server-sent events of `response`, each parsed from its JSON `data:` line(s), until `[DONE]`. */

@@ -1,7 +1,7 @@
 // The chat page: the conversation list, the composer, and one generation at a time over the server's own
 // OpenAI endpoint (api.js); conversations are kept in this browser (store.js).
 
-import { fetchProps, ServerError, streamChat } from "./api.js";
+import { fetchModels, fetchProps, ServerError, streamChat } from "./api.js";
 import { copyText } from "./markdown.js";
 import { apiKey, currentSettings, requestFields, setupSettings } from "./settings.js";
 import {
@@ -12,11 +12,14 @@ import { createMessage, drawMessage, editMessage } from "./view.js";
 const $ = (id) => document.getElementById(id);
 const narrow = window.matchMedia("(max-width: 640px)"); // phone width: Enter breaks the line, the list is a drawer
 const TITLE_CHARS = 60;
+const MODEL_KEY = "gpullama.model"; // the model chosen in the selector (a server of several models)
 
 const state = {
   conversations: [], // every stored conversation, newest first
   current: null, // the open conversation
-  props: null, // the server's GET /props
+  props: null, // the server's GET /props (of the chosen model)
+  models: [], // the server's GET /v1/models: the selector lists them when there are several
+  model: localStorage.getItem(MODEL_KEY), // the chosen model's name (null: the server's default)
   generation: null, // {controller, message} while an answer streams
   attachments: [], // data: URLs of the images to send with the next message
   query: "",
@@ -27,12 +30,21 @@ const elements = new Map(); // message id -> its <article>
 
 async function loadProps() {
   try {
-    state.props = await fetchProps(apiKey());
+    state.props = await fetchProps(apiKey(), state.model);
   } catch (error) {
+    if (error instanceof ServerError && error.status === 404 && state.model) {
+      chooseModel(null); // the chosen model is no longer served: the default one
+      return;
+    }
     if (error instanceof ServerError && error.status === 401) {
       $("model-name").textContent = "API key needed";
       $("model-meta").textContent = "";
       openSettings("This server needs an API key (its --api-key): enter it below.");
+      return;
+    }
+    if (error instanceof ServerError && error.status === 500 && state.model) {
+      $("model-meta").textContent = error.message; // the chosen model cannot load: say why, let another be chosen
+      loadModels();
       return;
     }
     $("model-name").textContent = error.status === 503 ? "the model is loading…" : "server unreachable";
@@ -48,6 +60,49 @@ async function loadProps() {
     ["text", ...modalities].join(", ")].filter(Boolean).join(" · ");
   $("model-info").title = `${props.model_path || ""} (${props.build_info || ""})`;
   $("attach").hidden = !props.modalities?.vision;
+  loadModels();
+}
+
+/** The selector's line for a model: its name, the base model of an adapter, and its state (loaded, ...). */
+function modelLabel(model) {
+  const status = model.status ? (model.status.failed ? "failed" : model.status.value) : "";
+  return `${model.id}${model.parent ? ` · adapter of ${model.parent}` : ""}${status ? ` (${status})` : ""}`;
+}
+
+/** Fetch the served models and draw the selector: hidden when the server serves one model. */
+async function loadModels() {
+  try {
+    state.models = await fetchModels(apiKey());
+  } catch {
+    return; // the selector keeps what it showed; the next answer tries again
+  }
+  const select = $("model-select");
+  select.hidden = state.models.length < 2;
+  $("model-name").hidden = !select.hidden;
+  if (select.hidden) return;
+  const chosen = state.model || state.props?.model_alias;
+  const same = select.options.length === state.models.length
+    && state.models.every((model, i) => select.options[i].value === model.id);
+  if (same) { // only the states changed: relabel in place (an open list stays open)
+    state.models.forEach((model, i) => { select.options[i].textContent = modelLabel(model); });
+    return;
+  }
+  select.replaceChildren(...state.models.map((model) => {
+    const option = document.createElement("option");
+    option.value = model.id;
+    option.textContent = modelLabel(model);
+    option.selected = model.id === chosen;
+    return option;
+  }));
+}
+
+/** Ask with `name` from now on (null: the server's default): its properties are fetched, which loads it. */
+function chooseModel(name) {
+  state.model = name;
+  if (name) localStorage.setItem(MODEL_KEY, name);
+  else localStorage.removeItem(MODEL_KEY);
+  $("model-meta").textContent = name ? "loading…" : "";
+  loadProps();
 }
 
 function contextSize() {
@@ -67,7 +122,8 @@ function requestBody(conversation, upTo, continuing) {
     messages.push({ role: m.role, content });
   }
   const body = { messages, ...requestFields(settings) };
-  if (state.props?.model_alias) body.model = state.props.model_alias;
+  const model = state.model || state.props?.model_alias;
+  if (model) body.model = model;
   if (continuing) Object.assign(body, { continue_final_message: true, add_generation_prompt: false });
   return body;
 }
@@ -144,6 +200,7 @@ async function generate(conversation, message, continuing = false) {
     if (!message.reasoning) delete message.reasoning;
     setBusy(false);
     redraw(message);
+    if (state.models.length > 1) loadModels(); // the states of the models may have changed
     await persist(conversation);
   }
 }
@@ -456,6 +513,8 @@ function wire() {
     }
   });
   $("prompt").addEventListener("input", growPrompt);
+  $("model-select").addEventListener("change", (event) => chooseModel(event.target.value));
+  $("model-select").addEventListener("focus", loadModels);
   $("stop").addEventListener("click", () => state.generation?.controller.abort());
   document.addEventListener("keydown", (event) => {
     if (event.key === "Escape" && state.generation && !$("settings").open) state.generation.controller.abort();
