@@ -134,3 +134,66 @@ def test_a_bad_budget_is_refused_at_start(files) -> None:
     done = subprocess.run([sys.executable, "-m", "gpullama.server", "--model", str(files["tiny-a"]),
                            "--max-model-memory", "lots"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--max-model-memory" in done.stderr and "'LOTS'" in done.stderr
+
+
+class _FakeLLM:
+    """What the registry reads of a loaded model, with a size of our choosing."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory_bytes = nbytes
+        self.device = "cpu"
+        self.max_model_len = 16
+
+
+class _FakeEngine:
+    is_alive = True
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_registry_evicts_by_measured_bytes_and_waits_for_busy_models(tmp_path: Path) -> None:
+    """The registry alone, on models whose files it cannot estimate (need 0 before the first load) and whose
+    measured sizes are given: a load that turns out over budget unloads the least recently used idle model; one
+    too large alone is dropped with model_too_large; once measured, a load waits while the only model it could
+    unload is busy, and goes on when that one is let go."""
+    import asyncio
+
+    from gpullama.server.http.errors import APIError
+    from gpullama.server.state import ServerConfig, ServerState
+
+    sizes = {"a": 40, "b": 50, "huge": 200, "d": 60}
+    paths = {name: str(tmp_path / f"{name}.gguf") for name in sizes}  # not there: no estimate before a load
+    loader = (lambda config: (_FakeLLM(sizes[Path(config.engine.model).stem]), lambda llm: _FakeEngine()))
+    config = ServerConfig(engine=EngineArgs(model=paths["a"]), models=list(paths.items()), max_model_memory=100,
+                          log_stats_interval=0, keep_alive=-1.0)
+
+    async def scenario() -> None:
+        server = ServerState(config, loader)
+        m = server.models
+
+        def loaded() -> set[str]:
+            return {name for name, entry in m.items() if entry.status == "loaded"}
+
+        await m["a"].ensure_loaded()
+        await m["b"].ensure_loaded()
+        assert loaded() == {"a", "b"}  # 90 of 100
+        with pytest.raises(APIError) as too_large:
+            await m["huge"].ensure_loaded()
+        assert too_large.value.status == 500 and too_large.value.code == "model_too_large"
+        assert "even alone" in too_large.value.message and m["huge"].status == "failed"
+        assert loaded() == {"a", "b"}  # nothing stays unloaded for it
+        m["a"].hold(None)
+        m["a"].release()  # a used after b: b is the least recently used
+        await m["d"].ensure_loaded()  # estimated 0, measured 60: 150 > 100, so b goes
+        assert loaded() == {"a", "d"}
+        m["d"].hold(None)  # busy: it cannot be unloaded
+        waiting = asyncio.ensure_future(m["b"].ensure_loaded())  # measured 50 now: room is made before loading
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and m["b"].status == "loading" and loaded() == {"d"}  # a went; d is busy
+        m["d"].release()  # idle: unloaded to make room
+        await asyncio.wait_for(waiting, 30)
+        assert loaded() == {"b"}
+        server.shutdown()
+
+    asyncio.run(scenario())
