@@ -12,7 +12,15 @@ if TYPE_CHECKING:
     from gpullama.engine.args import EngineArgs
     from gpullama.llm import LLM
     from gpullama.lora_request import LoRARequest
-    from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput, StreamDelta, TokenLogprob, TopLogprob
+    from gpullama.outputs import (
+        Completion,
+        CompletionOutput,
+        EmbeddingOutput,
+        RerankResult,
+        StreamDelta,
+        TokenLogprob,
+        TopLogprob,
+    )
     from gpullama.pooling_params import PoolingParams
     from gpullama.sampling_params import SamplingParams
     from gpullama.structured.spec import StructuredOutput
@@ -29,6 +37,7 @@ _EXPORTS = {
     "CompletionOutput": "gpullama.outputs",
     "StreamDelta": "gpullama.outputs",
     "EmbeddingOutput": "gpullama.outputs",
+    "RerankResult": "gpullama.outputs",
     "PoolingParams": "gpullama.pooling_params",
     "TokenLogprob": "gpullama.outputs",
     "TopLogprob": "gpullama.outputs",
@@ -37,6 +46,7 @@ __all__ = [
     "Completion",
     "CompletionOutput",
     "EmbeddingOutput",
+    "RerankResult",
     "EngineArgs",
     "LLM",
     "LoRARequest",

@@ -73,6 +73,10 @@ class ModelConfig:
     post_norms: bool = False  # gemma2/3: RMSNorm on the attention and MLP outputs before the residual add
     activation: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
     pooling_type: str = "last"  # how an embedding pools the hidden states: `{arch}.pooling_type`, else last token
+    # a reranker (pooling_type "rank"): its classification head's output labels (`{arch}.classifier.output_labels`)
+    # and whether the head's outputs go through a softmax (qwen3: the yes/no logits, as llama.cpp's build_pooling)
+    classifier_labels: tuple[str, ...] = ()
+    rank_softmax: bool = False
     ffn_norm_tensor: str = "ffn_norm"  # the pre-MLP norm's tensor (gpt-oss: post_attention_norm)
     attn_output_bias: bool = False  # gpt-oss: the attention output projection carries a bias
     attn_sinks: bool = False  # gpt-oss: a learned sink logit per head joins each softmax (tensor attn_sinks)
@@ -264,6 +268,8 @@ class ModelConfig:
         if pooling is not None:  # llama.cpp's values; "none" (per-token vectors) pools by the last token here
             kind = POOLING_TYPES.get(int(pooling), "last")
             config.pooling_type = "last" if kind == "none" else kind
+        config.classifier_labels = tuple(str(v) for v in opt("classifier.output_labels") or ())
+        config.rank_softmax = arch in _RANK_SOFTMAX
         if config.rotary_dim > head_dim or config.rotary_dim % 2:
             raise ValueError(
                 f"{path}: '{arch}.rope.dimension_count' = {config.rotary_dim} must be even and at most the head "
@@ -276,6 +282,10 @@ class ModelConfig:
             family(config, get, opt, path)
         return config
 
+
+_RANK_SOFTMAX = ("qwen3",)
+"""The families whose reranker head's outputs go through a softmax (llama.cpp's `build_pooling`: Qwen3-Reranker's
+yes/no logits become the probability of each)."""
 
 _YARN_LOG_MULTIPLIER = ("deepseek2",)
 """The families whose reader applies `rope.scaling.yarn_log_multiplier` (DeepSeek's softmax scale)."""

@@ -26,8 +26,9 @@ from gpullama.gguf_file import read_gguf
 from gpullama.hub import ALIASES, resolve_model
 from gpullama.lora import Adapter, load_adapter
 from gpullama.lora_request import LoRARequest
-from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput
-from gpullama.pooling_params import PoolingParams
+from gpullama.outputs import Completion, CompletionOutput, EmbeddingOutput, RerankResult
+from gpullama.pooling_params import RANK, PoolingParams
+from gpullama.rerank import RerankFormat, score_pairs
 from gpullama.sampling_params import SamplingParams
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.tokenizer import Tokenizer
@@ -151,6 +152,7 @@ class LLM:
             self.metadata = {**self.metadata, "tokenizer.chat_template": args.chat_template}
         step("building the tokenizer")
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
+        self.rerank_format = RerankFormat.from_metadata(self.metadata, self.tokenizer)
         if tp_size > 1:
             step(f"starting {local_ranks - 1} tensor-parallel worker processes"
                  + (f", waiting for {rendezvous.nnodes - 1} other nodes" if rendezvous.multi_node else ""))
@@ -383,7 +385,11 @@ class LLM:
             inputs = [inputs]
         if not isinstance(inputs, list) or not inputs:
             raise ValueError("embed() needs a text, a list of token ids, or a non-empty list of them")
-        prompts = [self._encode_prompt(p) for p in inputs]
+        seqs = self._pool([self._encode_prompt(p) for p in inputs], pooling, "embedding")
+        return [EmbeddingOutput(seq.embedding, seq.prompt_token_ids) for seq in seqs]
+
+    def _pool(self, prompts: list[list[int]], pooling: PoolingParams | None, what: str) -> list:
+        """Run `prompts` as pooled (never sampled) requests in one continuous batch; their finished sequences."""
         with self._lock:
             engine = self.engine
             seqs = [engine.admit_embedding(f"llm-{next(self._ids)}", ids, pooling) for ids in prompts]
@@ -397,8 +403,44 @@ class LLM:
                     engine.abort(seq.request_id, notify=False)
         failed = next((seq for seq in seqs if seq.embedding is None), None)
         if failed is not None:
-            raise EngineError(f"embedding failed: {_error_text(failed.error)}")
-        return [EmbeddingOutput(seq.embedding, seq.prompt_token_ids) for seq in seqs]
+            raise EngineError(f"{what} failed: {_error_text(failed.error)}")
+        return seqs
+
+    @property
+    def is_reranker(self) -> bool:
+        """Whether the model reranks: a GGUF with pooling_type rank and a classification head (`gpullama.rerank`)."""
+        return self.engine.limits.reranker
+
+    def rerank_prompt(self, query: str, document: str) -> list[int]:
+        """The token ids of one (query, document) pair, as llama.cpp's server builds them (`gpullama.rerank`)."""
+        return self.rerank_format.prompt_ids(self.tokenizer, query, document)
+
+    def _pair_scores(self, pairs: list[tuple[str, str]]) -> list[tuple[float, int]]:
+        """Each (query, document) pair's score and prompt token count, as one continuous batch."""
+        if not self.is_reranker:
+            raise ValueError(f"{Path(self.path).name} is not a reranker (a GGUF with pooling_type rank and a "
+                             "classification head, cls.output.weight): it cannot rerank or score")
+        prompts = [self.rerank_prompt(q, d) for q, d in pairs]
+        seqs = self._pool(prompts, PoolingParams(normalize=False, kind=RANK), "scoring")
+        return [(float(seq.embedding[0]), len(seq.prompt_token_ids)) for seq in seqs]
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[RerankResult]:
+        """Rank `documents` by their relevance to `query` with a reranker model (llama.cpp's ``/rerank``): the
+        results, best first (the first `top_n` of them when given), each with its index in `documents`, its score
+        and its prompt's token count. ValueError for a model that is not a reranker or a document too long."""
+        if not isinstance(query, str):
+            raise ValueError(f"query must be a string, got {type(query).__name__}")
+        documents = _texts(documents, "documents")
+        scored = self._pair_scores([(query, d) for d in documents])
+        results = [RerankResult(i, score, documents[i], n) for i, (score, n) in enumerate(scored)]
+        results.sort(key=lambda r: -r.relevance_score)  # stable: equal scores keep the documents' order
+        return results if top_n is None else results[:top_n]
+
+    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[float]:
+        """vLLM's ``LLM.score`` for a reranker: the score of `text_1` (the query) against each text of `text_2`
+        (1:N), or of each pair of two lists of one length (N:N), in pair order; each pair is prompted as `rerank`
+        prompts a (query, document) pair."""
+        return [s for s, _ in self._pair_scores(score_pairs(_texts(text_1, "text_1"), _texts(text_2, "text_2")))]
 
     def logits(self, token_ids: list[int], lora=None) -> torch.Tensor:
         """Next-token logits at every position of `token_ids`, float32 ``[len(token_ids), vocab]``, one forward pass
@@ -432,6 +474,14 @@ class LLM:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def _texts(value: str | list[str], name: str) -> list[str]:
+    """A text or a non-empty list of texts, as a list; ValueError naming `name` otherwise."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"{name} must be a string or a non-empty list of strings")
+    return texts
 
 
 def _error_text(error: BaseException | None) -> str | None:

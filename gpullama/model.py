@@ -120,6 +120,42 @@ class MoeWeights:
     shared_gate: torch.Tensor | None = None  # [H]: the shared expert's output is scaled by sigmoid(x . shared_gate)
 
 
+@dataclass
+class RankHead:
+    """A reranker's classification head over its pooled hidden state (llama.cpp's `build_pooling`, pooling rank):
+    ``cls`` (+ bias) then tanh where the file has one, ``cls.output`` (+ bias), then a softmax where the family says
+    (`ModelConfig.rank_softmax`); float32 on the CPU (a few rows)."""
+
+    out: torch.Tensor  # cls.output.weight [labels, H']
+    out_bias: torch.Tensor | None = None
+    dense: torch.Tensor | None = None  # cls.weight [H', H]
+    dense_bias: torch.Tensor | None = None
+    softmax: bool = False
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, QTensor], softmax: bool) -> RankHead | None:
+        """The head the file holds (whole, never sharded: it runs on rank 0's pooled rows), or None."""
+        def dense(name: str) -> torch.Tensor | None:
+            t = tensors.get(name)
+            return None if t is None else t.dequantize(torch.float32).cpu()
+
+        out = dense("cls.output.weight")
+        if out is None:
+            return None
+        return cls(out, dense("cls.output.bias"), dense("cls.weight"), dense("cls.bias"), softmax)
+
+    def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The head's outputs for one pooled hidden state ``[H]`` (the first is the reranker's score)."""
+        x = pooled.float().cpu()
+        if self.dense is not None:
+            x = self.dense @ x
+            x = torch.tanh(x + self.dense_bias if self.dense_bias is not None else x)
+        x = self.out @ x
+        if self.out_bias is not None:
+            x = x + self.out_bias
+        return torch.softmax(x, dim=0) if self.softmax else x
+
+
 def unpermute_qk_rows(rows: int, num_heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's Q/K permutation (it interleaves the two rotary halves of each head)."""
     head_dim = rows // num_heads
@@ -263,6 +299,8 @@ class Decoder:
         self.vocab_start = plan.vocab_start(tensors["token_embd.weight"].shape[0])
         self.vocab_rows = embedding.shape[0]
         self.scale = c.attention_scale or c.head_dim**-0.5
+        # a reranker's classification head (None for other models), applied to its pooled last hidden state
+        self.rank_head = RankHead.from_tensors(tensors, c.rank_softmax)
         del self._tensors
         # the backend's one-call form of the layer loop (`ops.layer_stack`), built for the first pool it sees; off:
         # the loop below, one op at a time

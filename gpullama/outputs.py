@@ -59,6 +59,17 @@ class EmbeddingOutput:
 
 
 @dataclass
+class RerankResult:
+    """One document's place in a reranking: its index in the documents given, its score (the reranker's first
+    output: for Qwen3-Reranker the probability of "yes"), the document itself and its prompt's token count."""
+
+    index: int
+    relevance_score: float
+    document: str
+    num_prompt_tokens: int
+
+
+@dataclass
 class StreamDelta:
     """What one engine step added to one request: new text, new token ids and, at the end, why it finished."""
 

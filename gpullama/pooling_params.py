@@ -7,6 +7,7 @@ from dataclasses import dataclass
 # GGUF's `{arch}.pooling_type` values (llama.cpp's enum llama_pooling_type)
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 POOLING_KINDS = ("mean", "cls", "last", "none")  # what an embedding can be pooled by (none: one vector per token)
+RANK = "rank"  # a reranker's pooling: the last token's hidden state through the model's classification head
 
 
 @dataclass
@@ -14,8 +15,9 @@ class PoolingParams:
     """An embedding request's options: `normalize` (L2-normalise the vector, the default, as the OpenAI API's
     embeddings are), `dimensions` (keep only the first N values, then renormalise: Matryoshka truncation, the
     OpenAI API's `dimensions`), `kind`: how the hidden states are pooled, mean, cls, last token, or none (one vector
-    per token, never normalised: llama.cpp's ``--pooling none``); None, the model's (`ModelConfig.pooling_type`),
-    which the engine sets."""
+    per token, never normalised: llama.cpp's ``--pooling none``), or `RANK` (a reranker's scores: the classification
+    head's outputs, the first being the score; see `gpullama.rerank`); None, the model's
+    (`ModelConfig.pooling_type`), which the engine sets."""
 
     normalize: bool = True
     dimensions: int | None = None
@@ -25,8 +27,8 @@ class PoolingParams:
         """Check the fields; ValueError naming the field."""
         if not isinstance(self.normalize, bool):
             raise ValueError(f"PoolingParams.normalize must be a boolean, got {type(self.normalize).__name__}")
-        if self.kind not in POOLING_KINDS:
-            raise ValueError(f"PoolingParams.kind must be one of {POOLING_KINDS}, got {self.kind!r}")
+        if self.kind not in (*POOLING_KINDS, RANK):
+            raise ValueError(f"PoolingParams.kind must be one of {(*POOLING_KINDS, RANK)}, got {self.kind!r}")
         d = self.dimensions
         if d is not None:
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:

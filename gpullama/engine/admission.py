@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpullama.checks import RequestError, check_count, kind
-from gpullama.pooling_params import PoolingParams
+from gpullama.pooling_params import RANK, PoolingParams
 from gpullama.sampling_params import SamplingParams
 
 MAX_STOP = 4  # stop strings, as the OpenAI API allows
@@ -29,6 +29,7 @@ class AdmissionLimits:
     kv_capacity_tokens: int
     hidden_size: int = 0  # the embedding size (0: unknown)
     pooling_type: str = "last"  # the model's pooling (ModelConfig.pooling_type)
+    reranker: bool = False  # pooling_type rank and a classification head (`gpullama.model.RankHead`): it scores
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
@@ -89,7 +90,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
 def check_embedding_request(prompt_token_ids: list[int], pooling: PoolingParams, limits: AdmissionLimits) -> None:
     """Validate an embedding request: a prompt of 1 to `max_model_len` token ids inside the vocabulary and the KV
     pool (nothing is generated, so the whole context is the prompt's), pooling options within the model's size, and
-    a model that pools (not a reranker). Raises RequestError naming the field."""
+    a model that pools (not a reranker); a reranker's request (kind `RANK`), a model that is one. Raises RequestError
+    naming the field."""
     if not isinstance(prompt_token_ids, list):
         raise RequestError(f"the input must be a list of token ids, got {kind(prompt_token_ids)}", "prompt")
     n, limit, vocab = len(prompt_token_ids), limits.max_model_len, limits.vocab_size
@@ -105,7 +107,12 @@ def check_embedding_request(prompt_token_ids: list[int], pooling: PoolingParams,
     if bad:
         raise RequestError(f"input token id {str(bad[0])[:30]} is out of range: the vocabulary has {vocab} tokens",
                            "prompt")
-    if limits.pooling_type == "rank":
+    if pooling.kind == RANK:
+        if not limits.reranker:
+            raise RequestError("this model is not a reranker (a GGUF with pooling_type rank and a classification head, "
+                               "cls.output.weight): it cannot rerank or score", "model")
+        return
+    if limits.pooling_type == RANK:
         raise RequestError("this model is a reranker (pooling_type rank): it has no embeddings", "model")
     try:
         pooling.validate(limits.hidden_size or None)

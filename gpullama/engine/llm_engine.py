@@ -21,7 +21,7 @@ from gpullama.engine.stats import EngineStats
 from gpullama.engine.structured_output import StructuredOutputManager
 from gpullama.model import Decoder
 from gpullama.outputs import StreamDelta, TokenLogprob, TopLogprob
-from gpullama.pooling_params import PoolingParams
+from gpullama.pooling_params import RANK, PoolingParams
 from gpullama.sampling_params import SamplingParams
 from gpullama.vision import ImageSpan
 
@@ -49,7 +49,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.limits = AdmissionLimits(model.config.vocab_size, config.max_model_len, self.kv_capacity_tokens,
-                                      model.config.hidden_size, model.config.pooling_type)
+                                      model.config.hidden_size, model.config.pooling_type,
+                                      model.config.pooling_type == RANK and model.rank_head is not None)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)
@@ -112,9 +113,12 @@ class LLMEngine:
                         pooling: PoolingParams | None = None) -> Sequence:
         """Check an embedding request (`gpullama.engine.admission.check_embedding_request`) and build its sequence:
         prefill only, pooled as `pooling.kind` says (None: the model's pooling type), its KV blocks not kept; queue it
-        with `add`."""
+        with `add`. A reranker's request (kind `RANK`) ends with the classification head's outputs as its
+        embedding, the first being its score."""
         pooling = pooling or PoolingParams()
-        pooling = dataclasses.replace(pooling, kind=pooling.kind or self.limits.pooling_type)
+        model_kind = self.limits.pooling_type
+        # a reranker's own pooling gives scores, not an embedding: only a request that asks for RANK gets them
+        pooling = dataclasses.replace(pooling, kind=pooling.kind or (None if model_kind == RANK else model_kind))
         check_embedding_request(prompt_token_ids, pooling, self.limits)
         return Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 0, pooling=pooling)
 
@@ -295,9 +299,11 @@ class LLMEngine:
     def _finish_embedding(self, seq: Sequence) -> StreamDelta:
         """An embedding request whose whole prompt is computed: its pooled vector (mean: the sum over its tokens
         divided by their count), cut to `dimensions`, L2-normalised when asked; or, pooled by none, one vector per
-        token, as computed; it leaves the engine."""
+        token, as computed; or, pooled by rank, the reranker head's outputs; it leaves the engine."""
         pooling = seq.pooling
         vector = seq.pooled.float().cpu()
+        if pooling.kind == RANK:  # a reranker: its head's outputs (the first is the score)
+            return self._end_embedding(seq, self.model.rank_head(vector).tolist())
         if pooling.kind == "none":
             return self._end_embedding(seq, (vector[:, : pooling.dimensions] if pooling.dimensions else vector).tolist())
         if pooling.kind == "mean":

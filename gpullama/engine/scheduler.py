@@ -19,8 +19,9 @@ class ScheduledBatch:
     extra query tokens of the step (counted in ``num_new_tokens[i]``), and logits come for its last token and each
     draft, so the engine can check the drafts and keep the accepted ones. The
     embedding requests in `pooling` never sample: the hidden states of the rows `pool_rows` names (per entry: the
-    sequence's place in `seqs` and which of its new rows: "all" for mean pooling, "last", "first", or "each" for
-    pooling none) come back pooled, one row per entry (one per row for "each": `pool_counts`).
+    sequence's place in `seqs` and which of its new rows: "all" for mean pooling, "last" (also a reranker's: its
+    last row, as llama.cpp pools a causal reranker), "first", or "each" for pooling none) come back pooled, one row
+    per entry (one per row for "each": `pool_counts`).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -42,7 +43,8 @@ class ScheduledBatch:
             self.pooling.append(seq)
             kind = seq.pooling.kind
             rows = "all" if kind == "mean" else "each" if kind == "none" else \
-                "last" if kind == "last" and end == seq.num_tokens else "first" if kind == "cls" and first == 0 else None
+                "last" if kind in ("last", "rank") and end == seq.num_tokens else \
+                "first" if kind == "cls" and first == 0 else None
             if rows is not None:
                 self.pool_rows.append((len(self.seqs) - 1, rows))
         elif end == seq.num_tokens:
