@@ -28,6 +28,7 @@ from .llamacpp import completion as llamacpp_completion
 from .llamacpp import embeddings as llamacpp_embeddings
 from .llamacpp import lora as llamacpp_lora
 from .llamacpp import props as llamacpp_props
+from .llamacpp.rerank import rerank
 from .ollama import chat as ollama_chat
 from .ollama import embed as ollama_embed
 from .ollama import models as ollama_models
@@ -40,6 +41,7 @@ from .registry import LeaseMiddleware
 from .state import ServerConfig, ServerState
 from .vllm import lora as vllm_lora
 from .vllm.health import health, metrics
+from .vllm.score import score
 from .vllm.tokenization import detokenize, tokenize, version
 from .webui import serving as webui
 
@@ -82,6 +84,9 @@ def routes() -> list[Route]:
         Route("/completions", llamacpp_completion.completion, methods=["POST"]),
         Route("/embeddings", llamacpp_embeddings.embeddings, methods=["POST"]),
         Route("/embedding", llamacpp_embeddings.embeddings, methods=["POST"]),
+        *(Route(path, rerank, methods=["POST"]) for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")),
+        Route("/v1/score", score, methods=["POST"]),
+        Route("/score", score, methods=["POST"]),
         Route("/infill", llamacpp_completion.infill, methods=["POST"]),
         Route("/apply-template", llamacpp_props.apply_template, methods=["POST"]),
         Route("/props", llamacpp_props.props, methods=["GET"]),
