@@ -64,5 +64,5 @@ async def rerank(request: Request) -> Response:
         if body.get("return_documents"):
             result["document"] = {"text": documents[i]}
         results.append(result)
-    return JSONResponse({"model": body.get("model") or state.model_name, "object": "list",
+    return JSONResponse({"model": state.model_name, "object": "list",
                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}, "results": results})
