@@ -101,7 +101,9 @@ def pull(alias: str, progress: bool = True) -> Path:
         if progress:
             print(text, file=sys.stderr, flush=True)
 
-    partial = target.with_suffix(".part")
+    # this process's own partial file: two pulls of one model at once (two servers starting, parallel test
+    # workers) each write their own, and the first to finish renames it into place
+    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
     try:
         with open(partial, "wb") as dst:
             for n, part in enumerate(source.parts, 1):
