@@ -10,7 +10,7 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "granitehybrid",
+    "glm4moe", "deepseek2", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "granitehybrid", "qwen2vl",
 )
 
 _MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, qwen35moe, gpt-oss, glm4moe, "
@@ -258,7 +258,7 @@ class ModelConfig:
             context_length=int(get("context_length", 2048)),
             rope_base=float(get("rope.freq_base", 10000.0)),
             rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
+            attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss", "qwen2vl"),
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             permuted_qk=arch in ("llama", "granite", "smollm3", "granitehybrid"),
             rotary_dim=int(opt("rope.dimension_count") or head_dim),
@@ -509,6 +509,17 @@ def _glm4moe(config: ModelConfig, get, opt, path: str) -> None:
                          f"not supported")
 
 
+def _qwen2vl(config: ModelConfig, get, opt, path: str) -> None:
+    """Qwen2-VL and Qwen2.5-VL's text model (`qwen2vl`): qwen2 with multi-axis rotary (M-RoPE,
+    `rope.dimension_sections`: time, height, width); a text token has the same position on every axis, so the
+    sections rotate as one plain rotary over the whole head (NeoX halves). Images, whose tokens take other positions
+    on each axis, are not read (their `qwen2vl_merger` / `qwen2.5vl_merger` projectors are refused)."""
+    sections = [int(x) for x in opt("rope.dimension_sections") or ()]
+    if sections and sum(sections) * 2 != config.rotary_dim:
+        raise ValueError(f"{path}: '{config.architecture}.rope.dimension_sections' {sections} do not cover the "
+                         f"{config.rotary_dim} rotary dims")
+
+
 def _lfm2(config: ModelConfig, get, opt, path: str) -> None:
     """LFM2 (`lfm2`): short-convolution layers (those with 0 in `attention.head_count_kv`) beside attention layers
     with q/k norms; a conv layer maps x to B, C and x' (`shortconv.in_proj`), convolves B * x' over the last
@@ -606,5 +617,5 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
     "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "lfm2moe": _lfm2, "qwen35": _qwen35,
-    "qwen35moe": _qwen35, "granitehybrid": _granitehybrid,
+    "qwen35moe": _qwen35, "granitehybrid": _granitehybrid, "qwen2vl": _qwen2vl,
 }

@@ -30,6 +30,11 @@ def idefics3_folder(default_model_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen2vl_folder(default_model_path: Path) -> Path:
+    return tiny_vlm_folder("qwen2vl", smollm2_tokenizer(default_model_path))
+
+
+@pytest.fixture(scope="module")
 def idefics3_hf(idefics3_folder):
     from transformers import AutoProcessor, Idefics3ForConditionalGeneration
 
@@ -175,3 +180,30 @@ def test_unsupported_projectors_are_refused_by_name(idefics3_folder, tmp_path, c
     assert main(["info", model, "--mmproj", str(path)]) == 0
     assert "text (mmproj-pixtral.gguf: projector pixtral is not supported; gpullama reads gemma3, idefics3)" in \
         capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
+def test_qwen2vl_text_model_equals_transformers_and_its_projector_is_refused(qwen2vl_folder, fast: bool) -> None:
+    """Qwen2-VL's text model (`qwen2vl`: M-RoPE, one position on every axis for text) loads as text: logits and
+    greedy tokens equal transformers' `Qwen2VLForConditionalGeneration`; its `qwen2vl_merger` mmproj beside it is
+    skipped, and refused by name when named."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    model_path = str(qwen2vl_folder / "qwen2vl-f32.gguf")
+    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=fast):
+        llm = LLM(model_path, device="cpu", **({} if fast else {"dtype": "float32"}))
+    assert llm.vision is None and isinstance(llm.model.ops, CpuOps) == fast
+    tok = AutoTokenizer.from_pretrained(qwen2vl_folder)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen2vl_folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "Hello, how are you today? Tell me a story about a cat."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    rel = ((llm.logits(ids) - want).abs().max() / want.abs().max()).item()
+    assert rel < (1e-3 if fast else 1e-4), f"max error {rel:.3g} of the largest logit"
+    out = llm.chat(messages, GREEDY)[0]
+    assert out.prompt_token_ids == ids and out.token_ids == ref[0, len(ids):].tolist()
+    if not fast:
+        with pytest.raises(ValueError, match="clip.projector_type 'qwen2vl_merger' is not supported"):
+            LLM(model_path, device="cpu", dtype="float32", mmproj=str(qwen2vl_folder / "mmproj-qwen2vl-f32.gguf"))

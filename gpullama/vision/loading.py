@@ -34,9 +34,9 @@ def find_mmproj(model_path: str) -> str | None:
 def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
     """The `VisionModel` of a loaded text model: `args.mmproj` (ValueError when it does not fit), else the file
     `find_mmproj` finds (skipped, with a log line, when it does not fit); None without one."""
-    from gpullama.gguf_file import ModelFileError
+    from gpullama.gguf_file import ModelFileError, read_header
     from gpullama.vision.prompt import VisionModel
-    from gpullama.vision.tower import VisionTower
+    from gpullama.vision.tower import VisionConfig, VisionTower
 
     explicit = args.mmproj
     path = os.fspath(explicit) if explicit else (None if args.no_mmproj else find_mmproj(model_path))
@@ -45,6 +45,7 @@ def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
     arch = model.config.architecture
     try:
         if arch not in ARCHITECTURES:
+            VisionConfig.from_metadata(read_header(path, text_model=False).metadata, path)  # names its projector
             raise ValueError(f"{Path(path).name}: images are supported for {', '.join(ARCHITECTURES)} models, "
                              f"not {arch}")
         if tp_size > 1:
