@@ -257,6 +257,41 @@ class ToolParser:
             c = yield
         return c
 
+    def _literal(self, c: Char, text: str) -> Scan:
+        """`text` starting at `c` (_Bad at the first character that differs); return the character after it."""
+        for expected in text:
+            if c is None:
+                raise EndOfText
+            if c != expected:
+                raise _Bad
+            c = yield
+        return c
+
+    def _one_of(self, c: Char, options: tuple[str, ...]) -> Scan:
+        """One of `options` starting at `c` (none is a prefix of another); return (which, the character after)."""
+        read = ""
+        while True:
+            if c is None:
+                raise EndOfText
+            read += c
+            if read in options:
+                return read, (yield)
+            if not any(o.startswith(read) for o in options):
+                raise _Bad
+            c = yield
+
+    def _until(self, c: Char, stop: str) -> Scan:
+        """The text from `c` up to `stop`; return (that text, the character after `stop`)."""
+        text: list[str] = []
+        n = len(stop)
+        while True:
+            if c is None:
+                raise EndOfText
+            text.append(c)
+            if c == stop[-1] and len(text) >= n and "".join(text[-n:]) == stop:
+                return "".join(text[:-n]), (yield)
+            c = yield
+
     def _string(self) -> Scan:
         """The rest of a JSON string after its opening quote, decoded."""
         decoder, out = _StringDecoder(), []

@@ -21,8 +21,9 @@ from gpullama.structured.spec import StructuredOutputError, ToolCallGrammar
 from gpullama.structured.tools import (
     TOOL_CALL_FORMATS,
     TaggedToolCallFormat,
-    is_string_only,
+    may_be_string,
     schema_properties,
+    value_types,
 )
 
 HEADER = '%llguidance {"no_forcing": true}\n'
@@ -167,10 +168,12 @@ def _raw_value(fmt: TaggedToolCallFormat, schema: dict, rule: str) -> list[str]:
     close = fmt.arg_close
     if isinstance(schema, dict) and ("const" in schema or "enum" in schema):
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        return [f"{rule}: " + " | ".join(lark_string(v + close) for v in values)]
+        texts = [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in values]
+        return [f"{rule}: " + " | ".join(lark_string(t + close) for t in texts)]
     core = close.rstrip()  # the tag itself: the value never holds it
-    low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
-    high = schema.get("maxLength", "") if isinstance(schema, dict) else ""
+    strings = isinstance(schema, dict) and value_types(schema) == {"string"}  # lengths bound strings only
+    low = schema.get("minLength", 0) if strings else 0
+    high = schema.get("maxLength", "") if strings else ""
     text, tag = "(.|\\n)", regex_escape(core)
     terminal = rule.upper()
     return [f"{rule}: {terminal}",
@@ -180,12 +183,12 @@ def _raw_value(fmt: TaggedToolCallFormat, schema: dict, rule: str) -> list[str]:
 
 def _tagged_call_rules(fmt: TaggedToolCallFormat, index: int, name: str, schema: dict) -> list[str]:
     """Rules of one call in a tagged format: its required arguments in the schema's order, then each optional
-    one or not; each value raw (string-only schemas) or compact, strict JSON."""
+    one or not; each value raw (schemas that allow a string, as llama.cpp's grammars) or compact, strict JSON."""
     rules, parts = [], []
     for j, (key, sub, required) in enumerate(schema_properties(schema)):
         rule = f"call_{index}_arg_{j}"
         head = lark_string(fmt.arg_prefix(key))
-        if is_string_only(sub):
+        if may_be_string(sub):
             rules += _raw_value(fmt, sub, f"{rule}_value")
             rules.append(f"{rule}: {head} {rule}_value")
         else:

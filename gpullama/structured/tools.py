@@ -82,9 +82,10 @@ def value_types(schema: Any) -> frozenset[str]:
     return JSON_TYPES
 
 
-def is_string_only(schema: Any) -> bool:
-    """Whether a value of `schema` can only be a string: tagged formats write it raw, not as JSON."""
-    return value_types(schema) == {"string"}
+def may_be_string(schema: Any) -> bool:
+    """Whether a value of `schema` may be a string: a tagged format's grammar writes it raw, not as JSON (the raw
+    text also spells the other types a parser reads first, as in llama.cpp's grammars)."""
+    return "string" in value_types(schema)
 
 
 def schema_properties(schema: Any) -> list[tuple[str, Any, bool]]:
@@ -99,8 +100,8 @@ def schema_properties(schema: Any) -> list[tuple[str, Any, bool]]:
 class TaggedToolCallFormat(ToolCallFormat):
     """Calls written as tags, one per argument (Qwen3-Coder's XML, GLM-4.5's ``<arg_key>``/``<arg_value>``):
     `call_open` with the function's name for ``{name}``, then each argument as `arg_open` (its key for ``{key}``),
-    the value, `arg_close`; then `call_close`. A value whose schema allows only strings is written raw, any other
-    as JSON (llama.cpp's typing). The grammar writes the required arguments in the schema's order, then any of the
+    the value, `arg_close`; then `call_close`. A string value is written raw, any other as JSON (llama.cpp's
+    typing). The grammar writes the required arguments in the schema's order, then any of the
     optional ones in theirs."""
 
     arg_open: str = ""
@@ -141,6 +142,9 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "llama3": ToolCallFormat("llama3", "parameters", sep="; "),
     # Mistral v3 ([TOOL_CALLS] spelled out when it is a control token)
     "mistral": ToolCallFormat("mistral", "arguments", sep=", ", open="[TOOL_CALLS][", close="]"),
+    # GLM-4.5 / 4.6 / 4.7 (<arg_key>/<arg_value> pairs)
+    "glm45": TaggedToolCallFormat("glm45", "", call_open="<tool_call>{name}\n", call_close="</tool_call>", sep="\n",
+                                  arg_open="<arg_key>{key}</arg_key>\n<arg_value>", arg_close="</arg_value>\n"),
     # Qwen3-Coder / Qwen3.5 XML (llama.cpp's qwen3-coder parser)
     "qwen3_coder": TaggedToolCallFormat("qwen3_coder", "", call_open="<tool_call>\n<function={name}>\n",
                                         call_close="</function>\n</tool_call>", sep="\n",

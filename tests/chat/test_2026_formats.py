@@ -42,6 +42,7 @@ CONVERSATION = [
 ]
 TEMPLATES = {  # format -> llama.cpp's real templates that write it
     "qwen3_coder": ["Qwen3-Coder.jinja", "Qwen3.5-4B.jinja"],
+    "glm45": ["GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
 }
 TEMPLATE_CASES = [(fmt, name) for fmt, names in TEMPLATES.items() for name in names]
 
@@ -89,9 +90,9 @@ def test_calls_the_template_writes_parse_back(fmt, name):
     template = ChatTemplate(_source(name), "<s>", "</s>")
     messages = template_messages(CONVERSATION)
     head = template.render(messages[:2], tools=TOOLS, add_generation_prompt=True)
-    whole = template.render(messages[:3], tools=TOOLS, add_generation_prompt=False)
+    whole = template.render(messages[:4], tools=TOOLS, add_generation_prompt=False)
     opening, end = TURN[fmt]
-    turn = whole[whole.rindex(opening) + len(opening):]
+    turn = whole[whole.index(opening) + len(opening):]  # the first assistant turn
     turn = turn[:turn.index(end)]
     out = FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(prompt_opens_reasoning(head))).parse(turn)
     assert _calls(out) == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
@@ -99,7 +100,7 @@ def test_calls_the_template_writes_parse_back(fmt, name):
     assert not out.content
 
 
-TURN = {"qwen3_coder": ("<|im_start|>assistant\n", "<|im_end|>")}  # an assistant turn's opening and end
+TURN = {"qwen3_coder": ("<|im_start|>assistant\n", "<|im_end|>"), "glm45": ("<|assistant|>", "<|observation|>")}  # an assistant turn's opening and end
 
 # model-like outputs and what llama.cpp's parser reads from them: (reasoning, content, calls)
 QWEN3_CODER_CASES = [
@@ -118,6 +119,9 @@ QWEN3_CODER_CASES = [
      "tomorrow\n</parameter>\n</function>\n</tool_call>",
      (None, None, [("get_weather", '{"city":"New\\nYork \\"NY\\"","when":"tomorrow"}')])),
     ("<tool_call>\n<function=now>\n</function>\n</tool_call>", (None, None, [("now", "{}")])),
+    # a value that ends in a newline keeps it (the delimiter is "\n</parameter>\n"; llama.cpp's test-chat.cpp)
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\n  Paris\n\n</parameter>\n</function>\n</tool_call>",
+     (None, None, [("get_weather", '{"city":"  Paris\\n"}')])),
     # not calls: an unknown function, no <function= after the tag
     ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",
      (None, "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>", [])),
@@ -134,7 +138,32 @@ QWEN35_CASES = [  # Qwen3.5's prompt opens <think>; a <tool_call> also ends the 
      ("Calling now.", None, [("now", "{}")])),
     ("\n</think>\n\nIt is sunny.", (None, "It is sunny.", [])),
 ]
-OUTPUT_CASES = ([("qwen3_coder", False, text, want) for text, want in QWEN3_CODER_CASES]
+GLM_CASES = [
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+     "<arg_value>3</arg_value>\n</tool_call>", (None, None, [("get_weather", '{"city":"Paris","days":3}')])),
+    # GLM-4.7 writes no newlines; a schema that allows a string takes the raw text, even one that reads as a number
+    ("Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>123</arg_value><arg_key>when</arg_key>"
+     "<arg_value>7</arg_value></tool_call><tool_call>add<arg_key>a</arg_key><arg_value>1.5</arg_value>"
+     "<arg_key>b</arg_key><arg_value>2</arg_value><arg_key>opts</arg_key><arg_value>{\"x\": null}</arg_value>"
+     "</tool_call>",
+     (None, "Checking.", [("get_weather", '{"city":"123","when":"7"}'), ("add", '{"a":1.5,"b":2,"opts":{"x": null}}')])),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New\nYork</arg_value>\n</tool_call>",
+     (None, None, [("get_weather", '{"city":"New\\nYork"}')])),
+    ("<tool_call>now</tool_call>", (None, None, [("now", "{}")])),
+    ("\n<think>The user wants the time.</think>\n<tool_call>now\n</tool_call>",
+     ("The user wants the time.", None, [("now", "{}")])),
+    ("<tool_call>rm_rf\n<arg_key>path</arg_key>\n<arg_value>/</arg_value>\n</tool_call>",
+     (None, "<tool_call>rm_rf\n<arg_key>path</arg_key>\n<arg_value>/</arg_value>\n</tool_call>", [])),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", (None, None, [("get_weather", "{}")])),
+]
+GLM47_CASES = [  # GLM-4.7's prompt opens <think> (llama.cpp's test-chat.cpp)
+    ("I'm\nthinking</think><tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key>"
+     "<arg_value>2</arg_value></tool_call>", ("I'm\nthinking", None, [("add", '{"a":1,"b":2}')])),
+    ("I'm\nthinking</think>Hello, world!\nWhat's up?", ("I'm\nthinking", "Hello, world!\nWhat's up?", [])),
+]
+OUTPUT_CASES = ([("glm45", False, text, want) for text, want in GLM_CASES]
+                + [("glm45", True, text, want) for text, want in GLM47_CASES]
+                + [("qwen3_coder", False, text, want) for text, want in QWEN3_CODER_CASES]
                 + [("qwen3_coder", True, text, want) for text, want in QWEN35_CASES])
 
 
@@ -155,7 +184,7 @@ def test_model_outputs_parse_as_llamacpp_parses_them_in_any_split(fmt, opened, t
 @pytest.mark.parametrize("fmt", sorted(TEMPLATES))
 def test_calls_stream_with_the_openai_shape(fmt):
     """Each call's id and name come once, in its first piece; its arguments follow as they are read."""
-    text = QWEN3_CODER_CASES[1][0]
+    text, (_, _, calls) = {"qwen3_coder": QWEN3_CODER_CASES, "glm45": GLM_CASES}[fmt][1]
     parser = PARSERS[fmt](SCHEMAS, id_factory=_ids())
     deltas = [parser.feed(c) for c in text] + [parser.finish()]
     firsts = {}
@@ -166,4 +195,5 @@ def test_calls_stream_with_the_openai_shape(fmt):
                 assert piece.id == f"call_{piece.index}" and piece.name
             else:
                 assert piece.id is None and piece.name is None
-    assert len(firsts) == 2 and accumulate(deltas).tool_calls[1].name == "add"
+    assert [(c.name, c.arguments) for c in accumulate(deltas).tool_calls] == calls
+    assert sum(len(d.tool_calls) for d in deltas) > len(calls)  # the arguments came in pieces after the name

@@ -8,19 +8,22 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpullama.chat.tool_calls import NAME_CHARS, EndOfText, NotACall, Scan, ToolParser, _Bad
+from gpullama.chat.tool_calls import NAME_CHARS, NotACall, Scan, ToolParser
 from gpullama.structured.tools import value_types
 
 _PYTHON_SCALARS = {"True": "true", "False": "false", "None": "null"}
 _TYPE_OF = {bool: "boolean", int: "integer", float: "number", dict: "object", list: "array", type(None): "null"}
 
 
-def typed_value(text: str, schema: Any) -> str:
+def typed_value(text: str, schema: Any, strings_win: bool = False) -> str:
     """The JSON text of a tagged argument's value `text`, as llama.cpp reads it: a string when the schema allows
-    only strings; otherwise the value as JSON when it parses to a type the schema allows (Python's True, False and
-    None read as JSON's), else a string. No schema (an argument the tool does not name): JSON when it parses to
-    anything but a string, else a string."""
+    only strings (with `strings_win`, as llama.cpp's generic tagged parser reads GLM's: any schema that allows a
+    string); otherwise the value as JSON when it parses to a type the schema allows (Python's True, False and None
+    read as JSON's), else a string. No schema (an argument the tool does not name): JSON when it parses to anything
+    but a string, else a string."""
     types = value_types(schema) if schema is not None else None
+    if types is not None and strings_win and "string" in types:
+        types = frozenset({"string"})
     if types != {"string"}:
         stripped = text.strip()
         candidate = _PYTHON_SCALARS.get(stripped, stripped)
@@ -41,7 +44,9 @@ class TaggedToolParser(ToolParser):
     """Base of the tagged formats' parsers. `tool_names` may be a mapping of each offered tool's name to its
     parameters schema, which types the argument values (`typed_value`); without it, values are typed by their
     text. Arguments come out as compact JSON (``{"city":"Paris","days":3}``, llama.cpp's form), each argument
-    streamed once its value is read."""
+    streamed once its value is read. `strings_win`: see `typed_value`."""
+
+    strings_win = False
 
     def __init__(self, tool_names: Iterable[str] | None = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(tool_names, *args, **kwargs)
@@ -58,7 +63,8 @@ class TaggedToolParser(ToolParser):
         """One argument of the open call, typed by its schema."""
         props = self._schema.get("properties") if isinstance(self._schema, dict) else None
         known = isinstance(props, dict) and key in props
-        value = typed_value(text, (props[key] if props[key] is not None else {}) if known else None)
+        value = typed_value(text, (props[key] if props[key] is not None else {}) if known else None,
+                            self.strings_win)
         self._args(("{" if self._arg_count == 0 else ",") + json.dumps(key, ensure_ascii=False) + ":" + value)
         self._arg_count += 1
 
@@ -69,41 +75,6 @@ class TaggedToolParser(ToolParser):
         self._end()
 
     # ---- scanner pieces ----
-
-    def _literal(self, c: Any, text: str) -> Scan:
-        """`text` starting at `c` (_Bad at the first character that differs); return the character after it."""
-        for expected in text:
-            if c is None:
-                raise EndOfText
-            if c != expected:
-                raise _Bad
-            c = yield
-        return c
-
-    def _one_of(self, c: Any, options: tuple[str, ...]) -> Scan:
-        """One of `options` starting at `c` (none is a prefix of another); return (which, the character after)."""
-        read = ""
-        while True:
-            if c is None:
-                raise EndOfText
-            read += c
-            if read in options:
-                return read, (yield)
-            if not any(o.startswith(read) for o in options):
-                raise _Bad
-            c = yield
-
-    def _until(self, c: Any, stop: str) -> Scan:
-        """The text from `c` up to `stop`; return (that text, the character after `stop`)."""
-        text: list[str] = []
-        n = len(stop)
-        while True:
-            if c is None:
-                raise EndOfText
-            text.append(c)
-            if c == stop[-1] and len(text) >= n and "".join(text[-n:]) == stop:
-                return "".join(text[:-n]), (yield)
-            c = yield
 
     def _name(self, c: Any, end: str) -> Scan:
         """A function name from `c` up to the character `end` (NotACall for anything else, or a name the
