@@ -97,6 +97,20 @@ def schema_properties(schema: Any) -> list[tuple[str, Any, bool]]:
 
 
 @dataclass(frozen=True)
+class NamedToolCallFormat(ToolCallFormat):
+    """Calls whose function name stands in the text before a JSON arguments object (DeepSeek's): `call_open`
+    with the name for ``{name}``, the arguments, then `call_close`."""
+
+    def call_prefix(self, function: str) -> str:
+        """Text of a call up to its arguments."""
+        return self.call_open.replace("{name}", function)
+
+    def call_suffix(self) -> str:
+        """Text of a call after its arguments."""
+        return self.call_close
+
+
+@dataclass(frozen=True)
 class TaggedToolCallFormat(ToolCallFormat):
     """Calls written as tags, one per argument (Qwen3-Coder's XML, GLM-4.5's ``<arg_key>``/``<arg_value>``):
     `call_open` with the function's name for ``{name}``, then each argument as `arg_open` (its key for ``{key}``),
@@ -142,6 +156,10 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "llama3": ToolCallFormat("llama3", "parameters", sep="; "),
     # Mistral v3 ([TOOL_CALLS] spelled out when it is a control token)
     "mistral": ToolCallFormat("mistral", "arguments", sep=", ", open="[TOOL_CALLS][", close="]"),
+    # DeepSeek V3.1 (R1's "function<｜tool▁sep｜>NAME\n```json ...```" form is read, not written)
+    "deepseek": NamedToolCallFormat("deepseek", "", call_open="<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+                                    call_close="<｜tool▁call▁end｜>", open="<｜tool▁calls▁begin｜>",
+                                    close="<｜tool▁calls▁end｜>"),
     # GLM-4.5 / 4.6 / 4.7 (<arg_key>/<arg_value> pairs)
     "glm45": TaggedToolCallFormat("glm45", "", call_open="<tool_call>{name}\n", call_close="</tool_call>", sep="\n",
                                   arg_open="<arg_key>{key}</arg_key>\n<arg_value>", arg_close="</arg_value>\n"),

@@ -43,6 +43,8 @@ CONVERSATION = [
 TEMPLATES = {  # format -> llama.cpp's real templates that write it
     "qwen3_coder": ["Qwen3-Coder.jinja", "Qwen3.5-4B.jinja"],
     "glm45": ["GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
+    # (llama.cpp's own llama-cpp-deepseek-r1.jinja pipes a generator to tojson, which transformers cannot render)
+    "deepseek": ["deepseek-ai-DeepSeek-V3.1.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"],
 }
 TEMPLATE_CASES = [(fmt, name) for fmt, names in TEMPLATES.items() for name in names]
 
@@ -94,13 +96,15 @@ def test_calls_the_template_writes_parse_back(fmt, name):
     opening, end = TURN[fmt]
     turn = whole[whole.index(opening) + len(opening):]  # the first assistant turn
     turn = turn[:turn.index(end)]
-    out = FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(prompt_opens_reasoning(head))).parse(turn)
+    opened = prompt_opens_reasoning(head) and "</think>" in turn  # R1's past turns drop their reasoning block
+    out = FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(opened)).parse(turn)
     assert _calls(out) == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                            for c in CONVERSATION[2]["tool_calls"]]
     assert not out.content
 
 
-TURN = {"qwen3_coder": ("<|im_start|>assistant\n", "<|im_end|>"), "glm45": ("<|assistant|>", "<|observation|>")}  # an assistant turn's opening and end
+TURN = {"qwen3_coder": ("<|im_start|>assistant\n", "<|im_end|>"), "glm45": ("<|assistant|>", "<|observation|>"),
+        "deepseek": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>")}  # an assistant turn's opening and end
 
 # model-like outputs and what llama.cpp's parser reads from them: (reasoning, content, calls)
 QWEN3_CODER_CASES = [
@@ -161,7 +165,27 @@ GLM47_CASES = [  # GLM-4.7's prompt opens <think> (llama.cpp's test-chat.cpp)
      "<arg_value>2</arg_value></tool_call>", ("I'm\nthinking", None, [("add", '{"a":1,"b":2}')])),
     ("I'm\nthinking</think>Hello, world!\nWhat's up?", ("I'm\nthinking", "Hello, world!\nWhat's up?", [])),
 ]
-OUTPUT_CASES = ([("glm45", False, text, want) for text, want in GLM_CASES]
+B, E, CB, CE, SEP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                      "<｜tool▁sep｜>")
+DEEPSEEK_CASES = [  # V3.1 and R1 (llama.cpp's test-chat.cpp); arguments as written
+    (f'{B}{CB}get_weather{SEP}{{"city": "XYZCITY"}}{CE}{E}', (None, None, [("get_weather", '{"city": "XYZCITY"}')])),
+    (f'<think>Paris.</think>CONTENT{B}{CB}get_weather{SEP}{{"city": "Paris"}}{CE}{CB}now{SEP}{{}}{CE}{E}',
+     ("Paris.", "CONTENT", [("get_weather", '{"city": "Paris"}'), ("now", "{}")])),
+    (f'{B}{CB}function{SEP}add\n```json\n{{"a": 1, "b": 2}}```{CE}{E}', (None, None, [("add", '{"a": 1, "b": 2}')])),
+    (f'{B}{CB}function{SEP}add\n```json\n{{"a": 1}}\n```{CE}{CB}function{SEP}now\n```json\n{{}}\n```{CE}{E}',
+     (None, None, [("add", '{"a": 1}'), ("now", "{}")])),
+    (f'{B}{CB}rm_rf{SEP}{{}}{CE}{E}', (None, f'{B}{CB}rm_rf{SEP}{{}}{CE}{E}', [])),
+    (f'{B}{CB}get_weather{SEP}{{"city": "Pa', (None, None, [("get_weather", '{"city": "Pa')])),
+    ("CONTENT", (None, "CONTENT", [])),
+]
+DEEPSEEK_OPEN_CASES = [  # the prompt opened <think> (V3.1 with thinking on, R1)
+    (f'REASONING</think>{B}{CB}get_weather{SEP}{{"city": "Tokyo"}}{CE}{E}',
+     ("REASONING", None, [("get_weather", '{"city": "Tokyo"}')])),
+    ("REASONING</think>\nCONTENT", ("REASONING", "CONTENT", [])),
+]
+OUTPUT_CASES = ([("deepseek", False, text, want) for text, want in DEEPSEEK_CASES]
+                + [("deepseek", True, text, want) for text, want in DEEPSEEK_OPEN_CASES]
+                + [("glm45", False, text, want) for text, want in GLM_CASES]
                 + [("glm45", True, text, want) for text, want in GLM47_CASES]
                 + [("qwen3_coder", False, text, want) for text, want in QWEN3_CODER_CASES]
                 + [("qwen3_coder", True, text, want) for text, want in QWEN35_CASES])
@@ -184,7 +208,7 @@ def test_model_outputs_parse_as_llamacpp_parses_them_in_any_split(fmt, opened, t
 @pytest.mark.parametrize("fmt", sorted(TEMPLATES))
 def test_calls_stream_with_the_openai_shape(fmt):
     """Each call's id and name come once, in its first piece; its arguments follow as they are read."""
-    text, (_, _, calls) = {"qwen3_coder": QWEN3_CODER_CASES, "glm45": GLM_CASES}[fmt][1]
+    text, (_, _, calls) = {"qwen3_coder": QWEN3_CODER_CASES, "glm45": GLM_CASES, "deepseek": DEEPSEEK_CASES}[fmt][1]
     parser = PARSERS[fmt](SCHEMAS, id_factory=_ids())
     deltas = [parser.feed(c) for c in text] + [parser.finish()]
     firsts = {}
