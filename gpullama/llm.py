@@ -431,6 +431,8 @@ class LLM:
         if not isinstance(query, str):
             raise ValueError(f"query must be a string, got {type(query).__name__}")
         documents = _texts(documents, "documents")
+        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+            raise ValueError(f"top_n must be an integer >= 1, got {top_n!r}")
         scored = self._pair_scores([(query, d) for d in documents])
         results = [RerankResult(i, score, documents[i], n) for i, (score, n) in enumerate(scored)]
         results.sort(key=lambda r: -r.relevance_score)  # stable: equal scores keep the documents' order

@@ -5,10 +5,13 @@ a model that is not a reranker is refused, and a reranker has no embeddings."""
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from gpullama import LLM
+from gpullama.kernels import cpu_native
+from gpullama.ops import CpuOps
 from tests.fixtures.reranker import qwen3_reranker, reference_score, rerank_template
 from tests.test_converted_models import smollm2_tokenizer
 
@@ -47,6 +50,24 @@ def test_scores_and_order_are_transformers(rerankers, tied: bool) -> None:
     assert [r.index for r in llm.rerank(QUERY, DOCUMENTS, top_n=2)] == [r.index for r in results[:2]]
 
 
+@pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
+def test_the_cpu_fast_path_scores_as_transformers(rerankers) -> None:
+    """The C kernels' path (`CpuOps`, its one-call layer stack) pools the same last row: scores within 1e-3, the
+    order transformers' wherever two scores are not within 1e-2 of each other."""
+    model, tok, path, _ = rerankers()
+    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+        fast = LLM(str(path), device="cpu")
+    assert isinstance(fast.model.ops, CpuOps)
+    template = rerank_template(path)
+    want = [reference_score(model, tok, template, QUERY, d)[0] for d in DOCUMENTS]
+    got = fast.score(QUERY, DOCUMENTS)
+    assert got == pytest.approx(want, abs=1e-3)
+    for i in range(len(want)):
+        for j in range(len(want)):
+            if want[i] > want[j] + 1e-2:
+                assert got[i] > got[j]
+
+
 def test_score_pairs_as_vllm(rerankers) -> None:
     model, tok, path, llm = rerankers()
     template = rerank_template(path)
@@ -61,6 +82,8 @@ def test_score_pairs_as_vllm(rerankers) -> None:
         llm.score(queries, DOCUMENTS[:3])
     with pytest.raises(ValueError, match="documents"):
         llm.rerank(QUERY, [])
+    with pytest.raises(ValueError, match="top_n"):
+        llm.rerank(QUERY, DOCUMENTS, top_n=0)
 
 
 def test_a_reranker_has_no_embeddings_and_other_models_do_not_rerank(rerankers, default_llm) -> None:
