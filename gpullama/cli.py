@@ -332,9 +332,9 @@ def kv_per_token(c) -> str:
         values = c.num_layers * c.head_dim
         return (f"{values * 4 / 1024:.1f} KiB float32, {values * 2 / 1024:.1f} KiB float16 (latent attention: "
                 f"{c.kv_lora_rank} latent + {c.rotary_dim} rope values a layer, no values cached)")
-    values = 2 * len(c.kv_layers) * c.num_kv_heads * c.head_dim
+    values = c.kv_values_per_token
     sizes = [f"{values * 2 / 1024:.1f} KiB float16 (the CPU fast path's default)", f"{values * 4 / 1024:.1f} KiB float32"]
-    if c.head_dim % 32 == 0:
+    if all(c.layer_head_dim(i) % 32 == 0 for i in c.kv_layers):
         sizes.insert(1, f"{values * 34 / 32 / 1024:.1f} KiB q8_0")
     return ", ".join(sizes)
 
@@ -406,15 +406,18 @@ def cmd_info(args) -> int:
         ("weights", f"{size.bytes / 1e6:.1f} MB, {size.active_bytes / 1e6:.1f} MB read a token"),
         ("layers", c.num_layers),
         ("hidden size", c.hidden_size),
-        ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}") if not c.is_mla else
+        ("heads / kv heads / head dim", f"{c.num_heads} / {c.num_kv_heads} / {c.head_dim}" + (
+            f" (sliding layers: {c.num_kv_heads_swa or c.num_kv_heads} kv heads of {c.head_dim_swa})"
+            if c.head_dim_swa else "")) if not c.is_mla else
         ("latent attention", f"{c.num_heads} heads of {c.qk_nope_dim} + {c.rotary_dim} rope key dims and "
                              f"{c.v_head_dim} value dims, over one cached row of {c.kv_lora_rank} latent + "
                              f"{c.rotary_dim} rope values" + (f"; queries through rank {c.q_lora_rank}"
                                                               if c.q_lora_rank else "")),
         ("vocabulary", vocab),
         ("context length", c.context_length),
-        ("KV cache a token", kv_per_token(c) + (f" ({len(c.kv_layers)} of the {c.num_layers} layers)"
-                                                 if len(c.kv_layers) < c.num_layers else "")),
+        ("KV cache a token", kv_per_token(c) + (f" ({len(c.kv_layers)} of the {c.num_layers} layers" + (
+            f"; the last {c.kv_shared_layers} reuse earlier layers' K/V" if c.kv_shared_layers else "") + ")"
+            if len(c.kv_layers) < c.num_layers else "")),
         *([("recurrent state", f"{state_per_sequence(c) / 1024:.1f} KiB a sequence, float32 (in "
                                f"{c.recurrent_layers_named}: {state_contents(c)}; no prefix caching)")]
           if c.has_recurrent_state else []),

@@ -10,7 +10,7 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "granitehybrid", "qwen2vl",
+    "glm4moe", "deepseek2", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "granitehybrid", "qwen2vl", "gemma4",
 )
 
 _MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, qwen35moe, gpt-oss, glm4moe, "
@@ -21,8 +21,8 @@ _NOT_SUPPORTED = {
     "phimoe": f"Phi-3.5-MoE is not supported ({_MOE_SUPPORTED})",
     "qwen3next": f"Qwen3-Next's linear attention is not supported ({_MOE_SUPPORTED})",
     "olmoe": f"OLMoE is not supported ({_MOE_SUPPORTED})",
-    "gemma": "Gemma 1 is not supported (Gemma 2 and Gemma 3 are)",
-    "gemma3n": "Gemma 3n is not supported (Gemma 2 and Gemma 3 are)",
+    "gemma": "Gemma 1 is not supported (Gemma 2, 3 and 4 are)",
+    "gemma3n": "Gemma 3n is not supported (Gemma 2, 3 and 4 are)",
 }
 
 
@@ -131,6 +131,15 @@ class ModelConfig:
     # `ssm.*` keys (ssm_heads: the scan's heads, ssm_groups: B/C groups, ssm_state_size: N, ssm_inner_size: heads x
     # head dims)
     mamba_layers: tuple[bool, ...] = ()  # () when no layer is one
+    # Gemma 4: the sliding layers have heads of their own size and count, rotate their own dims (without the
+    # rope_freqs factors, which are the full layers'), and the last `kv_shared_layers` layers cache nothing: each
+    # attends over the K/V of the last earlier layer of its kind (`kv_source`)
+    head_dim_swa: int = 0  # 0: head_dim
+    num_kv_heads_swa: int = 0  # 0: num_kv_heads
+    rotary_dim_swa: int = 0  # 0: rotary_dim
+    kv_shared_layers: int = 0
+    value_norm: bool = False  # gemma4: each value head RMS-normalized (no weight) before it is cached
+    per_layer_input_size: int = 0  # gemma4: width of each layer's slice of the per-layer embeddings; 0: none
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -138,8 +147,33 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep a KV pool (those with attention), in order."""
-        return tuple(i for i in range(self.num_layers) if self.has_attention(i))
+        """The layers that keep a KV pool (those with attention that cache their own K/V), in order."""
+        return tuple(i for i in range(self.num_layers) if self.has_attention(i) and self.kv_source(i) == i)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV pool `layer` attends over: itself, or (Gemma 4's last `kv_shared_layers` layers) the
+        last layer before them of its kind (sliding or full), as llama.cpp's and transformers' KV sharing."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        for j in range(first_shared - 1, -1, -1):
+            if self.is_sliding(j) == self.is_sliding(layer):
+                return j
+        raise ValueError(f"layer {layer} reuses the K/V of an earlier {'sliding' if self.is_sliding(layer) else 'full'}"
+                         f"-attention layer, and none of the first {first_shared} layers is one")
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Head dims of `layer`'s q, k and v (Gemma 4's sliding layers have their own)."""
+        return self.head_dim_swa if self.head_dim_swa and self.is_sliding(layer) else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """KV heads of `layer` (Gemma 4's sliding layers have their own count)."""
+        return self.num_kv_heads_swa if self.num_kv_heads_swa and self.is_sliding(layer) else self.num_kv_heads
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values one token keeps in the KV pools: k and v of each layer in `kv_layers` (heads x head dims)."""
+        return sum(2 * self.layer_kv_heads(i) * self.layer_head_dim(i) for i in self.kv_layers)
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -235,6 +269,8 @@ class ModelConfig:
         kv_per_layer = kv_heads if isinstance(kv_heads, list) else None
         if kv_per_layer is not None:  # some files store one count per layer (0: a layer without attention, lfm2)
             counts = {int(n) for n in kv_per_layer if n}
+            if arch == "gemma4":  # sliding and full layers' counts: `_gemma4` reads them
+                counts = {max(counts)}
             if len(counts) != 1:
                 raise ValueError(f"{path}: '{arch}.attention.head_count_kv' = {kv_per_layer}: layers with different "
                                  f"KV head counts are not supported")
@@ -249,8 +285,8 @@ class ModelConfig:
             num_layers=num_layers,
             hidden_size=hidden,
             # a model whose every layer routes (qwen35moe) may have no dense MLP size
-            intermediate_size=int(opt("feed_forward_length") or 0) if opt("expert_count") else
-            int(get("feed_forward_length")),
+            intermediate_size=_first(opt("feed_forward_length") or 0) if opt("expert_count") else
+            _first(get("feed_forward_length")),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
@@ -366,8 +402,13 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     config.expert_gating = _GATING[gating]
     norm = opt("expert_weights_norm")
     config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe", "qwen35moe",
-                                                                              "granitehybrid", "lfm2moe")
+                                                                              "granitehybrid", "lfm2moe", "gemma4")
     config.expert_weights_scale = float(opt("expert_weights_scale") or 1.0)
+
+
+def _first(value: Any) -> int:
+    """A size the file gives once or per layer (Gemma 4's `feed_forward_length`): the first layer's."""
+    return int(value[0] if isinstance(value, list) else value)
 
 
 def _layer_pattern(num_layers: int, pattern: Any, key: str) -> tuple[bool, ...]:
@@ -614,8 +655,61 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
     config.ffn_norm_tensor = "post_attention_norm"
 
 
+def _gemma4(config: ModelConfig, get, opt, path: str) -> None:
+    """Gemma 4 (`gemma4`), as llama.cpp's converter writes it: `attention.sliding_window_pattern` one flag a layer;
+    full layers with heads of `attention.key_length` and their `attention.head_count_kv` entry, rotating
+    `rope.dimension_count` dims at `rope.freq_base` with the `rope_freqs` factors (proportional rotary: the factors
+    of the unrotated pairs are 1e30), sliding layers with `attention.key_length_swa`, `rope.dimension_count_swa` and
+    `rope.freq_base_swa`; q/k norms, values RMS-normalized without weight, q.k unscaled (1.0); a full layer without
+    `attn_v` uses its k projection for the values. The last `attention.shared_kv_layers` layers reuse the last
+    earlier K/V of their kind. Per-layer embeddings (`embedding_length_per_layer_input` wide, `per_layer_*`
+    tensors), a scalar a layer (`layer_output_scale`), GeGLU, the embedding times sqrt(hidden), final soft-capping;
+    the MLP sizes come from the tensors (`feed_forward_length` per layer: the shared layers' double-wide MLP). A MoE
+    layer runs the dense MLP and the routed experts side by side (`Decoder._gemma4_moe`)."""
+    arch, n = config.architecture, config.num_layers
+    config.embedding_scale = math.sqrt(config.hidden_size)
+    config.post_norms = True
+    config.activation = "gelu_tanh"
+    config.expert_activation = "gelu_tanh"
+    config.qk_norm = True
+    config.value_norm = True
+    config.attention_scale = 1.0
+    config.sliding_window = int(get("attention.sliding_window"))
+    config.swa_layers = _layer_pattern(n, get("attention.sliding_window_pattern"), f"{arch}.attention.sliding_window_pattern")
+    counts = opt("attention.head_count_kv")
+    if isinstance(counts, list):
+        if len(counts) != n:
+            raise ValueError(f"{path}: '{arch}.attention.head_count_kv' has {len(counts)} entries for {n} layers")
+        full = {int(c) for c, s in zip(counts, config.swa_layers) if not s}
+        swa = {int(c) for c, s in zip(counts, config.swa_layers) if s}
+        if len(full) > 1 or len(swa) > 1:
+            raise ValueError(f"{path}: '{arch}.attention.head_count_kv' = {counts}: the full layers' counts differ, or "
+                             f"the sliding layers'")
+        config.num_kv_heads = full.pop() if full else config.num_kv_heads
+        config.num_kv_heads_swa = swa.pop() if swa else 0
+    config.head_dim_swa = int(get("attention.key_length_swa"))
+    if int(opt("attention.value_length_swa") or config.head_dim_swa) != config.head_dim_swa or \
+            int(opt("attention.value_length") or config.head_dim) != config.head_dim:
+        raise ValueError(f"{path}: '{arch}.attention.value_length(_swa)' differs from the key length (llama.cpp "
+                         f"requires them equal)")
+    config.rotary_dim_swa = int(opt("rope.dimension_count_swa") or config.head_dim_swa)
+    config.rope_base_swa = float(opt("rope.freq_base_swa", 10000.0))
+    config.rope_scale_swa = 1.0
+    if config.rotary_dim_swa > config.head_dim_swa or config.rotary_dim_swa % 2:
+        raise ValueError(f"{path}: '{arch}.rope.dimension_count_swa' = {config.rotary_dim_swa} must be even and at "
+                         f"most the sliding head dim {config.head_dim_swa}")
+    config.kv_shared_layers = int(opt("attention.shared_kv_layers") or 0)
+    if not 0 <= config.kv_shared_layers < n:
+        raise ValueError(f"{path}: '{arch}.attention.shared_kv_layers' = {config.kv_shared_layers} must leave some "
+                         f"of the {n} layers with K/V of their own")
+    for i in range(n - config.kv_shared_layers, n):
+        config.kv_source(i)  # each shared layer's kind has a layer to read (raises otherwise)
+    config.per_layer_input_size = int(opt("embedding_length_per_layer_input") or 0)
+    config.final_softcap = float(opt("final_logit_softcapping", 0.0) or 0.0)
+
+
 _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
     "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "lfm2moe": _lfm2, "qwen35": _qwen35,
-    "qwen35moe": _qwen35, "granitehybrid": _granitehybrid, "qwen2vl": _qwen2vl,
+    "qwen35moe": _qwen35, "granitehybrid": _granitehybrid, "qwen2vl": _qwen2vl, "gemma4": _gemma4,
 }

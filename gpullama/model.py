@@ -1,6 +1,6 @@
 """The decoder: one forward over a ragged batch, for llama (and Mixtral) / mistral / qwen2 / qwen3 / phi3 /
 granite / gemma2 / gemma3 / qwen2moe / qwen3moe / gpt-oss / smollm3 / glm4moe / deepseek2 / lfm2 / qwen35 /
-granitehybrid through config flags."""
+granitehybrid / gemma4 through config flags."""
 
 from __future__ import annotations
 
@@ -46,6 +46,22 @@ class LayerWeights:
     delta: DeltaNetWeights | None = None  # a gated delta-net (Qwen3.5) in place of attention
     mamba: MambaWeights | None = None  # a Mamba2 layer (Granite 4.0) in place of attention
     cache: int = 0  # this layer's KV pool in k_caches / v_caches, or (a recurrent layer) its first state in `states`
+    head_dim: int = 0  # this layer's head dims (Gemma 4's sliding and full layers differ)
+    kv_heads: int = 0  # this layer's KV heads (of this rank)
+    kv_shared: bool = False  # Gemma 4: no K/V of its own (qkv is [q]); it attends over the pool of `cache`
+    v_norm: torch.Tensor | None = None  # Gemma 4: ones [D], the weightless RMSNorm of each value head
+    per_layer: PerLayerWeights | None = None  # Gemma 4's per-layer embedding input
+    out_scale: float = 1.0  # Gemma 4: the layer's output (the whole residual stream) times it
+
+
+@dataclass
+class PerLayerWeights:
+    """A Gemma 4 layer's per-layer input: ``stream += norm(proj(gelu_tanh(inp_gate stream) * e))`` where e is the
+    token's per-layer embedding for this layer (`Decoder._per_layer_inputs`)."""
+
+    inp_gate: object  # [P, H]
+    proj: object  # [H, P]
+    post_norm: torch.Tensor  # [H]
 
 
 @dataclass
@@ -118,6 +134,12 @@ class MoeWeights:
     shared_gate_up: list | None = None  # the shared expert's gate|up (fused, or [gate, up])
     shared_down: object | None = None
     shared_gate: torch.Tensor | None = None  # [H]: the shared expert's output is scaled by sigmoid(x . shared_gate)
+    # Gemma 4: the experts beside the layer's dense MLP (`Decoder._gemma4_moe`)
+    expert_scale: torch.Tensor | None = None  # [E] ffn_down_exps.scale: a chosen expert's weight times its scale
+    router_norm: torch.Tensor | None = None  # [H] ffn_gate_inp.scale / sqrt(H): the router reads norm(stream) * it
+    input_norm: torch.Tensor | None = None  # [H] pre_ffw_norm_2: the experts' input norm of the stream
+    dense_post_norm: torch.Tensor | None = None  # [H] post_ffw_norm_1: the dense MLP's output norm
+    experts_post_norm: torch.Tensor | None = None  # [H] post_ffw_norm_2: the experts' output norm
 
 
 @dataclass
@@ -250,7 +272,10 @@ class Decoder:
                 k = qk(p + "attn_k.weight", self.num_kv_heads)
             elif not fused_qkv:
                 q = qk(p + "attn_q.weight", self.num_heads)
-                k = qk(p + "attn_k.weight", self.num_kv_heads)
+                k = qk(p + "attn_k.weight", self.num_kv_heads) if c.kv_source(i) == i else None
+            kv_shared = not recurrent and mla is None and c.kv_source(i) != i
+            # a Gemma 4 full layer without attn_v: its keys' projection doubles as its values'
+            v_name = p + ("attn_v.weight" if p + "attn_v.weight" in tensors or not c.value_norm else "attn_k.weight")
             bias = None
             if c.attention_bias:
                 bias = torch.cat(
@@ -262,19 +287,21 @@ class Decoder:
                 )
             moe = self._moe_weights(p, get, dense, fused) if p + "ffn_gate_inp.weight" in tensors else None
             gate_up_fused = p + "ffn_gate.weight" not in tensors  # phi3: ffn_up holds gate then up, 2 I rows
+            dense_mlp = moe is None or moe.input_norm is not None  # Gemma 4's MoE layers keep their dense MLP
             self.layers.append(
                 LayerWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
                     ffn_norm=dense(p + c.ffn_norm_tensor + ".weight"),
                     qkv=[] if mla is not None or recurrent else [ops.prepare_weight(get(
-                        p + "attn_qkv.weight"))] if fused_qkv else fused([q, k, get(p + "attn_v.weight"), *extra]),
+                        p + "attn_qkv.weight"))] if fused_qkv else [ops.prepare_weight(q)] if kv_shared else
+                    fused([q, k, get(v_name), *extra]),
                     qkv_bias=bias,
                     o=None if recurrent else ops.prepare_weight(get(p + "attn_output.weight")),
-                    gate_up=None if moe is not None else [ops.prepare_weight(get(p + "ffn_up.weight"))]
+                    gate_up=None if not dense_mlp else [ops.prepare_weight(get(p + "ffn_up.weight"))]
                     if gate_up_fused else fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
-                    down=None if moe is not None else ops.prepare_weight(get(p + "ffn_down.weight")),
+                    down=None if not dense_mlp else ops.prepare_weight(get(p + "ffn_down.weight")),
                     q_norm=dense(p + "attn_q_norm.weight") if c.qk_norm and not recurrent else None,
-                    k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm and not recurrent else None,
+                    k_norm=dense(p + "attn_k_norm.weight") if c.qk_norm and not recurrent and not kv_shared else None,
                     post_attn_norm=dense(p + "post_attention_norm.weight") if c.post_norms else None,
                     post_ffn_norm=dense(p + "post_ffw_norm.weight") if c.post_norms else None,
                     window=c.sliding_window if c.is_sliding(i) else 0,
@@ -286,11 +313,26 @@ class Decoder:
                     conv=conv,
                     delta=delta,
                     mamba=mamba,
-                    cache=state_start[i] if recurrent else kv_layers.index(i),
+                    cache=state_start[i] if recurrent else kv_layers.index(c.kv_source(i)),
+                    head_dim=c.layer_head_dim(i),
+                    kv_heads=self.num_kv_heads * c.layer_kv_heads(i) // c.num_kv_heads,
+                    kv_shared=kv_shared,
+                    v_norm=torch.ones(c.layer_head_dim(i), device=device) if c.value_norm and not recurrent else None,
+                    per_layer=PerLayerWeights(ops.prepare_weight(get(p + "inp_gate.weight")), ops.prepare_weight(
+                        get(p + "proj.weight")), dense(p + "post_norm.weight")) if c.per_layer_input_size else None,
+                    out_scale=float(dense(p + "layer_output_scale.weight").reshape(-1)[0])
+                    if p + "layer_output_scale.weight" in tensors else 1.0,
                 )
             )
         embedding = get("token_embd.weight")
         self.embedding = ops.prepare_embedding(embedding)
+        # Gemma 4's per-layer embeddings: a second table (P values a layer, a row a token), and the projection of the
+        # embeddings joined to it (`_per_layer_inputs`)
+        self.per_layer_embedding = self.per_layer_proj = self.per_layer_proj_norm = None
+        if c.per_layer_input_size:
+            self.per_layer_embedding = ops.prepare_embedding(get("per_layer_token_embd.weight"))
+            self.per_layer_proj = ops.prepare_weight(get("per_layer_model_proj.weight"))
+            self.per_layer_proj_norm = dense("per_layer_proj_norm.weight")
         self.output_norm = dense(c.output_norm_tensor + ".weight")
         head_name = "token_embd.weight" if c.tied_embeddings else "output.weight"
         self.output = ops.prepare_weight(get(head_name))
@@ -377,6 +419,12 @@ class Decoder:
                                       c.swiglu_alpha, c.swiglu_limit)
         moe = MoeWeights(ops.prepare_weight(get(p + "ffn_gate_inp.weight")), bias("ffn_gate_inp.bias"), experts,
                          bias("exp_probs_b.bias"))
+        if p + "ffn_gate_inp.scale" in tensors:  # Gemma 4: the router's scale, norms around the experts
+            moe.router_norm = dense(p + "ffn_gate_inp.scale").reshape(-1) / c.hidden_size**0.5
+            moe.expert_scale = dense(p + "ffn_down_exps.scale").reshape(-1) if p + "ffn_down_exps.scale" in tensors \
+                else None
+            moe.input_norm, moe.dense_post_norm, moe.experts_post_norm = (
+                dense(p + n + ".weight") for n in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"))
         if p + "ffn_down_shexp.weight" in tensors:
             moe.shared_gate_up = fused([get(p + "ffn_gate_shexp.weight"), get(p + "ffn_up_shexp.weight")])
             moe.shared_down = ops.prepare_weight(get(p + "ffn_down_shexp.weight"))
@@ -425,9 +473,8 @@ class Decoder:
             yarn = YarnParams(c.rope_original_context, c.rope_yarn_beta_fast, c.rope_yarn_beta_slow,
                               c.rope_yarn_ext_factor, c.rope_yarn_truncate)
 
-        def table(base: float, scale: float) -> torch.Tensor:
-            return rope_cos_sin(c.rotary_dim, max_positions, base, factors, scale, c.rope_attn_factor,
-                                yarn).to(device)
+        def table(base: float, scale: float, dims: int = c.rotary_dim, factors=factors) -> torch.Tensor:
+            return rope_cos_sin(dims, max_positions, base, factors, scale, c.rope_attn_factor, yarn).to(device)
 
         if c.nope_layers and all(c.is_nope(i) for i in c.kv_layers):  # no layer rotates (Granite 4.0-H): one
             # identity table two dims wide (a no-op on the first pair of each head), not the file's context
@@ -437,8 +484,9 @@ class Decoder:
         tables = [table(c.rope_base, c.rope_scale)]
         of_layer = [0] * c.num_layers
         swa = (c.rope_base_swa or c.rope_base, c.rope_scale_swa)
-        if c.swa_layers and swa != (c.rope_base, c.rope_scale):
-            tables.append(table(*swa))
+        if c.swa_layers and (swa != (c.rope_base, c.rope_scale) or c.rotary_dim_swa):
+            # Gemma 4's sliding layers rotate dims of their own, without the full layers' rope_freqs
+            tables.append(table(*swa, c.rotary_dim_swa or c.rotary_dim, None if c.rotary_dim_swa else factors))
             of_layer = [1 if c.is_sliding(i) else 0 for i in range(c.num_layers)]
         if c.nope_layers:  # NoPE layers rotate by the identity (cos 1, sin 0): every backend's rotary leaves them be
             tables.append(torch.cat((torch.ones(max_positions, c.rotary_dim // 2),
@@ -489,7 +537,8 @@ class Decoder:
         if stack is not None:
             hidden, residual = stack(hidden, meta)
         else:
-            hidden, residual = self._layers(hidden, meta, k_caches, v_caches, states)
+            hidden, residual = self._layers(hidden, meta, k_caches, v_caches, states, self._per_layer_inputs(
+                token_ids, hidden) if c.per_layer_input_size else None)
         rows = meta.logits_indices
         pooled = None
         if meta.pool_indices is not None:  # the embedding rows share the output norm with the sampling rows
@@ -513,13 +562,12 @@ class Decoder:
 
     def _layers(
         self, hidden: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-        states: list[torch.Tensor] = (),
+        states: list[torch.Tensor] = (), per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers over the embeddings `hidden`, one op at a time: (the last layer's output, the residual
-        stream before it)."""
+        stream before it); `per_layer`: Gemma 4's per-layer inputs ``[T, layers, P]``."""
         c, ops, tp = self.config, self.ops, self.tp
         t = hidden.shape[0]
-        q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         rs = c.residual_scale
         act = ops.gelu_tanh_mul if c.activation == "gelu_tanh" else ops.silu_mul
         # rotary rows of each further rope table, once per step (the first one's come with `meta`)
@@ -540,18 +588,26 @@ class Decoder:
                 x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
                 hidden = self._mlp(x, layer, act, lora and (lora, i))
                 continue
+            d, hk = layer.head_dim, layer.kv_heads  # Gemma 4's sliding and full layers differ
+            q_size, kv_size = self.num_heads * d, hk * d
             qkv = self._linear_parts(x, layer.qkv, layer.qkv_bias)
             if lora:
                 _add_lora(qkv, x, lora, i, "qkv")
-            q = qkv[:, :q_size].view(t, self.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, self.num_kv_heads, c.head_dim)
+            q = qkv[:, :q_size].view(t, self.num_heads, d)
             if c.qk_norm:
                 q = ops.head_rms_norm(q, layer.q_norm, c.rms_eps)
-                k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
             table = self.rope_tables[layer.rope]
             k_cache, v_cache = k_caches[layer.cache], v_caches[layer.cache]
-            q, k = ops.rope_and_cache(q, k, v, table, k_cache, v_cache, metas[layer.rope])
+            if layer.kv_shared:  # Gemma 4: attends over an earlier layer's K/V, caches none
+                q = ops.rope(q, table, metas[layer.rope])
+            else:
+                k = qkv[:, q_size : q_size + kv_size].view(t, hk, d)
+                v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, hk, d)
+                if c.qk_norm:
+                    k = ops.head_rms_norm(k, layer.k_norm, c.rms_eps)
+                if layer.v_norm is not None:
+                    v = ops.head_rms_norm(v, layer.v_norm, c.rms_eps)
+                q, k = ops.rope_and_cache(q, k, v, table, k_cache, v_cache, metas[layer.rope])
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale, layer.window, c.attn_softcap, layer.sinks)
             if meta.image_attention is not None:  # an image's rows see the whole image (every row's k/v is written)
                 rows, image_meta = meta.image_attention
@@ -567,8 +623,43 @@ class Decoder:
             if layer.post_attn_norm is not None:
                 hidden = ops.post_norm(hidden, layer.post_attn_norm, c.rms_eps)
             x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
-            hidden = self._mlp(x, layer, act, lora and (lora, i))
+            if layer.moe is not None and layer.moe.input_norm is not None:
+                hidden = self._gemma4_moe(x, residual, layer, act)
+            else:
+                hidden = self._mlp(x, layer, act, lora and (lora, i))
+            if layer.per_layer is not None or layer.out_scale != 1.0:  # Gemma 4: on the whole stream
+                hidden = self._gemma4_layer_end(hidden + residual, layer, per_layer[:, i] if layer.per_layer else None)
+                residual = None
+        if residual is None:  # the last layer ended the stream itself
+            residual = torch.zeros_like(hidden)
         return hidden, residual
+
+    def _gemma4_layer_end(self, stream: torch.Tensor, layer: LayerWeights, inputs: torch.Tensor | None) -> torch.Tensor:
+        """The end of a Gemma 4 layer on its residual stream ``[T, H]``: the per-layer input added (`inputs`: each
+        token's ``[T, P]`` for this layer), then everything times the layer's scalar."""
+        ops = self.ops
+        if layer.per_layer is not None:
+            w = layer.per_layer
+            gated = ops.gelu_tanh_mul(torch.cat((ops.linear(stream, w.inp_gate), inputs), dim=-1))
+            stream = stream + ops.post_norm(ops.linear(gated, w.proj), w.post_norm, self.config.rms_eps)
+        return stream * layer.out_scale if layer.out_scale != 1.0 else stream
+
+    def _gemma4_moe(self, x: torch.Tensor, stream: torch.Tensor, layer: LayerWeights, act) -> torch.Tensor:
+        """A Gemma 4 MoE layer's feed-forward block: the dense MLP of the normalized `x` and the experts of the
+        stream (normalized by their own norm; the router reads ``norm(stream) * scale / sqrt(H)``: softmax, top k,
+        renormalized, each weight times its expert's scale), each post-normed, summed and post-normed, as llama.cpp's
+        graph and transformers compute it."""
+        c, ops, moe = self.config, self.ops, layer.moe
+        mlp = ops.linear(act(self._linear_parts(x, layer.gate_up)), layer.down)
+        mlp = ops.post_norm(mlp, moe.dense_post_norm, c.rms_eps)
+        logits = ops.linear(ops.post_norm(stream, moe.router_norm, c.rms_eps), moe.router)
+        ids, weights = ops.route(logits, c.num_experts_used, c.expert_gating, c.expert_weights_norm,
+                                 c.expert_weights_scale)
+        if moe.expert_scale is not None:
+            weights = weights * moe.expert_scale[ids]
+        experts = ops.moe(ops.post_norm(stream, moe.input_norm, c.rms_eps), ids, weights, moe.experts)
+        return ops.post_norm(mlp + ops.post_norm(experts, moe.experts_post_norm, c.rms_eps), layer.post_ffn_norm,
+                             c.rms_eps)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights, act, lora: tuple | None = None) -> torch.Tensor:
         """The MLP block of the normalized ``x [T, H]``: the experts or the dense MLP, all-reduced, post-normed;
@@ -673,6 +764,16 @@ class Decoder:
                 shared = shared * torch.sigmoid(x @ moe.shared_gate)[:, None]
             out = out + shared
         return out
+
+    def _per_layer_inputs(self, token_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs ``[T, layers, P]``: each token's row of the per-layer table times sqrt(P),
+        plus the RMS-normalized projection of its (scaled) embedding over sqrt(H), over sqrt(2)."""
+        c, ops = self.config, self.ops
+        t, n, width = token_ids.shape[0], c.num_layers, c.per_layer_input_size
+        table = ops.embedding(token_ids, self.per_layer_embedding, width**0.5).view(t, n, width)
+        proj = ops.linear(embeddings, self.per_layer_proj) * c.hidden_size**-0.5
+        proj = ops.post_norm(proj.reshape(t * n, width), self.per_layer_proj_norm, c.rms_eps).view(t, n, width)
+        return (proj + table) * 2**-0.5
 
     def _lora_embedding(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: BatchMetadata) -> None:
         """Adds each adapter's ``token_embd`` product to its rows' embeddings (llama.cpp's ``build_inp_embd``: a

@@ -62,6 +62,11 @@ class ShardPlan:
                 f"tensor_parallel_size {n}: the recurrent layers of {arch} ({c.recurrent_layers_named}) keep per-sequence "
                 f"states that are not split over ranks; run {arch} with tensor_parallel_size 1"
             )
+        if (c.head_dim_swa or c.per_layer_input_size or c.kv_shared_layers) and n > 1:
+            raise ValueError(
+                f"tensor_parallel_size {n}: Gemma 4's layers of two head sizes, shared K/V and per-layer embeddings "
+                f"are not split over ranks; run {arch} with tensor_parallel_size 1"
+            )
         if c.num_heads % n:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the {c.num_heads} attention heads "

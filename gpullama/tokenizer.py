@@ -158,7 +158,7 @@ class Tokenizer:
         # Without tokenizer.ggml.add_bos_token: BOS for SentencePiece, and (as llama.cpp) for the Llama 3 family
         # and tekken byte-level vocabularies; none for other byte-level ones. Never when there is no BOS token.
         pre = meta.get("tokenizer.ggml.pre", "default")
-        default_bos = self._model == "llama" or (self._model == "gpt2" and _PRE.get(pre, ("", False, False))[2])
+        default_bos = self._model in ("llama", "gemma4") or (self._model == "gpt2" and _PRE.get(pre, ("", False, False))[2])
         default_bos = default_bos and self.bos_token_id is not None
         self.add_bos_token: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_eos_token: bool = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -201,10 +201,10 @@ class Tokenizer:
         meta = _render_harmony_markers(meta)
         if model == "gpt2":
             backend = _build_byte_level(meta)
-        elif model == "llama":
+        elif model in ("llama", "gemma4"):
             backend = _build_sentencepiece(meta)
         else:
-            raise ValueError(f"unsupported tokenizer.ggml.model {model!r}; supported: 'gpt2', 'llama'")
+            raise ValueError(f"unsupported tokenizer.ggml.model {model!r}; supported: 'gpt2', 'llama', 'gemma4'")
         return cls(backend, meta)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -356,7 +356,8 @@ def _build_byte_level(meta: dict[str, Any]) -> _HFTokenizer:
 
 
 def _build_sentencepiece(meta: dict[str, Any]) -> _HFTokenizer:
-    """SentencePiece BPE (scores, `<0xNN>` byte fallback, `▁` for spaces) as a `tokenizers` BPE model.
+    """SentencePiece BPE (scores, `<0xNN>` byte fallback, `▁` for spaces) as a `tokenizers` BPE model; Gemma 4's
+    (`gemma4`: merges, no space prefix) the same, its text split at runs of newlines first.
 
     Spaces become `▁` and, with tokenizer.ggml.add_space_prefix (default true), each run of text gets a `▁`
     prepended -- including text right after a special token and text that already starts with a space. That is
@@ -387,7 +388,9 @@ def _build_sentencepiece(meta: dict[str, Any]) -> _HFTokenizer:
     if add_prefix:
         steps.insert(0, normalizers.Prepend("\u2581"))
     tk.normalizer = normalizers.Sequence(steps)
-    tk.pre_tokenizer = None
+    # Gemma 4's (llama.cpp's gemma4 pre-tokenizer): the merges run on each run of newlines and of other text apart
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), "isolated") if meta["tokenizer.ggml.model"] == "gemma4" \
+        else None
     chain = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix:
         chain.append(decoders.Strip(" ", 1, 0))

@@ -24,6 +24,7 @@ from transformers import (
     LlamaConfig,
     SmolLM3Config,
 )
+from transformers.models.gemma4 import Gemma4TextConfig
 from transformers.models.granitemoehybrid import GraniteMoeHybridConfig
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -58,6 +59,11 @@ GRANITE_HYBRID = {k: v for k, v in COMMON.items() if k != "intermediate_size"} |
     mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=1.5, residual_multiplier=0.7,
     attention_multiplier=0.2, logits_scaling=2.0,
     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+GEMMA4 = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+              num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8, sliding_window=8,
+              final_logit_softcapping=30.0, max_position_embeddings=256,
+              layer_types=["sliding_attention", "full_attention"] * 3)
 MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
            routed_scaling_factor=2.5, norm_topk_prob=True)
 CONFIGS = {
@@ -95,8 +101,17 @@ CONFIGS = {
     # shared MLP alone)
     "granitehybrid": lambda **kw: GraniteMoeHybridConfig(**GRANITE_HYBRID, num_local_experts=8, **kw),
     "granitehybrid-dense": lambda **kw: GraniteMoeHybridConfig(**GRANITE_HYBRID, num_local_experts=0, **kw),
+    # sliding layers 0, 2, 4 (window 8; 2 KV heads of 16) and full layers 1, 3, 5 (1 KV head of 32 whose keys'
+    # projection doubles as the values', proportional rotary on 8 of 32 dims); layers 4 and 5 reuse the K/V of
+    # layers 2 and 3, with double-wide MLPs; per-layer embeddings of 8, a scalar a layer, logit soft-capping; and the
+    # same with 2 of 4 experts beside each layer's dense MLP
+    "gemma4": lambda **kw: Gemma4TextConfig(**GEMMA4, vocab_size_per_layer_input=kw["vocab_size"], **kw),
+    "gemma4-moe": lambda **kw: Gemma4TextConfig(**GEMMA4, vocab_size_per_layer_input=kw["vocab_size"],
+                                                enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                                moe_intermediate_size=32, **kw),
 }
-"""Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF)."""
+"""Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF; Gemma 4's converter
+wants a SentencePiece-style BPE one: `gemma4_tokenizer`)."""
 SPECIAL_TOKENS = {"glm4moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
 """Tokens a family's converter looks up by name (GLM's `_set_vocab_glm`), added to the tokenizer."""
 CONVERTER_ARGS = {"qwen35": ("--no-mtp",), "qwen35moe": ("--no-mtp",)}
@@ -108,10 +123,14 @@ CONVERTER_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attenti
 """transformers 5 saves Granite hybrid `layer_types` under these names; the converter reads `mamba`/`attention`
 (else it converts every layer as Mamba2): renamed in the saved config.json it converts."""
 SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "lfm2moe", "qwen35", "qwen35moe",
-             "granitehybrid", "granitehybrid-dense")
+             "granitehybrid", "granitehybrid-dense", "gemma4", "gemma4-moe")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
 NATIVE_STACK = ("llama", "smollm3", "glm4moe")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
+FAST_KV_CACHE = {"gemma4": "float32", "gemma4-moe": "float32"}
+"""The fast path's KV pool where it is not the default float16: Gemma 4's unscaled q.k of normalized heads moves the
+tiny model's logits by about 7e-3 of the largest through a float16 pool (`test_gemma4_float16_pool`), and a MoE
+model's near-tied experts may then swap; the C kernels themselves are checked over a float32 pool."""
 GREEDY_TOKENS = 12
 
 needs_kernels = pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
@@ -131,6 +150,31 @@ def smollm2_tokenizer(gguf_path: Path) -> Path:
     return out
 
 
+def gemma4_tokenizer(out: Path):
+    """A SentencePiece-style BPE tokenizer (spaces as ``▁``, ``<0xNN>`` byte fallback, merges; what Gemma 4's
+    converter reads through gguf's `LlamaHfVocab`) of about 340 tokens, saved to `out`; the tokenizer itself."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"])}
+    vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
+    for ch in "\u2581abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\n":
+        vocab.setdefault(ch, len(vocab))
+    merges = [("\u2581", "t"), ("h", "e"), ("\u2581t", "he"), ("\u2581", "a"), ("i", "n"), ("e", "r"), ("o", "n"),
+              ("\u2581", "s"), ("\n", "\n")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tk = HFTokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), "isolated")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(out)
+    return fast
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, default_model_path: Path):
     """Factory: (transformers model, path of the GGUF llama.cpp's converter wrote from it), per architecture."""
@@ -143,7 +187,9 @@ def converted(tmp_path_factory, default_model_path: Path):
 
             tok = AutoTokenizer.from_pretrained(tokenizer)
             folder = tmp_path_factory.mktemp(arch)
-            if arch in SPECIAL_TOKENS:
+            if arch.startswith("gemma4"):
+                tok = gemma4_tokenizer(folder)
+            elif arch in SPECIAL_TOKENS:
                 tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[arch]})
                 tok.save_pretrained(folder)
             else:
@@ -156,9 +202,15 @@ def converted(tmp_path_factory, default_model_path: Path):
             with torch.no_grad():  # weights well away from initialisation's small values, norms not all ones
                 for name, p in model.named_parameters():
                     p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.08) + (1.0 if "norm" in name else 0))
+                    if name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's: about 1, as trained
+                        p.copy_(torch.randn_like(p) * 0.3 + 1.0)
+                    elif name.endswith("router.proj.weight"):  # router logits spread enough to choose clearly
+                        p.copy_(torch.randn_like(p) * 2.0)
                 for name, b in model.named_buffers():
                     if name.endswith(("e_score_correction_bias", "expert_bias")):  # large enough to change the choice
                         b.copy_(torch.randn_like(b) * 0.2)
+                    elif name.endswith("layer_scalar"):  # Gemma 4's per-layer scalars, not all ones
+                        b.copy_(torch.rand_like(b) + 0.5)
             model.save_pretrained(folder)
             if arch.startswith("granitehybrid"):
                 saved = json.loads((folder / "config.json").read_text())
@@ -198,7 +250,7 @@ def loaded(converted):
             path = str(converted(arch)[1])
             if fast:
                 with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
-                    made[arch, fast] = LLM(path, device="cpu")
+                    made[arch, fast] = LLM(path, device="cpu", kv_cache_dtype=FAST_KV_CACHE.get(arch, "auto"))
                 assert isinstance(made[arch, fast].model.ops, CpuOps)
             else:
                 made[arch, fast] = LLM(path, device="cpu", dtype="float32")
@@ -411,3 +463,54 @@ def test_hybrid_model_serves_16_concurrent_streams_as_alone(converted, tmp_path)
         assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
     finally:
         stop_server(srv)
+
+
+def test_gemma4_pools_info_and_refusals(converted, loaded, capsys) -> None:
+    """Gemma 4's KV pools: one a layer that caches (the 4 first; layers 4 and 5 read layers 2's and 3's), each of its
+    kind's heads (sliding: 2 of 16, full: 1 of 32); `gpullama info` gives the cache a token (2 x (2 x 2 x 16 + 2 x
+    32) = 256 values) and the sharing; tensor parallelism is refused by name."""
+    from gpullama.cli import main
+
+    llm = loaded("gemma4")
+    c, runner = llm.config, llm.engine.runner
+    assert c.kv_layers == (0, 1, 2, 3) and [c.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 2, 3]
+    assert [tuple(k.shape[2:]) for k in runner.k_caches] == [(2, 16), (1, 32)] * 2
+    assert [tuple(v.shape[2:]) for v in runner.v_caches] == [(2, 16), (1, 32)] * 2
+    assert c.kv_values_per_token == 256
+    assert runner.kv_cache_bytes == 256 * (runner.num_blocks + 1) * 16 * 4  # float32, block size 16
+    path = str(converted("gemma4")[1])
+    assert main(["info", path]) == 0
+    out = capsys.readouterr().out
+    assert "0.5 KiB float16" in out and "(4 of the 6 layers; the last 2 reuse earlier layers' K/V)" in out, out
+    assert "4 / 1 / 32 (sliding layers: 2 kv heads of 16)" in out, out
+    with pytest.raises(ValueError, match="Gemma 4.*tensor_parallel_size 1"):
+        LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("text", ["the cat sat on the mat", "  two leading spaces\n\n\nthen newlines", "Zürich 123!?",
+                                  "a\nb \n c"])
+def test_gemma4_tokenizer_matches_transformers(converted, loaded, text: str) -> None:
+    """The converter's `gemma4` vocabulary (merges on raw UTF-8, spaces as ``▁``, newline runs apart, byte
+    fallback) encodes and decodes as the transformers tokenizer it was written from."""
+    from transformers import AutoTokenizer
+
+    folder = converted("gemma4")[1].parent
+    want = AutoTokenizer.from_pretrained(folder)
+    tok = loaded("gemma4").tokenizer
+    ids = tok.encode(text)
+    assert ids == want(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    assert tok.encode(text, add_special_tokens=True)[0] == want.bos_token_id
+
+
+@needs_kernels
+def test_gemma4_float16_pool(converted) -> None:
+    """The fast path's default float16 KV pool (llama.cpp's default too): the tiny dense model's logits within 1e-2 of
+    transformers' largest (about 7e-3 here: its normalized, unscaled q.k magnify the pool's rounding) and the same
+    top token where it is clear."""
+    model, path = converted("gemma4")
+    ids = token_ids(model.config.vocab_size)
+    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+        llm = LLM(str(path), device="cpu")
+    assert llm.engine.runner.kv_dtype == torch.float16
+    assert_close_and_same_top1(llm.logits(ids), hf_logits(model, ids), "gemma4 float16 pool", tolerance=1e-2)

@@ -48,9 +48,9 @@ def kv_format_name(kv_dtype: torch.dtype) -> str:
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of one KV block: k and v of `block_size` tokens in every layer with a KV pool (the one latent row of
     multi-head latent attention, which has no value pool; none in a short-convolution layer)."""
-    row = kv_row_size(config.head_dim, kv_dtype) * kv_dtype.itemsize
     pools = 2 if config.separate_values else 1
-    return pools * len(config.kv_layers) * block_size * config.num_kv_heads * row
+    rows = sum(config.layer_kv_heads(i) * kv_row_size(config.layer_head_dim(i), kv_dtype) for i in config.kv_layers)
+    return pools * block_size * rows * kv_dtype.itemsize
 
 
 def kv_pool_blocks(
@@ -132,7 +132,11 @@ class ModelRunner:
         # the ops say what the pool holds: float16 on the CPU fast path by default, float32 on the exact CPU path,
         # the compute dtype on a GPU (uint8: Q8_0 rows)
         mc = model.config
-        self.kv_dtype = ops.kv_cache_dtype(config.kv_cache_dtype, mc.head_dim, config.block_size, latent=mc.is_mla)
+        # one dtype for every pool (Gemma 4's sliding and full layers have pools of two head dims): the widest the
+        # ops pick for any of them
+        self.kv_dtype = max((ops.kv_cache_dtype(config.kv_cache_dtype, d, config.block_size, latent=mc.is_mla)
+                             for d in sorted({mc.layer_head_dim(i) for i in mc.kv_layers} or {mc.head_dim})),
+                            key=lambda t: t.itemsize)
         local = dataclasses.replace(mc, num_kv_heads=model.num_kv_heads)  # this rank's share of each block
         if config.num_blocks:
             self.num_blocks, self.kv_pool_limit = config.num_blocks, "num_blocks"
@@ -149,11 +153,14 @@ class ModelRunner:
             max_tokens = max(config.max_num_batched_tokens, config.max_model_len)  # scoring runs a whole context
             self.steps = StepBroadcast(self.tp, step_buffer_size(config.max_num_seqs, max_tokens, max_blocks_per_seq))
         # one block past the managed ones: the scratch block that padded decode rows write into
-        shape = (self.num_blocks + 1, config.block_size, model.num_kv_heads, kv_row_size(mc.head_dim, self.kv_dtype))
-        self.k_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device) for _ in mc.kv_layers]
+        def shape(i: int) -> tuple[int, ...]:  # layer i's pool: this rank's KV heads (Gemma 4: its layer kind's)
+            heads = model.num_kv_heads * mc.layer_kv_heads(i) // mc.num_kv_heads
+            return (self.num_blocks + 1, config.block_size, heads, kv_row_size(mc.layer_head_dim(i), self.kv_dtype))
+
+        self.k_caches = [kv_cache_tensor(shape(i), self.kv_dtype, self.device) for i in mc.kv_layers]
         # multi-head latent attention keeps no values: they are the latent part of each key row
-        self.v_caches = [kv_cache_tensor(shape, self.kv_dtype, self.device)
-                         for _ in (mc.kv_layers if mc.separate_values else ())]
+        self.v_caches = [kv_cache_tensor(shape(i), self.kv_dtype, self.device)
+                         for i in (mc.kv_layers if mc.separate_values else ())]
         self.scratch_state_slot = config.max_num_seqs
         self.states = model.new_states(config.max_num_seqs + 1)
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs

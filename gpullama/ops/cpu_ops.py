@@ -70,8 +70,9 @@ class CpuOps(TorchOps):
         down_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
     ) -> Experts:
         """The experts packed for `cpu_native.moe` (gate and up rows of each expert joined), weights quantized as
-        stored; types the kernels do not take get `TorchOps`' dense experts."""
-        if not (packable_experts(gate_up) and packable_experts([down]) and down.shape[2] % 32 == 0):
+        stored; types and activations the kernels do not take (Gemma 4's GeGLU) get `TorchOps`' dense experts."""
+        if activation not in ("silu", "swiglu_oai") or not (packable_experts(gate_up) and packable_experts([down])
+                                                           and down.shape[2] % 32 == 0):
             return super().prepare_experts(gate_up, down, gate_up_bias, down_bias, activation, alpha, limit)
         e, hidden = down.shape[0], down.shape[1]
         rows = sum(p.shape[1] for p in gate_up)

@@ -10,8 +10,8 @@ order as `Decoder.forward_pooled`'s loop, so a dense layer's results are the sam
 `NativeStack.build` returns None for what the loop handles and the stack does not: tensor parallelism, Granite's
 residual scale, qwen2moe's sigmoid-gated shared expert (GLM-4.5's ungated one runs here), grouped expert routing,
 multi-head latent attention (DeepSeek: its latent pool is read by torch), recurrent layers (LFM2's short
-convolutions, Qwen3.5's gated delta-nets: their states live in the runner's slots), a weight or shape the kernels do
-not take.
+convolutions, Qwen3.5's gated delta-nets: their states live in the runner's slots), Gemma 4's layers, a weight or
+shape the kernels do not take.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class NativeStack:
             raise Unsupported("multi-head latent attention")
         if c.has_recurrent_state:
             raise Unsupported(c.recurrent_layers_named)
+        if c.per_layer_input_size or c.kv_shared_layers or c.head_dim_swa or c.value_norm:
+            raise Unsupported("Gemma 4's layers (two head sizes, shared K/V, per-layer inputs)")
         if c.activation not in _ACTIVATIONS:
             raise Unsupported(f"activation {c.activation}")
         hidden, d = decoder.layers[0].attn_norm.numel(), c.head_dim

@@ -29,7 +29,7 @@ class Experts:
     num_experts: int
     intermediate_size: int  # I: rows of one expert's gate (and of its up)
     hidden_size: int  # H
-    activation: str = "silu"  # "silu" or "swiglu_oai" (see `activate`)
+    activation: str = "silu"  # "silu", "swiglu_oai" or "gelu_tanh" (see `activate`)
     alpha: float = 1.702  # swiglu_oai's sigmoid slope
     limit: float = 7.0  # swiglu_oai's clamp
 
@@ -85,6 +85,8 @@ def activate(gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit
     """``[M, 2I]`` gate|up -> ``[M, I]``: "silu" is ``silu(gate) * up``; "swiglu_oai" (gpt-oss) is ``g *
     sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     if activation == "swiglu_oai":
         gate = gate.clamp(max=limit)
         return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + 1)

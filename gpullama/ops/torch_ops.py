@@ -174,6 +174,12 @@ class TorchOps:
         v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         return q, k
 
+    def rope(self, q: torch.Tensor, cos_sin: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        """Rotate q alone, as `rope_and_cache` does, for a layer that attends over another layer's K/V (Gemma 4's
+        shared layers); float32."""
+        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else rope_rows(cos_sin, meta.positions)
+        return _rotate(q, cos, sin)
+
     def short_conv(
         self, x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, meta: BatchMetadata
     ) -> torch.Tensor:
