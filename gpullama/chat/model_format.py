@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpullama.chat.formats import FORMAT_BY_NAME, ChatToolFormat, format_for_template
-from gpullama.chat.reasoning import THINK_CLOSE, THINK_OPEN
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,8 @@ _formats_lock = threading.Lock()
 
 def chat_format(tokenizer: Any) -> ChatFormat:
     """The chat format of `tokenizer` (computed once per tokenizer). A model reasons when its vocabulary has
-    <think> and </think> as single tokens or its template speaks of </think> (Qwen3, DeepSeek-R1 distills)."""
+    <think> and </think> as single tokens or its template speaks of its format's closing tag (</think>: Qwen3,
+    DeepSeek-R1 distills; <channel|>: Gemma 4)."""
     with _formats_lock:
         found = _formats.get(tokenizer)
     if found is None:
@@ -53,9 +53,10 @@ def chat_format(tokenizer: Any) -> ChatFormat:
         if tools.channels:  # gpt-oss: channels carry the reasoning, the answer and the calls
             found = ChatFormat(tools.name, tools.template_tools, True, (), markers, switch)
         else:
-            reasoning = THINK_CLOSE in source or reasoning_token_ids(tokenizer) is not None
-            found = ChatFormat(tools.name, tools.template_tools, reasoning, markers,
-                               tuple(special[m] for m in (THINK_OPEN, THINK_CLOSE) if m in special), switch)
+            reasoning = tools.think_tags[1] in source or reasoning_token_ids(tokenizer) is not None
+            # the special tokens that spell the reasoning tags (<think>, </think>; Gemma 4's <|channel>, <channel|>)
+            think = tuple(i for m, i in special.items() if len(m) > 2 and any(m in t for t in tools.think_tags))
+            found = ChatFormat(tools.name, tools.template_tools, reasoning, markers, think, switch)
         with _formats_lock:
             _formats[tokenizer] = found
     return found

@@ -20,6 +20,7 @@ from typing import Any
 from gpullama.structured.spec import StructuredOutputError, ToolCallGrammar
 from gpullama.structured.tools import (
     TOOL_CALL_FORMATS,
+    GemmaToolCallFormat,
     TaggedToolCallFormat,
     may_be_string,
     schema_properties,
@@ -140,6 +141,8 @@ def tool_calls_lark(spec: ToolCallGrammar) -> str:
     for i, (name, schema) in enumerate(spec.tools):
         if isinstance(fmt, TaggedToolCallFormat):
             rules += _tagged_call_rules(fmt, i, name, json.loads(schema))
+        elif isinstance(fmt, GemmaToolCallFormat):
+            rules += _gemma_call_rules(fmt, i, name, json.loads(schema))
         else:
             body = json.dumps(json_schema_grammar(json.loads(schema)), ensure_ascii=False)
             rules.append(f"call_{i}: {lark_string(fmt.call_prefix(name))} %json {body} "
@@ -198,6 +201,73 @@ def _tagged_call_rules(fmt: TaggedToolCallFormat, index: int, name: str, schema:
     rules.append(f"call_{index}: {lark_string(fmt.call_prefix(name))} {' '.join(parts)} "
                  f"{lark_string(fmt.call_suffix())}")
     return rules
+
+
+_GEMMA_ANY = [  # any value in Gemma's object syntax (a schema this grammar does not follow)
+    "gemma_any: gemma_str | gemma_obj | gemma_arr | %json {\"type\": [\"number\", \"boolean\", \"null\"]}",
+    "gemma_obj: \"{\" (gemma_kv (\",\" gemma_kv)*)? \"}\"",
+    "gemma_kv: GEMMA_KEY \":\" gemma_any",
+    "GEMMA_KEY: /[A-Za-z_][A-Za-z0-9_\\-]*/",
+    "gemma_arr: \"[\" (gemma_any (\",\" gemma_any)*)? \"]\"",
+]
+
+
+def _gemma_string(fmt: GemmaToolCallFormat, schema: Any, rule: str) -> list[str]:
+    """A quoted string value, its closing quote included in the lexeme: the schema's length bounds kept."""
+    quote = regex_escape(fmt.quote)
+    low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
+    high = schema.get("maxLength", "") if isinstance(schema, dict) else ""
+    text, terminal = "(.|\\n)", rule.upper()
+    return [f"{rule}: {lark_string(fmt.quote)} {terminal}",
+            f"{terminal}: /{text}{{{low},{high}}}{quote}/ & ~/{text}*{quote}{text}*{quote}{text}*/"]
+
+
+def _gemma_value(fmt: GemmaToolCallFormat, schema: Any, rule: str) -> list[str]:
+    """Rules for `rule`: a value of `schema` in Gemma's object syntax."""
+    if not isinstance(schema, dict):
+        return [f"{rule}: gemma_any"]
+    if "const" in schema or isinstance(schema.get("enum"), list):
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return [f"{rule}: " + " | ".join(lark_string(fmt.value_text(v)) for v in values)]
+    types = value_types(schema)
+    if types == {"string"}:
+        return _gemma_string(fmt, schema, rule)
+    if types == {"object"} and isinstance(schema.get("properties"), dict):
+        return _gemma_object(fmt, schema, rule)
+    if types == {"array"} and isinstance(schema.get("items"), dict):
+        item = f"{rule}_item"
+        return [*_gemma_value(fmt, schema["items"], item), f"{rule}: \"[\" ({item} (\",\" {item})*)? \"]\""]
+    if types <= {"integer", "number", "boolean", "null"}:
+        return [f"{rule}: %json {json.dumps(json_schema_grammar(schema), ensure_ascii=False)}"]
+    return [f"{rule}: gemma_any"]
+
+
+def _gemma_object(fmt: GemmaToolCallFormat, schema: dict, rule: str) -> list[str]:
+    """An object of `schema`'s properties: the required ones in order, then each optional one or not."""
+    props = schema_properties(schema)
+    props = [p for p in props if p[2]] + [p for p in props if not p[2]]
+    rules, parts = [], []
+    for j, (key, sub, required) in enumerate(props):
+        value = f"{rule}_{j}"
+        rules += _gemma_value(fmt, sub, value)
+        item = f"{lark_string(key + ':')} {value}"
+        if not parts:
+            parts.append(item if required else f"({item}")
+        else:
+            parts.append(f"\",\" {item}" if required else f"(\",\" {item})?")
+    if parts and not props[0][2]:  # nothing required: the first optional one opens the rest, or none at all
+        parts[-1] += ")?"
+    return [*rules, f"{rule}: \"{{\" {' '.join(parts)} \"}}\""]
+
+
+def _gemma_call_rules(fmt: GemmaToolCallFormat, index: int, name: str, schema: dict) -> list[str]:
+    """Rules of one Gemma 4 call: its arguments an object of the parameters schema in Gemma's syntax."""
+    args = f"call_{index}_args"
+    schema = schema if schema.get("properties") else {**schema, "properties": {}}
+    rules = _gemma_object(fmt, schema, args)
+    if index == 0:  # the rules of any value, once
+        rules += [*_GEMMA_ANY, *_gemma_string(fmt, {}, "gemma_str")]
+    return [*rules, f"call_{index}: {lark_string(fmt.call_prefix(name))} {args} {lark_string(fmt.call_suffix())}"]
 
 
 def reason(message: str) -> str:

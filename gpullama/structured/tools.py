@@ -111,6 +111,31 @@ class NamedToolCallFormat(ToolCallFormat):
 
 
 @dataclass(frozen=True)
+class GemmaToolCallFormat(NamedToolCallFormat):
+    """Gemma 4's calls: `call_open` with the name for ``{name}``, the arguments in Gemma's object syntax (bare
+    keys, strings between `quote` marks, other scalars as JSON), `call_close`. The grammar writes an object's
+    required properties in the schema's order, then its optional ones in theirs (each only after the one before
+    it when none is required)."""
+
+    quote: str = '<|"|>'
+
+    def value_text(self, value: Any) -> str:
+        """`value` in Gemma's object syntax."""
+        if isinstance(value, str):
+            return self.quote + value + self.quote
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}:{self.value_text(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, list):
+            return "[" + ",".join(self.value_text(v) for v in value) + "]"
+        return json.dumps(value)
+
+    def render(self, calls: Sequence[tuple[str, Any]], parallel: bool | None = None) -> str:
+        """The text of `calls` ((name, arguments object) pairs) in this format, as the grammar writes it."""
+        body = [self.call_prefix(n) + self.value_text(a) + self.call_suffix() for n, a in calls]
+        return self.open + self.sep.join(body) + self.close
+
+
+@dataclass(frozen=True)
 class TaggedToolCallFormat(ToolCallFormat):
     """Calls written as tags, one per argument (Qwen3-Coder's XML, GLM-4.5's ``<arg_key>``/``<arg_value>``):
     `call_open` with the function's name for ``{name}``, then each argument as `arg_open` (its key for ``{key}``),
@@ -160,6 +185,8 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "deepseek": NamedToolCallFormat("deepseek", "", call_open="<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
                                     call_close="<｜tool▁call▁end｜>", open="<｜tool▁calls▁begin｜>",
                                     close="<｜tool▁calls▁end｜>"),
+    # Gemma 4
+    "gemma4": GemmaToolCallFormat("gemma4", "", call_open="<|tool_call>call:{name}", call_close="<tool_call|>"),
     # GLM-4.5 / 4.6 / 4.7 (<arg_key>/<arg_value> pairs)
     "glm45": TaggedToolCallFormat("glm45", "", call_open="<tool_call>{name}\n", call_close="</tool_call>", sep="\n",
                                   arg_open="<arg_key>{key}</arg_key>\n<arg_value>", arg_close="</arg_value>\n"),

@@ -45,6 +45,7 @@ TEMPLATES = {  # format -> llama.cpp's real templates that write it
     "glm45": ["GLM-4.6.jinja", "GLM-4.7-Flash.jinja"],
     # (llama.cpp's own llama-cpp-deepseek-r1.jinja pipes a generator to tojson, which transformers cannot render)
     "deepseek": ["deepseek-ai-DeepSeek-V3.1.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"],
+    "gemma4": ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"],
 }
 TEMPLATE_CASES = [(fmt, name) for fmt, names in TEMPLATES.items() for name in names]
 
@@ -95,16 +96,17 @@ def test_calls_the_template_writes_parse_back(fmt, name):
     whole = template.render(messages[:4], tools=TOOLS, add_generation_prompt=False)
     opening, end = TURN[fmt]
     turn = whole[whole.index(opening) + len(opening):]  # the first assistant turn
-    turn = turn[:turn.index(end)]
-    opened = prompt_opens_reasoning(head) and "</think>" in turn  # R1's past turns drop their reasoning block
-    out = FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(opened)).parse(turn)
+    turn = turn[:turn.index(end)] if end in turn else turn[:turn.index("<turn|>")]  # Gemma 4's interleaved
+    tags = FORMAT_BY_NAME[fmt].think_tags
+    opened = prompt_opens_reasoning(head, *tags) and tags[1] in turn  # R1's past turns drop their reasoning block
+    out = FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(opened, *tags)).parse(turn)
     assert _calls(out) == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                            for c in CONVERSATION[2]["tool_calls"]]
     assert not out.content
 
 
 TURN = {"qwen3_coder": ("<|im_start|>assistant\n", "<|im_end|>"), "glm45": ("<|assistant|>", "<|observation|>"),
-        "deepseek": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>")}  # an assistant turn's opening and end
+        "deepseek": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"), "gemma4": ("<|turn>model\n", "<|tool_response>")}  # an assistant turn's opening and end
 
 # model-like outputs and what llama.cpp's parser reads from them: (reasoning, content, calls)
 QWEN3_CODER_CASES = [
@@ -183,7 +185,22 @@ DEEPSEEK_OPEN_CASES = [  # the prompt opened <think> (V3.1 with thinking on, R1)
      ("REASONING", None, [("get_weather", '{"city": "Tokyo"}')])),
     ("REASONING</think>\nCONTENT", ("REASONING", "CONTENT", [])),
 ]
-OUTPUT_CASES = ([("deepseek", False, text, want) for text, want in DEEPSEEK_CASES]
+Q = '<|"|>'
+GEMMA4_CASES = [  # llama.cpp's gemma4 parser: Gemma's object syntax to compact JSON, <|channel>thought reasoning
+    (f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:3}}<tool_call|>",
+     (None, None, [("get_weather", '{"city":"Paris","days":3}')])),
+    (f"Let me check.<|tool_call>call:add{{a:1.5,b:-2,opts:{{x:[1,{Q}y, z: w{Q}],n:null}},tags:[]}}<tool_call|>"
+     f"<|tool_call>call:now{{}}<tool_call|>",
+     (None, "Let me check.", [("add", '{"a":1.5,"b":-2,"opts":{"x":[1,"y, z: w"],"n":null},"tags":[]}'),
+                              ("now", "{}")])),
+    (f"<|channel>thought\nThe user wants Paris.<channel|><|tool_call>call:get_weather{{city:{Q}Paris{Q}}}"
+     "<tool_call|>", ("The user wants Paris.", None, [("get_weather", '{"city":"Paris"}')])),
+    ("<|channel>thought\nHmm.<channel|>It is sunny.", ("Hmm.", "It is sunny.", [])),
+    (f"<|tool_call>call:rm_rf{{path:{Q}/{Q}}}<tool_call|>", (None, f"<|tool_call>call:rm_rf{{path:{Q}/{Q}}}<tool_call|>", [])),
+    (f"<|tool_call>call:get_weather{{city:{Q}Pa", (None, None, [("get_weather", "{}")])),
+]
+OUTPUT_CASES = ([("gemma4", False, text, want) for text, want in GEMMA4_CASES]
+                + [("deepseek", False, text, want) for text, want in DEEPSEEK_CASES]
                 + [("deepseek", True, text, want) for text, want in DEEPSEEK_OPEN_CASES]
                 + [("glm45", False, text, want) for text, want in GLM_CASES]
                 + [("glm45", True, text, want) for text, want in GLM47_CASES]
@@ -194,7 +211,8 @@ OUTPUT_CASES = ([("deepseek", False, text, want) for text, want in DEEPSEEK_CASE
 @pytest.mark.parametrize("fmt, opened, text, expected", OUTPUT_CASES)
 def test_model_outputs_parse_as_llamacpp_parses_them_in_any_split(fmt, opened, text, expected):
     def parser():
-        return FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(start_in_reasoning=opened))
+        tags = FORMAT_BY_NAME[fmt].think_tags
+        return FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(opened, *tags))
 
     whole = parser().parse(text)
     assert (whole.reasoning, whole.content, [(c.name, c.arguments) for c in whole.tool_calls]) == expected
@@ -208,7 +226,8 @@ def test_model_outputs_parse_as_llamacpp_parses_them_in_any_split(fmt, opened, t
 @pytest.mark.parametrize("fmt", sorted(TEMPLATES))
 def test_calls_stream_with_the_openai_shape(fmt):
     """Each call's id and name come once, in its first piece; its arguments follow as they are read."""
-    text, (_, _, calls) = {"qwen3_coder": QWEN3_CODER_CASES, "glm45": GLM_CASES, "deepseek": DEEPSEEK_CASES}[fmt][1]
+    text, (_, _, calls) = {"qwen3_coder": QWEN3_CODER_CASES, "glm45": GLM_CASES, "deepseek": DEEPSEEK_CASES,
+                             "gemma4": GEMMA4_CASES}[fmt][1]
     parser = PARSERS[fmt](SCHEMAS, id_factory=_ids())
     deltas = [parser.feed(c) for c in text] + [parser.finish()]
     firsts = {}
@@ -221,3 +240,18 @@ def test_calls_stream_with_the_openai_shape(fmt):
                 assert piece.id is None and piece.name is None
     assert [(c.name, c.arguments) for c in accumulate(deltas).tool_calls] == calls
     assert sum(len(d.tool_calls) for d in deltas) > len(calls)  # the arguments came in pieces after the name
+
+
+@pytest.mark.parametrize("fmt, name", TEMPLATE_CASES)
+def test_a_model_with_the_template_gets_the_format(fmt, name):
+    """`chat_format` of a vocabulary carrying the real template: the format, and reasoning when the template
+    speaks of the format's closing reasoning tag (Qwen3-Coder's does not reason)."""
+    from gpullama.chat.model_format import chat_format
+    from gpullama.tokenizer import Tokenizer
+    from tests.fixtures.vocabs import vocab_metadata
+
+    source = _source(name)
+    found = chat_format(Tokenizer.from_metadata(dict(vocab_metadata("gpt2-smollm"),
+                                                     **{"tokenizer.chat_template": source})))
+    assert found.tool_format == fmt and found.template_tools
+    assert found.reasoning == (name != "Qwen3-Coder.jinja")

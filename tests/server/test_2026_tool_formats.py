@@ -32,7 +32,8 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 # reasoning gate needs it); with thinking on, DeepSeek V3.1's prompt would open a block its calls never close
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 TEMPLATES = {  # format -> the llama.cpp template that writes it
-    "qwen3_coder": "Qwen3.5-4B.jinja", "glm45": "GLM-4.6.jinja", "deepseek": "deepseek-ai-DeepSeek-V3.1.jinja"}
+    "qwen3_coder": "Qwen3.5-4B.jinja", "glm45": "GLM-4.6.jinja", "deepseek": "deepseek-ai-DeepSeek-V3.1.jinja",
+    "gemma4": "google-gemma-4-31B-it.jinja"}
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpullama.chat.formats import deepseek, generic, glm45, harmony, hermes, llama3, mistral, qwen3_coder
+from gpullama.chat.formats import deepseek, gemma4, generic, glm45, harmony, hermes, llama3, mistral, qwen3_coder
 from gpullama.chat.formats.base import ChatToolFormat, call_arguments, template_messages
 from gpullama.chat.formats.deepseek import DeepSeekToolParser
+from gpullama.chat.formats.gemma4 import Gemma4ToolParser
 from gpullama.chat.formats.generic import GenericToolParser, generic_messages, generic_tool_prompt
 from gpullama.chat.formats.glm45 import Glm45ToolParser
 from gpullama.chat.formats.hermes import HermesToolParser
@@ -20,8 +21,8 @@ from gpullama.chat.formats.mistral import MistralToolParser
 from gpullama.chat.formats.qwen3_coder import Qwen3CoderToolParser
 from gpullama.chat.tool_calls import ToolParser
 
-FORMATS: tuple[ChatToolFormat, ...] = (harmony.FORMAT, qwen3_coder.FORMAT, glm45.FORMAT, hermes.FORMAT, deepseek.FORMAT,
-                                       mistral.FORMAT, llama3.FORMAT, generic.FORMAT)
+FORMATS: tuple[ChatToolFormat, ...] = (harmony.FORMAT, gemma4.FORMAT, qwen3_coder.FORMAT, glm45.FORMAT, hermes.FORMAT,
+                                       deepseek.FORMAT, mistral.FORMAT, llama3.FORMAT, generic.FORMAT)
 """Every format, in the order template detection tries them."""
 
 FORMAT_BY_NAME: dict[str, ChatToolFormat] = {f.name: f for f in FORMATS}
@@ -35,8 +36,8 @@ def format_for_template(source: str | None) -> ChatToolFormat:
 
 
 def parser_name_for_template(source: str | None) -> str:
-    """The name of the tool-call format a chat template's source uses: harmony, qwen3_coder, glm45, hermes, deepseek,
-    llama3, mistral, or generic."""
+    """The name of the tool-call format a chat template's source uses: harmony, gemma4, qwen3_coder, glm45, hermes,
+    deepseek, llama3, mistral, or generic."""
     return format_for_template(source).name
 
 
@@ -46,7 +47,7 @@ def parser_for_template(source: str | None, tool_names: Iterable[str] | None = N
 
 
 __all__ = [
-    "FORMATS", "FORMAT_BY_NAME", "PARSERS", "ChatToolFormat", "DeepSeekToolParser", "GenericToolParser", "Glm45ToolParser", "HermesToolParser",
+    "FORMATS", "FORMAT_BY_NAME", "PARSERS", "ChatToolFormat", "DeepSeekToolParser", "Gemma4ToolParser", "GenericToolParser", "Glm45ToolParser", "HermesToolParser",
     "Llama3ToolParser", "MistralToolParser", "Qwen3CoderToolParser", "call_arguments", "format_for_template", "generic_messages",
     "generic_tool_prompt", "parser_for_template", "parser_name_for_template", "template_messages",
 ]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpullama.chat.output import ChatOutputParser
-from gpullama.chat.reasoning import ReasoningParser
+from gpullama.chat.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser, prompt_opens_reasoning
 from gpullama.chat.tool_calls import ToolParser
 from gpullama.structured.spec import StructuredOutputError
 from gpullama.structured.tools import ToolCallFormat
@@ -89,6 +89,7 @@ class ChatToolFormat:
     # the answer's reader: by default the <think> parser (when the model reasons), then this format's call parser
     output: Callable[[ChatToolFormat, list[str] | None, ReasoningParser | None], Any] = _reasoning_then_calls
     reasoning_ends: tuple[str, ...] = ()  # markers that also end a <think> block, and begin the answer (a call)
+    think_tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)  # what opens and closes a reasoning block
     channels: str = ""  # the format's own markers carry reasoning, answer and calls (what they are, for errors):
     # the model always reasons, those markers are the ones its text must keep, and no grammar may constrain it
 
@@ -96,6 +97,12 @@ class ChatToolFormat:
     def token_markers(self) -> tuple[str, ...]:
         """The format's words that a vocabulary may hold as special tokens (the output must keep them)."""
         return self.parser.token_markers
+
+    def reasoning_parser(self, prompt: str) -> ReasoningParser:
+        """A fresh reader of this format's reasoning blocks (`think_tags`), already inside one when the rendered
+        `prompt` leaves the model in one."""
+        open_tag, close_tag = self.think_tags
+        return ReasoningParser(prompt_opens_reasoning(prompt, open_tag, close_tag), open_tag, close_tag)
 
     def output_parser(self, tool_names: list[str] | None, reasoning: ReasoningParser | None) -> Any:
         """A fresh reader of one answer (``feed`` pieces, then ``finish``; each a `ChatDelta`): calls of

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from gpullama.chat.output import ChatDelta, ChatOutputParser, accumulate_chat
-from gpullama.chat.reasoning import ReasoningParser, prompt_opens_reasoning
 
 from .chat_plan import ChatPlan
 
@@ -18,7 +17,7 @@ class ChatOutputShaper:
 
     def __init__(self, plan: ChatPlan, prompt: str) -> None:
         self.plan = plan
-        self._opened = plan.format.reasoning and prompt_opens_reasoning(prompt)
+        self._prompt = prompt
         self._parsers: dict[int, ChatOutputParser] = {}
         self._called: set[int] = set()  # choices that called tools
 
@@ -31,7 +30,7 @@ class ChatOutputShaper:
         parser = self._parsers.get(index)
         if parser is None:
             plan = self.plan
-            reasoning = ReasoningParser(start_in_reasoning=self._opened) if plan.format.reasoning else None
+            reasoning = plan.format.tools.reasoning_parser(self._prompt) if plan.format.reasoning else None
             parser = self._parsers[index] = plan.format.tools.output_parser(plan.tool_names, reasoning)
         return parser
 
