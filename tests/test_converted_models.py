@@ -36,7 +36,7 @@ from gpullama.kernels import cpu_native
 from gpullama.ops import CpuOps
 from tests.engine.helpers import make_engine, run_requests, solo_runs
 from tests.engine.test_batching import LogitsRecorder, assert_as_solo, assert_logits_match_solo
-from tests.fixtures.llamacpp_source import cache_root, convert_hf_to_gguf, tokenizer_folder
+from tests.fixtures.llamacpp_source import cache_root, convert_hf_to_gguf, llamacpp_source, tokenizer_folder
 from tests.test_cpu_fast_path import assert_close_and_same_top1
 from tests.test_families import family_prompts
 from tests.test_model_parity import assert_close, hf_logits, token_ids
@@ -152,7 +152,8 @@ def smollm2_tokenizer(gguf_path: Path) -> Path:
 
 def gemma4_tokenizer(out: Path):
     """A SentencePiece-style BPE tokenizer (spaces as ``▁``, ``<0xNN>`` byte fallback, merges; what Gemma 4's
-    converter reads through gguf's `LlamaHfVocab`) of about 340 tokens, saved to `out`; the tokenizer itself."""
+    converter reads through gguf's `LlamaHfVocab`) of about 340 tokens with Gemma 4's chat template (llama.cpp's
+    copy of google/gemma-4-31B-it's), saved to `out`; the tokenizer itself."""
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
     from transformers import PreTrainedTokenizerFast
@@ -171,6 +172,7 @@ def gemma4_tokenizer(out: Path):
     tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>")
+    fast.chat_template = (llamacpp_source() / "models/templates/google-gemma-4-31B-it.jinja").read_text("utf-8")
     fast.save_pretrained(out)
     return fast
 
@@ -284,8 +286,8 @@ def test_converter_written_file_matches_transformers(converted, loaded, arch: st
 @pytest.mark.parametrize("arch", [a for a in SUPPORTED if a not in ("llama", "granitehybrid-dense")])
 def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     """Chunked prefill, a cached prefix, requests joining as others leave: each request gets its solo greedy
-    tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's, LFM2's
-    and Qwen3.5's decode steps run on the static decode buffers (what CUDA graphs capture), over the latent pool and
+    tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's, LFM2's,
+    Qwen3.5's and Gemma 4's decode steps run on the static decode buffers (what CUDA graphs capture), over the latent pool and
     the state slots; a recurrent state leaves the prefix cache off (no cached tokens)."""
     llm = loaded(arch, fast)
     prompts = family_prompts(llm.config.vocab_size)
@@ -293,7 +295,7 @@ def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     solo = solo_runs(llm, prompts, params)
     c = llm.config
     engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48,
-                         static_decode=c.is_mla or c.has_recurrent_state)
+                         static_decode=c.is_mla or c.has_recurrent_state or c.kv_shared_layers > 0)
     recorder = None if fast else LogitsRecorder(engine)
     seqs = run_requests(engine, prompts, params)
     assert_as_solo(seqs, solo, [params] * len(prompts), llm.tokenizer.eos_token_ids)
@@ -501,6 +503,20 @@ def test_gemma4_tokenizer_matches_transformers(converted, loaded, text: str) -> 
     assert ids == want(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
     assert tok.encode(text, add_special_tokens=True)[0] == want.bos_token_id
+
+
+def test_gemma4_chat_template_renders_as_transformers(converted, loaded) -> None:
+    """The file's own chat template (Gemma 4's, as the converter copied it) renders a conversation through jinja as
+    transformers renders it from the tokenizer it was converted from."""
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(converted("gemma4")[1].parent)
+    tok = loaded("gemma4").tokenizer
+    assert tok.has_chat_template
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2 + 2?"}]
+    assert tok.apply_chat_template(messages) == want.apply_chat_template(messages, tokenize=False,
+                                                                         add_generation_prompt=True)
 
 
 @needs_kernels
