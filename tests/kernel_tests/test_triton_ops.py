@@ -111,3 +111,51 @@ def test_lora_rows_match_torch_ops(device):
     got = run(TritonOps(device), {k: v.to(device) for k, v in tensors.items()}, True)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
     assert float((want[0] - base[0]).abs().max()) > 1e-2 and torch.equal(want[1], base[1])
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe_file(tmp_path_factory):
+    """A tiny Gemma 4 with 2 of 4 experts (tests/test_converted_models.py's config: sliding and full layers of 16 and
+    32 head dims, 2 KV-shared layers, per-layer embeddings), written as Q8_0 by llama.cpp's converter."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.llamacpp_source import convert_hf_to_gguf
+    from tests.test_converted_models import CONFIGS, gemma4_tokenizer
+
+    folder = tmp_path_factory.mktemp("gemma4-triton")
+    tok = gemma4_tokenizer(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS["gemma4-moe"](vocab_size=len(tok), bos_token_id=2, eos_token_id=1,
+                                                                   pad_token_id=0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.08) + (1.0 if "norm" in name else 0))
+    model.save_pretrained(folder)
+    return convert_hf_to_gguf(folder, folder / "gemma4-q8_0.gguf", "--outtype", "q8_0")
+
+
+def test_gemma4_decoder_logits_match_torch_ops(gemma4_moe_file, device):
+    """Gemma 4 through TritonOps equals TorchOps: prefills longer than the 8-token window, then a decode step, over
+    pools of two head dims (the KV-shared layers reading the producers' pools, Triton's transposed k blocks), the
+    per-layer inputs and the GeGLU experts (TorchOps' dense experts beside the kernels)."""
+    from gpullama.gguf_file import read_gguf
+
+    gguf_model = read_gguf(str(gemma4_moe_file))
+    c, tensors = gguf_model.config, gguf_model.tensors
+    block_size = 8
+
+    def run(ops: TorchOps, tensors: dict) -> list[torch.Tensor]:
+        decoder = Decoder(c, tensors, ops, max_positions=64)
+        pools = [[torch.zeros(6, block_size, c.layer_kv_heads(i), c.layer_head_dim(i), device=ops.device)
+                  for i in c.kv_layers] for _ in range(2)]
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, c.vocab_size, (21,), generator=g).to(ops.device)
+        first = decoder.forward(prompt, batch_metadata([12, 9], [12, 9], block_size, ops.device), *pools)
+        step = torch.randint(0, c.vocab_size, (2,), generator=g).to(ops.device)
+        second = decoder.forward(step, batch_metadata([13, 10], [1, 1], block_size, ops.device), *pools)
+        return [first.cpu(), second.cpu()]
+
+    want = run(TorchOps(torch.device("cpu")), tensors)
+    got = run(TritonOps(device), {k: v.to(device) for k, v in tensors.items()})
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max() / w.abs().max()) < 1e-4
