@@ -57,6 +57,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: A
     context when `params.max_tokens` is None). Raises RequestError naming the field, the limit and both numbers."""
     if not isinstance(prompt_token_ids, list):
         raise RequestError(f"the prompt must be a list of token ids, got {kind(prompt_token_ids)}", "prompt")
+    if limits.reranker:  # llama.cpp's server in reranking mode refuses completions too
+        raise RequestError("this model is a reranker (pooling_type rank, a classification head): it scores "
+                           "query-document pairs and does not generate text; use /rerank, /v1/score or LLM.rerank",
+                           "model")
     n = len(prompt_token_ids)
     limit = limits.max_model_len
     vocab = limits.vocab_size

@@ -150,6 +150,10 @@ def test_score_pairs_as_vllm(rr: httpx.Client, reranker, want) -> None:
     ("/v1/score", {"text_1": [], "text_2": "a"}, "text_1"),
     ("/v1/score", {"text_1": "a", "text_2": ["a", "word " * 300]}, "text_2[1]"),
     ("/v1/embeddings", {"input": "a"}, "model"),
+    # a reranker does not generate text (llama.cpp's server in reranking mode refuses completions too)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, "model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "model"),
+    ("/completion", {"prompt": "hi", "n_predict": 2}, "model"),
 ])
 def test_bad_input_is_400_naming_the_field(rr: httpx.Client, path: str, body: dict, param: str) -> None:
     r = rr.post(path, json=body)
