@@ -127,7 +127,7 @@ def test_fast_moe_kernel_matches_the_reference_and_ignores_the_batch(tiny_model)
                          model.tensors[p + "ffn_up_exps.bias"].dequantize()], dim=-1),
               model.tensors[p + "ffn_down_exps.bias"].dequantize())
     fast, exact = CpuOps(torch.device("cpu")), TorchOps(torch.device("cpu"))
-    for activation in ("swiglu_oai", "silu"):
+    for activation in ("swiglu_oai", "silu", "gelu_tanh"):  # gpt-oss's, the others', Gemma 4's
         experts = [ops.prepare_experts(gate_up, down, *biases, activation=activation) for ops in (fast, exact)]
         gen = torch.Generator().manual_seed(3)
         x = torch.randn(20, down.shape[1], generator=gen)

@@ -1629,7 +1629,7 @@ int gl_attention(int kvt, const float *q, int64_t ldq, const void *k_cache, cons
    thread only */
 static void *moe_scratch(int which, size_t bytes) { return scratch(SCRATCH_MOE + which, bytes); }
 
-enum { ACT_SILU = 0, ACT_SWIGLU_OAI = 1 };
+enum { ACT_SILU = 0, ACT_SWIGLU_OAI = 1, ACT_GELU_TANH = 2 };
 
 /* The experts of one MoE matrix (gate|up or down) in a matmul format: expert e's blocks at data + e * stride
    bytes, N rows (a multiple of 16) of K values each. */
@@ -1766,6 +1766,10 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
                 gv = vf_min(gv, vf_set1(limit));
                 uv = vf_add(vf_max(vf_min(uv, vf_set1(limit)), vf_set1(-limit)), vf_set1(1.0f));
                 s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_mul(vf_set1(-alpha), gv))));
+            } else if (act == ACT_GELU_TANH) { /* as gl_gelu_tanh_mul (Gemma 4's experts) */
+                vf y = vf_mul(vf_set1(-1.5957691216057308f),
+                              vf_fma(vf_mul(vf_set1(0.044715f), gv), vf_mul(gv, gv), gv));
+                s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(y)));
             } else {
                 s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
             }

@@ -71,7 +71,7 @@ _SIGNATURES = {
     "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32],
 }
 _RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder")
-ACT_SILU, ACT_SWIGLU_OAI = 0, 1
+ACT_SILU, ACT_SWIGLU_OAI, ACT_GELU_TANH = 0, 1, 2
 """Expert activations of `moe`: SwiGLU, and gpt-oss's clamped SwiGLU."""
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
 """What `library()` tries in turn, the first that builds and loads winning: -march=native for the vector units this
@@ -407,7 +407,7 @@ def moe(
     ``ids[t, j]`` (int64 ``[T, k]``) applied to ``x[t]``. `gate_up` and `down` are (fmt,
     blocks ``[E, N / 16, units, unit bytes]``) as `matmul` reads them: expert e's gate rows 0 .. I-1 and up rows
     I .. 2I-1 (`intermediate` = I) of K = H values, its down rows of I values; biases float32 ``[E, 2I]`` and
-    ``[E, H]`` or None; `act` ACT_SILU or ACT_SWIGLU_OAI (with `alpha`, `limit`)."""
+    ``[E, H]`` or None; `act` ACT_SILU, ACT_SWIGLU_OAI (with `alpha`, `limit`) or ACT_GELU_TANH."""
     (f1, w1), (f2, w2) = gate_up, down
     t, k = ids.shape
     status = _lib.gl_moe(f1, w1.data_ptr(), w1[0].numel(), 16 * w1.shape[1], _ptr(gate_up_bias),

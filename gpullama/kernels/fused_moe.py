@@ -12,7 +12,7 @@ blocks ``[E, N, bytes per row]`` or a dense float matrix.
    expert, gathers their A rows (x of the pair's token for gate|up, the pair's own activation row for down),
    multiplies by the expert's dequantized ``[BLOCK_N, BLOCK_K]`` tiles with `tl.dot`, adds the expert's bias,
    optionally scales by the pair's routing weight, and writes row p of ``[P, N]``.
-3. gate|up ``[P, 2I]`` -> activation (silu, or gpt-oss's clamped SwiGLU) ``[P, I]`` -> down, weighted ``[P, H]``
+3. gate|up ``[P, 2I]`` -> activation (silu, gpt-oss's clamped SwiGLU, or GeGLU: Gemma 4) ``[P, I]`` -> down, weighted ``[P, H]``
    -> summed over each token's k pairs ``[T, H]``.
 Inputs and weights are rounded to the compute dtype before multiplying, as `quant_linear` does; float32 out.
 Torch reference: `gpullama.ops.torch_ops.TorchOps.moe` (each expert's rows, in expert order).
@@ -142,8 +142,11 @@ def grouped_gemm(
 
 
 def activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """``[P, 2I]`` -> ``[P, I]``: silu(gate) * up, or gpt-oss's clamped SwiGLU (see `gpullama.ops.experts`)."""
+    """``[P, 2I]`` -> ``[P, I]``: silu(gate) * up, gpt-oss's clamped SwiGLU, or gelu_tanh(gate) * up (Gemma 4; see
+    `gpullama.ops.experts`)."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     if activation == "swiglu_oai":
         gate = gate.clamp(max=limit)
         return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + 1)

@@ -70,9 +70,8 @@ class CpuOps(TorchOps):
         down_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
     ) -> Experts:
         """The experts packed for `cpu_native.moe` (gate and up rows of each expert joined), weights quantized as
-        stored; types and activations the kernels do not take (Gemma 4's GeGLU) get `TorchOps`' dense experts."""
-        if activation not in ("silu", "swiglu_oai") or not (packable_experts(gate_up) and packable_experts([down])
-                                                           and down.shape[2] % 32 == 0):
+        stored; types the kernels do not take get `TorchOps`' dense experts."""
+        if not (packable_experts(gate_up) and packable_experts([down]) and down.shape[2] % 32 == 0):
             return super().prepare_experts(gate_up, down, gate_up_bias, down_bias, activation, alpha, limit)
         e, hidden = down.shape[0], down.shape[1]
         rows = sum(p.shape[1] for p in gate_up)
@@ -88,7 +87,8 @@ class CpuOps(TorchOps):
         active experts' weights are read; a row's result does not depend on the rest of the batch)."""
         if not isinstance(experts.gate_up, CpuExperts):
             return super().moe(x, ids, weights, experts)
-        act = cpu_native.ACT_SWIGLU_OAI if experts.activation == "swiglu_oai" else cpu_native.ACT_SILU
+        act = {"swiglu_oai": cpu_native.ACT_SWIGLU_OAI, "gelu_tanh": cpu_native.ACT_GELU_TANH}.get(
+            experts.activation, cpu_native.ACT_SILU)
         out = x.new_empty(x.shape[0], experts.hidden_size)
         return cpu_native.moe(experts.gate_up.operand, experts.gate_up_bias, experts.down.operand, experts.down_bias,
                               x.contiguous(), experts.intermediate_size, ids.contiguous(),

@@ -44,10 +44,9 @@ class TritonOps(TorchOps):
         down_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
     ) -> Experts:
         """The stacked experts as raw GGUF blocks on the device (gate and up rows of each expert joined) for
-        `fused_moe`; types and activations the kernels do not take (Gemma 4's GeGLU) get `TorchOps`' dense
-        experts."""
+        `fused_moe`; types the kernels do not read get `TorchOps`' dense experts."""
         readable = {p.qtype for p in gate_up} | {down.qtype}
-        if activation not in ("silu", "swiglu_oai") or len({p.qtype for p in gate_up}) != 1 or not all(
+        if len({p.qtype for p in gate_up}) != 1 or not all(
             t in QUANTIZED_KERNEL_TYPES or t.name in _DENSE_TYPES for t in readable
         ):
             return super().prepare_experts(gate_up, down, gate_up_bias, down_bias, activation, alpha, limit)

@@ -45,9 +45,11 @@ def test_align_pairs_groups_and_pads_each_expert() -> None:
 
 @pytest.mark.parametrize(("qtype", "activation"), [
     (Q.Q8_0, "silu"), (Q.Q8_0, "swiglu_oai"), (Q.MXFP4, "swiglu_oai"), (Q.F16, "silu"), (Q.Q4_K, "silu"),
+    (Q.Q8_0, "gelu_tanh"),
 ], ids=lambda v: getattr(v, "name", v))
 def test_fused_moe_matches_torch(qtype, activation, device) -> None:
-    """float32 compute, within 1e-5 of the reference; gpt-oss's biases and clamped SwiGLU; an unused expert."""
+    """float32 compute, within 1e-5 of the reference; gpt-oss's biases and clamped SwiGLU, Gemma 4's GeGLU; an
+    unused expert."""
     k_quant = qtype == Q.Q4_K
     h, i = (256, 256) if k_quant else (H, I)
     gate, up, down = experts(qtype, i, h, 1), experts(qtype, i, h, 2), experts(qtype, h, i, 3)
