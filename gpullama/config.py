@@ -52,6 +52,7 @@ class ModelConfig:
     permuted_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows (llama and granite)
     # rotary embedding
     rotary_dim: int = 0  # dims of each head that rotate (phi3 partial rotary); 0: all of head_dim
+    rope_sections: tuple[int, ...] = ()  # qwen2vl's M-RoPE: frequencies of time, rows, columns (images' tokens)
     rope_scale: float = 1.0  # linear rope scaling factor (positions divided by it) of the full-attention layers
     rope_attn_factor: float = 1.0  # LongRoPE's attention factor: cos and sin are multiplied by it (phi3)
     rope_original_context: int = 0  # LongRoPE: the long factors are used when the context exceeds this (phi3)
@@ -553,12 +554,13 @@ def _glm4moe(config: ModelConfig, get, opt, path: str) -> None:
 def _qwen2vl(config: ModelConfig, get, opt, path: str) -> None:
     """Qwen2-VL and Qwen2.5-VL's text model (`qwen2vl`): qwen2 with multi-axis rotary (M-RoPE,
     `rope.dimension_sections`: time, height, width); a text token has the same position on every axis, so the
-    sections rotate as one plain rotary over the whole head (NeoX halves). Images, whose tokens take other positions
-    on each axis, are not read (their `qwen2vl_merger` / `qwen2.5vl_merger` projectors are refused)."""
+    sections rotate as one plain rotary over the whole head (NeoX halves). An image's tokens take other positions on
+    each axis (`gpullama.vision.rope_positions`), each frequency turning by its section's axis."""
     sections = [int(x) for x in opt("rope.dimension_sections") or ()]
     if sections and sum(sections) * 2 != config.rotary_dim:
         raise ValueError(f"{path}: '{config.architecture}.rope.dimension_sections' {sections} do not cover the "
                          f"{config.rotary_dim} rotary dims")
+    config.rope_sections = tuple(sections)
 
 
 def _lfm2(config: ModelConfig, get, opt, path: str) -> None:

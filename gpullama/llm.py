@@ -276,7 +276,7 @@ class LLM:
             raise RequestError("this model reads no images: load its vision projector with mmproj=... "
                                "(--mmproj FILE)", "multi_modal_data")
         refs = [ImageRef(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
-        return self.vision.prompt(text.replace("<__media__>", self.vision.marker), refs, add_special_tokens=True)
+        return self.vision.prompt(text.replace("<__media__>", self.vision.media_marker), refs, add_special_tokens=True)
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         check_messages(messages)

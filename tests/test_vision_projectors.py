@@ -16,7 +16,7 @@ import torch
 from gpullama import LLM, SamplingParams
 from gpullama.ops import CpuOps
 from gpullama.vision.images import ImageRef
-from tests.fixtures.tiny_vlm import tiny_vlm_folder
+from tests.fixtures.tiny_vlm import qwen2vl_processor, tiny_vlm_folder
 from tests.test_converted_models import smollm2_tokenizer
 from tests.test_vision import needs_kernels, picture
 
@@ -175,35 +175,113 @@ def test_unsupported_projectors_are_refused_by_name(idefics3_folder, tmp_path, c
     model = str(idefics3_folder / "idefics3-f32.gguf")
     path = unsupported_mmproj(tmp_path / "mmproj-pixtral.gguf", "pixtral")
     with pytest.raises(ValueError, match="--mmproj: .*clip.projector_type 'pixtral' is not supported; gpullama reads "
-                                         "gemma3, idefics3"):
+                                         "gemma3, idefics3, qwen2vl_merger"):
         LLM(model, device="cpu", dtype="float32", mmproj=str(path))
     assert main(["info", model, "--mmproj", str(path)]) == 0
-    assert "text (mmproj-pixtral.gguf: projector pixtral is not supported; gpullama reads gemma3, idefics3)" in \
-        capsys.readouterr().out
+    assert ("text (mmproj-pixtral.gguf: projector pixtral is not supported; gpullama reads gemma3, idefics3, "
+            "qwen2vl_merger)") in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
-def test_qwen2vl_text_model_equals_transformers_and_its_projector_is_refused(qwen2vl_folder, fast: bool) -> None:
-    """Qwen2-VL's text model (`qwen2vl`: M-RoPE, one position on every axis for text) loads as text: logits and
-    greedy tokens equal transformers' `Qwen2VLForConditionalGeneration`; its `qwen2vl_merger` mmproj beside it is
-    skipped, and refused by name when named."""
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+
+# -- Qwen2-VL ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen2vl_hf(qwen2vl_folder):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen2vl_folder, dtype=torch.float32).eval()
+    return model, qwen2vl_processor(qwen2vl_folder)
+
+
+@pytest.fixture(scope="module")
+def qwen2vl_llm(qwen2vl_folder) -> LLM:
+    llm = LLM(str(qwen2vl_folder / "qwen2vl-f32.gguf"), device="cpu", dtype="float32")
+    assert llm.vision is not None
+    return llm
+
+
+def test_qwen2vl_patches_and_features_equal_transformers(qwen2vl_llm, qwen2vl_hf) -> None:
+    model, processor = qwen2vl_hf
+    tower = qwen2vl_llm.vision.tower
+    for image in (picture(5), picture(6, (31, 77)), picture(7, (300, 7)), picture(8, (200, 150))):
+        inputs = processor.image_processor([image], return_tensors="pt")
+        with torch.no_grad():
+            ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+        patches, gh, gw = tower.pixels(image)
+        assert [1, gh, gw] == inputs["image_grid_thw"][0].tolist()
+        torch.testing.assert_close(patches, inputs["pixel_values"], atol=1e-6, rtol=0)  # bicubic, mean/std, order
+        ours = tower.encode_patches(patches, gh, gw)
+        torch.testing.assert_close(ours, ref[0] if isinstance(ref, (list, tuple)) else ref, atol=2e-5, rtol=1e-4)
+
+
+QWEN_CHATS = {
+    "one image": CHATS["one image"],
+    "two images of other shapes": lambda: [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image", "image": picture(2, (90, 40))},
+        {"type": "text", "text": "with"}, {"type": "image", "image": picture(3, (20, 50))},
+        {"type": "text", "text": "please."}]}],
+    "an image in a later turn": CHATS["an image in a later turn"],
+}
+
+
+@pytest.mark.parametrize("chat", list(QWEN_CHATS))
+def test_qwen2vl_logits_and_greedy_tokens_equal_transformers(qwen2vl_llm, qwen2vl_hf, chat: str) -> None:
+    """M-RoPE: the image's tokens at (time, row, column) positions, the text after it one past the largest."""
+    from gpullama.vision import ImageSpan
+    from gpullama.vision.prompt import PromptIds
+
+    model, _ = qwen2vl_hf
+    messages = QWEN_CHATS[chat]()
+    text, inputs = hf_inputs(qwen2vl_hf, messages)
+    with torch.no_grad():
+        want = model(**inputs).logits[0]
+        ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    ids = qwen2vl_llm.vision.prompt(text, [ImageRef(im) for im in images_of(messages)])
+    assert list(ids) == inputs["input_ids"][0].tolist()
+    got = qwen2vl_llm.logits(ids)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel < 1e-4, f"max error {rel:.3g} of the largest logit"
+    flat = PromptIds(list(ids), [ImageSpan(s.start, s.embeds, s.key, True) for s in ids.images])  # no M-RoPE
+    assert ((qwen2vl_llm.logits(flat) - want).abs().max() / want.abs().max()).item() > 1e-2
+    out = qwen2vl_llm.chat(messages, GREEDY)[0]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_qwen2vl_chunked_prefill_and_media_marker(qwen2vl_folder, qwen2vl_hf) -> None:
+    model, processor = qwen2vl_hf
+    messages = QWEN_CHATS["two images of other shapes"]()
+    _, inputs = hf_inputs(qwen2vl_hf, messages)
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    small = LLM(str(qwen2vl_folder / "qwen2vl-f32.gguf"), device="cpu", dtype="float32", max_num_batched_tokens=5)
+    assert small.chat(messages, GREEDY)[0].token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    image = picture(9)
+    inputs = processor(text="Look: <|vision_start|><|image_pad|><|vision_end|> What is it?", images=[image],
+                       return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    got = small.generate({"prompt": "Look: <__media__> What is it?", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert got.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert got.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@needs_kernels
+def test_qwen2vl_fast_path_reads_text_and_refuses_images_by_name(qwen2vl_folder, capsys) -> None:
+    """M-RoPE image positions are on the exact path only: the fast path skips the mmproj beside the model (text
+    still equals the exact path's) and refuses one named with --mmproj."""
+    from gpullama.cli import main
 
     model_path = str(qwen2vl_folder / "qwen2vl-f32.gguf")
-    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=fast):
-        llm = LLM(model_path, device="cpu", **({} if fast else {"dtype": "float32"}))
-    assert llm.vision is None and isinstance(llm.model.ops, CpuOps) == fast
-    tok = AutoTokenizer.from_pretrained(qwen2vl_folder)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen2vl_folder, dtype=torch.float32).eval()
-    messages = [{"role": "user", "content": "Hello, how are you today? Tell me a story about a cat."}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    with torch.no_grad():
-        want = model(torch.tensor([ids])).logits[0]
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
-    rel = ((llm.logits(ids) - want).abs().max() / want.abs().max()).item()
-    assert rel < (1e-3 if fast else 1e-4), f"max error {rel:.3g} of the largest logit"
-    out = llm.chat(messages, GREEDY)[0]
-    assert out.prompt_token_ids == ids and out.token_ids == ref[0, len(ids):].tolist()
-    if not fast:
-        with pytest.raises(ValueError, match="clip.projector_type 'qwen2vl_merger' is not supported"):
-            LLM(model_path, device="cpu", dtype="float32", mmproj=str(qwen2vl_folder / "mmproj-qwen2vl-f32.gguf"))
+    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+        fast = LLM(model_path, device="cpu")
+        assert isinstance(fast.model.ops, CpuOps) and fast.vision is None
+        with pytest.raises(ValueError, match="--mmproj: .*exact path only"):
+            LLM(model_path, device="cpu", mmproj=str(qwen2vl_folder / "mmproj-qwen2vl-f32.gguf"))
+    exact = LLM(model_path, device="cpu", dtype="float32", no_mmproj=True)
+    ids = exact.tokenizer.encode("Hello, how are you today? Tell me a story about a cat.")
+    want = exact.logits(ids)
+    assert ((fast.logits(ids) - want).abs().max() / want.abs().max()).item() < 1e-3
+    assert main(["info", model_path]) == 0
+    assert ("text, image (mmproj-qwen2vl-f32.gguf: qwen2vl_merger projector, images at their own size in tokens of "
+            "16x16 pixels (8 to 4096 tokens an image), M-RoPE positions)") in capsys.readouterr().out

@@ -14,6 +14,7 @@ import torch
 from gpullama.distributed import TensorParallel
 from gpullama.engine.scheduler import ScheduledBatch
 from gpullama.engine.sequence import Sequence
+from gpullama.vision import rope_positions
 
 _STEP, _STOP = 1, 2  # message kinds
 _HEADER = 6  # kind, sequences, tokens, every_row, decode, table entries
@@ -44,6 +45,9 @@ class StepInputs:
     # attend to the whole image (every key before the context end), not causally
     embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     image_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # rank 0 only: M-RoPE positions (time, row, column lists) of every row, when a sequence has an image with
+    # them (Qwen2-VL); [] otherwise (the rows' positions on every axis)
+    rope_positions: list[list[int]] = field(default_factory=list)
     # rank 0 only (adapters refuse tensor parallelism): each sequence's LoRA adapters, (id, scale) pairs; [] none
     loras: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
@@ -54,12 +58,17 @@ class StepInputs:
         samples: list[int] = []
         embeds: list[tuple[int, torch.Tensor]] = []
         image_rows: list[tuple[int, int, int, int]] = []
+        mrope = any(span.rope is not None for seq in batch.seqs for span in seq.images)
+        rope: list[list[int]] = [[], [], []] if mrope else []
         for i, (seq, n, drafts) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.drafts)):
             own = n - len(drafts)
             first = seq.num_computed_tokens
             _image_inputs(seq, i, first, own, len(ids), embeds, image_rows)
             ids.extend(seq.token_ids[first : first + own])
             ids.extend(drafts)
+            if mrope:
+                for axis, values in zip(rope, rope_positions(seq.images, first, first + n)):
+                    axis.extend(values)
             reaches_end = seq.pooling is None and seq.num_computed_tokens + own == seq.num_tokens
             samples.append(1 + len(drafts) if reaches_end else 0)
         return cls(
@@ -68,11 +77,12 @@ class StepInputs:
             num_new=list(batch.num_new_tokens),
             block_tables=[seq.block_table for seq in batch.seqs],
             samples=samples,
-            decode=batch.is_decode and not embeds,
+            decode=batch.is_decode and not embeds and not rope,
             pool_rows=list(batch.pool_rows),
             state_slots=[seq.state_slot for seq in batch.seqs],
             embeds=embeds,
             image_rows=image_rows,
+            rope_positions=rope,
             loras=[seq.lora for seq in batch.seqs] if any(seq.lora for seq in batch.seqs) else [],
         )
 
@@ -82,8 +92,11 @@ class StepInputs:
         embeds: list[tuple[int, torch.Tensor]] = []
         image_rows: list[tuple[int, int, int, int]] = []
         _image_inputs(seq, 0, 0, seq.num_tokens, 0, embeds, image_rows)
+        mrope = any(span.rope is not None for span in seq.images)
         return cls(list(seq.token_ids), [0], [seq.num_tokens], [seq.block_table], [1], every_row=True,
-                   embeds=embeds, image_rows=image_rows, loras=[seq.lora] if seq.lora else [])
+                   embeds=embeds, image_rows=image_rows,
+                   rope_positions=rope_positions(seq.images, 0, seq.num_tokens) if mrope else [],
+                   loras=[seq.lora] if seq.lora else [])
 
 
 def _image_inputs(seq: Sequence, i: int, first: int, own: int, row: int, embeds: list, image_rows: list) -> None:

@@ -12,12 +12,15 @@ from typing import Any
 class ImageSpan:
     """One image (or one tile of it) in a prompt: its embeddings ``[length, hidden]`` take the place of the prompt's
     tokens ``start .. start + length`` (each the model's image token), attend to each other both ways (Gemma 3) or
-    causally as text does (`causal`: Idefics3), and key the prefix cache by `key` (a hash of the image's pixels)."""
+    causally as text does (`causal`: Idefics3, Qwen2-VL), and key the prefix cache by `key` (a hash of the image's
+    pixels). `rope`: the M-RoPE positions (time, row, column) of its tokens, ``[3, length]`` (Qwen2-VL); the text
+    after it goes on from one past their largest (`rope_positions`)."""
 
     start: int
     embeds: Any  # torch.Tensor [length, hidden] float32
     key: bytes
     causal: bool = False
+    rope: Any = None  # torch.Tensor [3, length] int64, or None
 
     @property
     def length(self) -> int:
@@ -26,3 +29,34 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+
+def rope_positions(spans: list[ImageSpan], start: int, end: int) -> list[list[int]]:
+    """The M-RoPE positions (time, row, column lists) of tokens ``start .. end`` of a sequence whose images are
+    `spans` (in order): an image's tokens its `rope`, any other token its index shifted by the images before it
+    (each ends one past its largest position)."""
+    out: list[list[int]] = [[], [], []]
+    shift, s = 0, 0
+    for i in range(start, end):
+        while s < len(spans) and spans[s].end <= i:  # images wholly before token i
+            if spans[s].rope is not None:
+                shift = int(spans[s].rope.max()) + 1 - spans[s].end
+            s += 1
+        span = spans[s] if s < len(spans) else None
+        if span is not None and span.start <= i and span.rope is not None:
+            for axis in range(3):
+                out[axis].append(int(span.rope[axis, i - span.start]))
+        else:
+            for axis in range(3):
+                out[axis].append(i + shift)
+    return out
+
+
+def mrope_image_positions(start: int, rows: int, cols: int) -> Any:
+    """M-RoPE positions ``[3, rows * cols]`` int64 (time, row, column) of an image's tokens whose first position is
+    `start` (Qwen2-VL's `get_rope_index` for one still image); the text after it goes on from
+    ``start + max(rows, cols)``."""
+    import torch
+
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    return torch.stack([torch.zeros(rows * cols, dtype=torch.long), r.flatten(), c.flatten()]) + start

@@ -8,7 +8,7 @@ from pathlib import Path
 
 log = logging.getLogger("gpullama")
 
-ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",)}
+ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",), "qwen2vl": ("qwen2vl_merger",)}
 """Text architecture -> the projector types it takes (SmolVLM's and Idefics3's text models are llama's)."""
 EXPECTS_MMPROJ = ("gemma3",)
 """Architectures whose models mostly come with an mmproj (`gpullama info` says when none lies beside one)."""
@@ -31,12 +31,25 @@ def find_mmproj(model_path: str) -> str | None:
     return str(found[0]) if found else None
 
 
+def load_tower(path: str | os.PathLike, ops):
+    """The tower of an mmproj file for its projector type: `VisionTower` (SigLIP: gemma3, idefics3) or
+    `QwenVLTower` (qwen2vl_merger)."""
+    from gpullama.gguf_file import read_gguf
+    from gpullama.vision.qwen_tower import QwenVLTower
+    from gpullama.vision.tower import VisionTower
+
+    model = read_gguf(os.fspath(path), text_model=False)
+    kind = QwenVLTower if model.metadata.get("clip.projector_type") == "qwen2vl_merger" else VisionTower
+    return kind(path, ops, model)
+
+
 def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
     """The `VisionModel` of a loaded text model: `args.mmproj` (ValueError when it does not fit), else the file
     `find_mmproj` finds (skipped, with a log line, when it does not fit); None without one."""
     from gpullama.gguf_file import ModelFileError, read_header
+    from gpullama.ops.torch_ops import TorchOps
     from gpullama.vision.prompt import VisionModel
-    from gpullama.vision.tower import VisionConfig, VisionTower
+    from gpullama.vision.tower import VisionConfig
 
     explicit = args.mmproj
     path = os.fspath(explicit) if explicit else (None if args.no_mmproj else find_mmproj(model_path))
@@ -50,7 +63,10 @@ def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
                              f"not {arch}")
         if tp_size > 1:
             raise ValueError(f"{Path(path).name}: an mmproj is not supported with tensor parallelism")
-        tower = VisionTower(path, model.ops)
+        if model.config.rope_sections and type(model.ops) is not TorchOps:
+            raise ValueError(f"{Path(path).name}: images for a {arch} model (M-RoPE positions) run on the exact "
+                             "path only (dtype float32 on the CPU), not on the fast C or Triton kernels yet")
+        tower = load_tower(path, model.ops)
         if tower.config.projection_dim != model.config.hidden_size:
             raise ValueError(f"{path}: its projector writes {tower.config.projection_dim}-dim embeddings, the "
                              f"model's are {model.config.hidden_size}: not this model's mmproj")

@@ -1,6 +1,7 @@
 """A chat with images as a prompt: the image parts of the messages (`gpullama.chat.messages` reads every API's
 shape of them into ``{"type": "image", "image": ImageRef}``) go to the chat template as ``{"type": "image"}``, which
-the model's template writes as its marker (Gemma 3: ``<start_of_image>``; SmolVLM / Idefics3: ``<image>``); each
+the model's template writes as its marker (Gemma 3: ``<start_of_image>``; SmolVLM / Idefics3: ``<image>``;
+Qwen2-VL: ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``); each
 marker becomes what the model's HF processor makes of it (its `ImageFormat`), and the runs of image tokens in it
 take the image's embeddings (`ImageSpan`, one per tile)."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpullama.checks import RequestError, check_count
-from gpullama.vision import ImageSpan
+from gpullama.vision import ImageSpan, mrope_image_positions
 from gpullama.vision.images import LIBRARY_POLICY, ImagePolicy, ImageRef, load_image
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
@@ -18,13 +19,20 @@ BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 class ImageFormat:
     """How a projector type's images sit in the prompt: the `marker` the chat template writes for an image, the
     `image_token` each embedding takes the place of, the `tokens` the vocabulary must hold, and the text one image
-    becomes (`expand`); `causal`: the image tokens attend causally as text does (else both ways)."""
+    becomes (`expand`); `causal`: the image tokens attend causally as text does (else both ways); `mrope`: they
+    take M-RoPE positions; `media`: what llama.cpp's ``<__media__>`` marker becomes."""
 
     marker = ""
     image_token = ""
     tokens: tuple[str, ...] = ()
     causal = False
+    mrope = False
     model = ""
+
+    @property
+    def media(self) -> str:
+        """What llama.cpp's ``<__media__>`` marker becomes in a prompt (the model's own marker)."""
+        return self.marker
 
     def expand(self, tokens_per_tile: int, rows: int, cols: int) -> str:
         """The text of one image of rows x cols tiles (0 x 0: one tile, the whole image)."""
@@ -58,7 +66,25 @@ class Idefics3Format(ImageFormat):
         return f"{tiles}\n{fake}<global-img>{run}{fake}" if rows else f"{fake}<global-img>{run}{fake}"
 
 
-FORMATS: dict[str, type[ImageFormat]] = {"gemma3": Gemma3Format, "idefics3": Idefics3Format}
+class Qwen2VLFormat(ImageFormat):
+    """Qwen2-VL's processor: the template's ``<|vision_start|><|image_pad|><|vision_end|>`` with the pad repeated
+    once a token of the image (its merged grid, rows x cols); causal attention, M-RoPE positions."""
+
+    marker = image_token = "<|image_pad|>"
+    tokens = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+    causal = mrope = True
+    model = "Qwen2-VL"
+
+    @property
+    def media(self) -> str:
+        return "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def expand(self, tokens_per_tile: int, rows: int, cols: int) -> str:
+        return "<|image_pad|>" * tokens_per_tile
+
+
+FORMATS: dict[str, type[ImageFormat]] = {"gemma3": Gemma3Format, "idefics3": Idefics3Format,
+                                         "qwen2vl_merger": Qwen2VLFormat}
 """Projector type -> its images' place in the prompt."""
 
 
@@ -89,6 +115,7 @@ class VisionModel:
             ids[name] = found[0]
         self.image_token_id = ids[fmt.image_token]
         self.marker = fmt.marker
+        self.media_marker = fmt.media  # what llama.cpp's <__media__> becomes
 
     @property
     def modalities(self) -> list[str]:
@@ -97,16 +124,13 @@ class VisionModel:
     def encode_images(self, refs: list[ImageRef], policy: ImagePolicy = LIBRARY_POLICY
                       ) -> list[tuple[Any, bytes, int, int]]:
         """Each image's embeddings ``[tiles, tokens_per_tile, hidden]``, content hash, and rows and columns of
-        tiles (loaded and checked as `policy` says)."""
-        import torch
-
+        tiles (Qwen2-VL: of its merged grid; loaded and checked as `policy` says)."""
         check_count("images", len(refs), policy.max_images)
         loaded = [load_image(ref, policy) for ref in refs]
         if not loaded:
             return []
-        cut = [self.tower.tiles(img.image) for img in loaded]
-        embeds = self.tower.encode(torch.cat([pixels for pixels, _, _ in cut])).split([len(p) for p, _, _ in cut])
-        return [(e, img.key, rows, cols) for e, img, (_, rows, cols) in zip(embeds, loaded, cut)]
+        encoded = self.tower.encode_images([img.image for img in loaded])
+        return [(e, img.key, rows, cols) for (e, rows, cols), img in zip(encoded, loaded)]
 
     def prompt(self, text: str, refs: list[ImageRef], policy: ImagePolicy = LIBRARY_POLICY,
                add_special_tokens: bool = False) -> PromptIds:
@@ -118,9 +142,8 @@ class VisionModel:
                                "chat template writes one per image part; a text that spells the marker itself is "
                                "refused)", "messages")
         encoded = self.encode_images(refs, policy)
-        per_tile = self.tower.tokens_per_tile
-        expanded = parts[0] + "".join(self.format.expand(per_tile, rows, cols) + part
-                                      for (_, _, rows, cols), part in zip(encoded, parts[1:]))
+        expanded = parts[0] + "".join(self.format.expand(embeds.shape[1], rows, cols) + part
+                                      for (embeds, _, rows, cols), part in zip(encoded, parts[1:]))
         ids = self.tokenizer.encode(expanded, add_special_tokens=add_special_tokens)
         runs = []
         i, n = 0, len(ids)
@@ -133,10 +156,16 @@ class VisionModel:
                 i = j
             else:
                 i += 1
-        tiles = [(embeds[t], key) for embeds, key, _, _ in encoded for t in range(embeds.shape[0])]
-        if len(runs) != len(tiles) or any(j - i != per_tile for i, j in runs):
+        tiles = [(embeds[t], key, rows, cols) for embeds, key, rows, cols in encoded for t in range(embeds.shape[0])]
+        if len(runs) != len(tiles) or any(j - i != len(tile[0]) for (i, j), tile in zip(runs, tiles)):
             raise RequestError(f"the prompt's image tokens ({self.tokenizer.decode([self.image_token_id])}) do not "
-                               f"form {len(tiles)} runs of {per_tile}: a text that spells the image token "
-                               "itself is refused", "messages")
-        spans = [ImageSpan(start, embeds, key, self.format.causal) for (start, _), (embeds, key) in zip(runs, tiles)]
+                               f"form {len(tiles)} runs of {', '.join(str(len(t[0])) for t in tiles)}: a text that "
+                               "spells the image token itself is refused", "messages")
+        spans, shift = [], 0
+        for (start, end), (embeds, key, rows, cols) in zip(runs, tiles):
+            rope = None
+            if self.format.mrope:  # from the image's first position; the text after it from one past the largest
+                rope = mrope_image_positions(start + shift, rows, cols)
+                shift = start + shift + max(rows, cols) - end
+            spans.append(ImageSpan(start, embeds, key, self.format.causal, rope))
         return PromptIds(ids, spans)

@@ -22,15 +22,19 @@ import torch.nn.functional as F
 
 from gpullama.gguf_file import ModelFileError, read_gguf
 
-PROJECTORS = ("gemma3", "idefics3")
-"""The ``clip.projector_type`` values this module reads."""
-DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2}
+PROJECTORS = ("gemma3", "idefics3", "qwen2vl_merger")
+"""The ``clip.projector_type`` values gpullama reads (qwen2vl_merger: `gpullama.vision.qwen_tower`)."""
+DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "qwen2vl_merger": 2}
 """``clip.vision.projector.scale_factor`` when a file has none (llama.cpp's defaults)."""
 
 
 def describe_projector(meta: dict) -> str:
     """A line on what an mmproj file's metadata says its tower reads (`gpullama info`)."""
     projector, size = meta.get("clip.projector_type"), meta.get("clip.vision.image_size")
+    if projector == "qwen2vl_merger":
+        side = meta.get("clip.vision.patch_size", 14) * meta.get("clip.vision.spatial_merge_size", 2)
+        return (f"{projector} projector, images at their own size in tokens of {side}x{side} pixels "
+                "(8 to 4096 tokens an image), M-RoPE positions")
     if projector == "idefics3":
         edge = meta.get("clip.vision.preproc_image_size", size)
         return (f"{projector} projector, {size}x{size} pixel tiles of the image resized to {edge} pixels on its "
@@ -75,7 +79,8 @@ class VisionConfig:
 
         image, patch = int(key("image_size")), int(key("patch_size"))
         side = image // patch
-        pool = int(meta.get("clip.vision.projector.scale_factor", DEFAULT_SCALE[projector]))
+        scale_key = "spatial_merge_size" if projector == "qwen2vl_merger" else "projector.scale_factor"
+        pool = int(meta.get(f"clip.vision.{scale_key}", DEFAULT_SCALE[projector]))
         if pool < 1 or side % pool:
             raise ModelFileError(f"{path}: {side} patches a side do not pool by {pool}")
         longest = int(meta.get("clip.vision.preproc_image_size", image)) if projector == "idefics3" else 0
@@ -151,9 +156,9 @@ class VisionTower:
     `encode(pixels)` -> embeddings of each tile in the text model's space, ``[B, tokens_per_tile,
     projection_dim]`` float32."""
 
-    def __init__(self, path: str | os.PathLike, ops):
+    def __init__(self, path: str | os.PathLike, ops, model=None):
         path = os.fspath(path)
-        model = read_gguf(path, text_model=False)
+        model = model or read_gguf(path, text_model=False)
         self.path = path
         self.config = c = VisionConfig.from_metadata(model.metadata, path)
         self.ops = ops
@@ -222,6 +227,13 @@ class VisionTower:
             return torch.stack([normalise(t, c.mean, c.std) for t in tiles]), rows, cols
         return self.preprocess(image)[None], 0, 0
 
+    def encode_images(self, images: list) -> list[tuple[torch.Tensor, int, int]]:
+        """Each decoded RGB PIL image's embeddings ``[tiles, tokens_per_tile, projection_dim]`` and the rows and
+        columns of its tiles (`tiles`), all tiles encoded in one batch."""
+        cut = [self.tiles(image) for image in images]
+        embeds = self.encode(torch.cat([pixels for pixels, _, _ in cut])).split([len(p) for p, _, _ in cut])
+        return [(e, rows, cols) for e, (_, rows, cols) in zip(embeds, cut)]
+
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[B, tokens_per_tile, projection_dim]`` float32 of preprocessed tiles ``[B, 3, S, S]``."""
@@ -257,3 +269,4 @@ def _f32(tensor: torch.Tensor, name: str):
     from gpullama.quants import QTensor
 
     return QTensor(tensor.contiguous(), GGMLQuantizationType.F32, tuple(tensor.shape), name)
+

@@ -203,30 +203,39 @@ def test_an_image_to_a_text_only_model_names_mmproj(http, model_name: str) -> No
     assert r.status_code == 400 and "--mmproj" in r.text
 
 
-def test_an_idefics3_model_through_openai_and_ollama(default_model_path: Path, tmp_path: Path) -> None:
-    """SmolVLM's projector (`tests/fixtures/tiny_vlm`): the image cut into tiles plus the whole image, through the
-    OpenAI and Ollama clients, gives transformers' greedy answer."""
+
+@pytest.mark.parametrize("projector", ["idefics3", "qwen2vl"])
+def test_other_projectors_through_openai_and_ollama(default_model_path: Path, tmp_path: Path, projector: str) -> None:
+    """SmolVLM's projector (the image cut into tiles plus the whole image) and Qwen2-VL's (the image at its own
+    size, M-RoPE positions), `tests/fixtures/tiny_vlm`: through the OpenAI and Ollama clients, transformers' greedy
+    answer."""
     from PIL import Image
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-    from tests.fixtures.tiny_vlm import tiny_vlm_folder
+    from tests.fixtures.tiny_vlm import qwen2vl_processor, tiny_vlm_folder
 
-    folder = tiny_vlm_folder("idefics3", smollm2_tokenizer(default_model_path))
-    processor = AutoProcessor.from_pretrained(folder)
-    model = Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    folder = tiny_vlm_folder(projector, smollm2_tokenizer(default_model_path))
+    if projector == "idefics3":
+        processor = AutoProcessor.from_pretrained(folder)
+        model = Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        end = "<end_of_utterance>"
+    else:
+        processor = qwen2vl_processor(folder)
+        model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        end = "<|im_end|>"
     image = Image.open(io.BytesIO(encoded(picture(20))))
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}]
     _, tokens = hf_greedy((model, processor), messages, MAX_TOKENS)
-    ends = {processor.tokenizer.convert_tokens_to_ids("<end_of_utterance>"), processor.tokenizer.eos_token_id}
+    ends = {processor.tokenizer.convert_tokens_to_ids(end), processor.tokenizer.eos_token_id}
     reference = processor.tokenizer.decode(tokens[:next((i for i, t in enumerate(tokens) if t in ends), len(tokens))])
-    srv = start_server(folder / "idefics3-f32.gguf", tmp_path / "server.log", ["--served-model-name", "smol"])
+    srv = start_server(folder / f"{projector}-f32.gguf", tmp_path / "server.log", ["--served-model-name", "vlm"])
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0)
-        chat = client.chat.completions.create(model="smol", temperature=0, max_tokens=MAX_TOKENS, messages=[
+        chat = client.chat.completions.create(model="vlm", temperature=0, max_tokens=MAX_TOKENS, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(20)}},
                                          {"type": "text", "text": QUESTION}]}]).choices[0].message.content
         llama = ollama.Client(host=srv.base_url, headers={"Authorization": f"Bearer {API_KEY}"})
-        answer = llama.chat(model="smol", options={"temperature": 0, "num_predict": MAX_TOKENS, "repeat_penalty": 1.0},
+        answer = llama.chat(model="vlm", options={"temperature": 0, "num_predict": MAX_TOKENS, "repeat_penalty": 1.0},
                             messages=[{"role": "user", "content": QUESTION, "images": [encoded(picture(20))]}])
     finally:
         stop_server(srv)

@@ -251,7 +251,7 @@ def media_prompt_ids(state: ServerState, prompt: MediaPrompt) -> list[int]:
     if vision is None:
         raise APIError(400, f"'{prompt.images[0].where}': this model reads no images: start the server with "
                        "--mmproj FILE (the model's vision projector, an mmproj GGUF)", param=prompt.images[0].where)
-    text = prompt.text.replace(MEDIA_MARKER, vision.marker)
+    text = prompt.text.replace(MEDIA_MARKER, vision.media_marker)
     return vision.prompt(text, prompt.images, state.config.images, add_special_tokens=True)
 
 

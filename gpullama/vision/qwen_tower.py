@@ -1,0 +1,162 @@
+"""Qwen2-VL's vision tower from its mmproj (``clip.projector_type = qwen2vl_merger``, as llama.cpp's converter writes
+it): images at their own size (`smart_resize` to multiples of patch x merge pixels, bicubic), 14x14 (here: the
+file's) patches of two identical frames (``v.patch_embd.weight`` and ``.weight.1``, the converter's halves of the
+Conv3d), a 2D rotary over each head (height then width frequencies, transformers' axial rope), LayerNorm blocks
+with QuickGELU MLPs attending over the whole image, then the merger: LayerNorm (``v.post_ln``), each 2x2 block of
+patches concatenated, ``mm.0`` -> GELU -> ``mm.2``. The patches are laid out in 2x2-block order, as transformers'
+image processor does, so the merger's blocks are contiguous rows.
+
+The text model places the image's tokens at M-RoPE positions (`gpullama.vision.mrope_image_positions`): time, row and column of each
+merged token, counted from the image's first position; the text after it from one past the largest."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from gpullama.gguf_file import ModelFileError, read_gguf
+from gpullama.vision.tower import VisionConfig, _f32
+
+ROPE_THETA = 10000.0
+MIN_TOKENS, MAX_TOKENS = 8, 4096
+"""llama.cpp's limits of Qwen2-VL's image tokens (`set_limit_image_tokens(8, 4096)`): min and max pixels are these
+times (patch x merge)^2."""
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen2-VL `smart_resize`: both sides multiples of `factor`, the area within the limits, the
+    aspect ratio kept as nearly as it can."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"the image's aspect ratio is over 200 ({width}x{height})")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+class QwenVLTower:
+    """A Qwen2-VL mmproj loaded for `ops`: `encode_images(images)` -> each image's embeddings ``[1, tokens,
+    projection_dim]`` and its merged grid (rows, columns)."""
+
+    def __init__(self, path: str | os.PathLike, ops, model=None):
+        path = os.fspath(path)
+        model = model or read_gguf(path, text_model=False)
+        self.path = path
+        self.config = c = VisionConfig.from_metadata(model.metadata, path)
+        self.ops = ops
+        t = model.tensors
+        device = ops.device
+
+        def need(name: str):
+            if name not in t:
+                raise ModelFileError(f"{path}: the mmproj file has no tensor {name!r}")
+            return t[name]
+
+        def dense(name: str) -> torch.Tensor:
+            return need(name).dequantize(torch.float32).to(device)
+
+        def weight(name: str):
+            return ops.prepare_weight(need(name))
+
+        first, second = dense("v.patch_embd.weight"), dense("v.patch_embd.weight.1")  # [D, 3, p, p] each frame
+        self.patch_w = torch.stack([first, second], dim=2).reshape(c.hidden, -1)  # (channel, frame, row, column)
+        self.blocks = []
+        for i in range(c.layers):
+            b = f"v.blk.{i}."
+            qkv = _f32(torch.cat([dense(b + f"attn_{x}.weight") for x in "qkv"]), b + "attn_qkv.weight")
+            self.blocks.append(dict(
+                ln1=(dense(b + "ln1.weight"), dense(b + "ln1.bias")), qkv=ops.prepare_weight(qkv),
+                qkv_bias=torch.cat([dense(b + f"attn_{x}.bias") for x in "qkv"]),
+                out=weight(b + "attn_out.weight"), out_bias=dense(b + "attn_out.bias"),
+                ln2=(dense(b + "ln2.weight"), dense(b + "ln2.bias")),
+                up=weight(b + "ffn_up.weight"), up_bias=dense(b + "ffn_up.bias"),
+                down=weight(b + "ffn_down.weight"), down_bias=dense(b + "ffn_down.bias")))
+        self.post_ln = (dense("v.post_ln.weight"), dense("v.post_ln.bias"))
+        self.mm0, self.mm0_bias = weight("mm.0.weight"), dense("mm.0.bias")
+        self.mm2, self.mm2_bias = weight("mm.2.weight"), dense("mm.2.bias")
+        if need("mm.2.weight").shape[0] != c.projection_dim:
+            raise ModelFileError(f"{path}: mm.2 writes {need('mm.2.weight').shape[0]} values, projection_dim is "
+                                 f"{c.projection_dim}")
+        hd = c.hidden // c.heads
+        self.inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, hd // 2, 2, dtype=torch.float) / (hd // 2)))
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """0: the tokens of an image follow its size."""
+        return 0
+
+    def pixels(self, image) -> tuple[torch.Tensor, int, int]:
+        """Patches ``[gh * gw, 3 * 2 * p * p]`` of a decoded RGB PIL image as transformers' Qwen2-VL image processor
+        makes them (smart resize, Pillow's bicubic, mean/std from the file, 2x2-block order), and the patch grid."""
+        from PIL import Image
+
+        from gpullama.vision.images import normalise
+
+        c = self.config
+        p, m = c.patch_size, c.pool
+        factor = p * m
+        width, height = image.size
+        h, w = smart_resize(height, width, factor, MIN_TOKENS * factor * factor, MAX_TOKENS * factor * factor)
+        if (w, h) != image.size:
+            image = image.resize((w, h), resample=Image.BICUBIC)
+        x = normalise(image, c.mean, c.std)
+        gh, gw = h // p, w // p
+        x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # (bh, bw, mh, mw, C, p, p)
+        x = x[:, :, :, :, :, None].expand(*x.shape[:5], 2, p, p)  # two identical frames
+        return x.reshape(gh * gw, -1), gh, gw
+
+    def _rotary(self, gh: int, gw: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.config.pool
+        hpos, wpos = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+        shape = (gh // m, m, gw // m, m)
+        hpos, wpos = (a.reshape(shape).transpose(1, 2).flatten() for a in (hpos, wpos))
+        freqs = torch.cat([hpos[:, None] * self.inv_freq, wpos[:, None] * self.inv_freq], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    @torch.inference_mode()
+    def encode_patches(self, patches: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+        """Embeddings ``[gh * gw / 4, projection_dim]`` float32 of one image's patches (`pixels`)."""
+        c, ops = self.config, self.ops
+        device = self.post_ln[0].device
+        x = patches.to(device, torch.float32) @ self.patch_w.t()
+        n, hd = x.shape[0], c.hidden // c.heads
+        cos, sin = (t.to(device) for t in self._rotary(gh, gw))
+
+        def rotate(v):
+            half = v.shape[-1] // 2
+            return v * cos + torch.cat([-v[..., half:], v[..., :half]], dim=-1) * sin
+
+        for blk in self.blocks:
+            h = F.layer_norm(x, (c.hidden,), *blk["ln1"], c.eps)
+            q, k, v = ops.linear(h, blk["qkv"], blk["qkv_bias"]).view(n, 3, c.heads, hd).unbind(1)
+            q, k = rotate(q), rotate(k)
+            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               scale=1.0 / math.sqrt(hd))
+            x = x + ops.linear(a.transpose(0, 1).reshape(n, c.hidden), blk["out"], blk["out_bias"])
+            h = F.layer_norm(x, (c.hidden,), *blk["ln2"], c.eps)
+            h = ops.linear(h, blk["up"], blk["up_bias"])
+            x = x + ops.linear(h * torch.sigmoid(1.702 * h), blk["down"], blk["down_bias"])
+        x = F.layer_norm(x, (c.hidden,), *self.post_ln, c.eps).reshape(-1, c.hidden * c.pool * c.pool)
+        x = F.gelu(ops.linear(x.contiguous(), self.mm0, self.mm0_bias))
+        return ops.linear(x, self.mm2, self.mm2_bias).float()
+
+    def encode_images(self, images: list) -> list[tuple[torch.Tensor, int, int]]:
+        """Each decoded RGB PIL image's embeddings ``[1, tokens, projection_dim]`` and its merged grid (rows,
+        columns: the M-RoPE height and width of its tokens)."""
+        out = []
+        for image in images:
+            patches, gh, gw = self.pixels(image)
+            out.append((self.encode_patches(patches, gh, gw)[None], gh // self.config.pool, gw // self.config.pool))
+        return out
+
