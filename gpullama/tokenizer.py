@@ -67,7 +67,7 @@ _PRE: dict[str, tuple[str, bool, bool]] = {
 _EOG_TEXTS = (
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
     "</s>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<|end▁of▁sentence|>", "<end_of_utterance>",
-    "<|return|>", "<|call|>",
+    "<|return|>", "<|call|>", "<turn|>", "<|tool_response>",  # the last two Gemma 4's (as llama.cpp)
 )
 
 
