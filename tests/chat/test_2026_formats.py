@@ -255,3 +255,27 @@ def test_a_model_with_the_template_gets_the_format(fmt, name):
                                                      **{"tokenizer.chat_template": source})))
     assert found.tool_format == fmt and found.template_tools
     assert found.reasoning == (name != "Qwen3-Coder.jinja")
+
+
+QWEN3_CODER_BARE_CASES = [  # Qwen3-Coder (no reasoning) sometimes leaves out <tool_call>: llama.cpp's bare openers
+    ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+     (None, [("get_weather", '{"city":"Paris"}')])),
+    ("#include <functional>\n<function=now>\n</function>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+     "<parameter=b>\n2\n</parameter>\n</function>", ("#include <functional>", [("now", "{}"), ("add", '{"a":1,"b":2}')])),
+    ("<function=rm_rf>\n</function>", ("<function=rm_rf>\n</function>", [])),  # not an offered tool
+    ("<tool_call>\n<function=now>\n</function>\n<tool_cx", ("<tool_cx", [("now", "{}")])),
+]
+
+
+@pytest.mark.parametrize("text, expected", QWEN3_CODER_BARE_CASES)
+def test_qwen3_coder_without_reasoning_reads_bare_function_tags(text, expected):
+    fmt = FORMAT_BY_NAME["qwen3_coder"]
+    whole = fmt.output_parser(SCHEMAS, None).parse(text)
+    assert (whole.content, [(c.name, c.arguments) for c in whole.tool_calls]) == expected
+    for pieces in _splits(text):
+        p = fmt.output_parser(SCHEMAS, None)
+        streamed = accumulate_chat([p.feed(piece) for piece in pieces] + [p.finish()])
+        assert (streamed.content, [(c.name, c.arguments) for c in streamed.tool_calls]) == expected, pieces
+    # a model that reasons (Qwen3.5) needs the tag, as in llama.cpp
+    reasoning = fmt.output_parser(SCHEMAS, ReasoningParser()).parse("<function=now>\n</function>")
+    assert reasoning.tool_calls == [] and reasoning.content == "<function=now>\n</function>"
