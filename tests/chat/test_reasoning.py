@@ -86,3 +86,35 @@ def test_other_tags():
 ])
 def test_prompt_opens_reasoning(prompt, opened):
     assert prompt_opens_reasoning(prompt) is opened
+
+
+END_MARKER_CASES = [  # Qwen3.5: a <tool_call> also ends the reasoning and begins the answer (llama.cpp's end tags)
+    ("Calling.\n<tool_call>\n<function=x>", True, ("Calling.", "<tool_call>\n<function=x>")),
+    ("<think>a</think>\n<tool_call>", False, ("a", "<tool_call>")),
+    ("a <tool_cal", True, ("a <tool_cal", None)),
+    ("<tool_call>at once", True, (None, "<tool_call>at once")),
+]
+GEMMA4_TAG_CASES = [  # other tags: Gemma 4's <|channel>thought ... <channel|>
+    ("<|channel>thought\nThe user greets me.<channel|>Hello!", False, ("The user greets me.", "Hello!")),
+    ("<|channel>thought\n<channel|>Hi", False, (None, "Hi")),
+    ("<think>not a tag here</think>", False, (None, "<think>not a tag here</think>")),
+]
+
+
+@pytest.mark.parametrize("text, opened, expected", END_MARKER_CASES + GEMMA4_TAG_CASES)
+def test_end_markers_and_other_tags_in_any_split(text, opened, expected):
+    def parser():
+        if (text, opened, expected) in GEMMA4_TAG_CASES:
+            return ReasoningParser(opened, "<|channel>thought", "<channel|>")
+        p = ReasoningParser(opened)
+        p.end_markers = ("<tool_call>",)
+        return p
+
+    assert parser().parse(text) == expected
+    for i in range(len(text) + 1):
+        p = parser()
+        a, b, c = p.feed(text[:i]), p.feed(text[i:]), p.finish()
+        assert ((a.reasoning + b.reasoning + c.reasoning) or None, (a.content + b.content + c.content) or None) \
+            == expected, i
+    assert prompt_opens_reasoning("<|turn>model\n<|channel>thought\n", "<|channel>thought", "<channel|>")
+    assert not prompt_opens_reasoning("<|channel>thought\n<channel|>", "<|channel>thought", "<channel|>")
