@@ -163,6 +163,9 @@ def prepare_lora(decoder: Any, lora: LoraFile, name: str) -> Adapter:
                          f"{c.architecture!r}")
     if decoder.tp.world_size > 1:
         raise ValueError("LoRA adapters are not supported with tensor parallelism")
+    if c.head_dim_swa or c.kv_shared_layers or c.per_layer_input_size:
+        raise ValueError(f"LoRA adapter {where}: adapters on {c.architecture} (Gemma 4's layers of two head sizes, "
+                         f"shared K/V and per-layer inputs) are not supported")
     shapes, device = decoder.tensor_shapes, decoder.ops.device
     q_size, kv_size = decoder.num_heads * c.head_dim, decoder.num_kv_heads * c.head_dim
     layers: list[dict[str, list[LoraPair]]] = [{} for _ in decoder.layers]

@@ -470,7 +470,7 @@ def test_hybrid_model_serves_16_concurrent_streams_as_alone(converted, tmp_path)
 def test_gemma4_pools_info_and_refusals(converted, loaded, capsys) -> None:
     """Gemma 4's KV pools: one a layer that caches (the 4 first; layers 4 and 5 read layers 2's and 3's), each of its
     kind's heads (sliding: 2 of 16, full: 1 of 32); `gpullama info` gives the cache a token (2 x (2 x 2 x 16 + 2 x
-    32) = 256 values) and the sharing; tensor parallelism is refused by name."""
+    32) = 256 values) and the sharing; tensor parallelism and LoRA adapters are refused by name."""
     from gpullama.cli import main
 
     llm = loaded("gemma4")
@@ -487,6 +487,10 @@ def test_gemma4_pools_info_and_refusals(converted, loaded, capsys) -> None:
     assert "4 / 1 / 32 (sliding layers: 2 kv heads of 16)" in out, out
     with pytest.raises(ValueError, match="Gemma 4.*tensor_parallel_size 1"):
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
+    from gpullama.lora import LoraFile, prepare_lora
+
+    with pytest.raises(ValueError, match="adapters on gemma4 .* are not supported"):
+        prepare_lora(llm.model, LoraFile("adapter.gguf", "gemma4", 16.0, {}), "adapter")
 
 
 @pytest.mark.parametrize("text", ["the cat sat on the mat", "  two leading spaces\n\n\nthen newlines", "Zürich 123!?",
@@ -531,3 +535,25 @@ def test_gemma4_float16_pool(converted) -> None:
         llm = LLM(str(path), device="cpu")
     assert llm.engine.runner.kv_dtype == torch.float16
     assert_close_and_same_top1(llm.logits(ids), hf_logits(model, ids), "gemma4 float16 pool", tolerance=3e-2)
+
+
+def test_gemma4_speculative_decoding_is_plain_decoding(loaded) -> None:
+    """n-gram speculative decoding over Gemma 4's shared and sliding pools (drafts checked several tokens a step,
+    the rejected ones' K/V overwritten later): every request's greedy tokens are plain decoding's."""
+    from gpullama.engine.args import SpeculativeConfig
+    from tests.engine.helpers import random_prompt
+
+    llm = loaded("gemma4")
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for n, reps in ((6, 3), (10, 2), (4, 5)):
+        segment = random_prompt(gen, n, llm.config.vocab_size)
+        prompts.append(segment * reps + segment[: n // 2])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = run_requests(make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48), prompts, params)
+    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48,
+                         speculative=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3,
+                                                       prompt_lookup_min=1))
+    spec = run_requests(engine, prompts, params)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert engine.stats.draft_tokens > 0
