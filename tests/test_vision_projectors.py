@@ -29,9 +29,15 @@ def idefics3_folder(default_model_path: Path) -> Path:
     return tiny_vlm_folder("idefics3", smollm2_tokenizer(default_model_path))
 
 
+@pytest.fixture(scope="module", params=["qwen2vl", "qwen25vl"])
+def qwen_name(request) -> str:
+    """Qwen2-VL (qwen2vl_merger) and Qwen2.5-VL (qwen2.5vl_merger: RMSNorm, SwiGLU, window attention)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def qwen2vl_folder(default_model_path: Path) -> Path:
-    return tiny_vlm_folder("qwen2vl", smollm2_tokenizer(default_model_path))
+def qwen2vl_folder(default_model_path: Path, qwen_name: str) -> Path:
+    return tiny_vlm_folder(qwen_name, smollm2_tokenizer(default_model_path))
 
 
 @pytest.fixture(scope="module")
@@ -175,27 +181,28 @@ def test_unsupported_projectors_are_refused_by_name(idefics3_folder, tmp_path, c
     model = str(idefics3_folder / "idefics3-f32.gguf")
     path = unsupported_mmproj(tmp_path / "mmproj-pixtral.gguf", "pixtral")
     with pytest.raises(ValueError, match="--mmproj: .*clip.projector_type 'pixtral' is not supported; gpullama reads "
-                                         "gemma3, idefics3, qwen2vl_merger"):
+                                         "gemma3, idefics3, qwen2vl_merger, qwen2.5vl_merger"):
         LLM(model, device="cpu", dtype="float32", mmproj=str(path))
     assert main(["info", model, "--mmproj", str(path)]) == 0
     assert ("text (mmproj-pixtral.gguf: projector pixtral is not supported; gpullama reads gemma3, idefics3, "
-            "qwen2vl_merger)") in capsys.readouterr().out
+            "qwen2vl_merger, qwen2.5vl_merger)") in capsys.readouterr().out
 
 
 
 
 # -- Qwen2-VL ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def qwen2vl_hf(qwen2vl_folder):
-    from transformers import Qwen2VLForConditionalGeneration
+def qwen2vl_hf(qwen2vl_folder, qwen_name: str):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen2vl_folder, dtype=torch.float32).eval()
+    kind = Qwen2_5_VLForConditionalGeneration if qwen_name == "qwen25vl" else Qwen2VLForConditionalGeneration
+    model = kind.from_pretrained(qwen2vl_folder, dtype=torch.float32).eval()
     return model, qwen2vl_processor(qwen2vl_folder)
 
 
 @pytest.fixture(scope="module")
-def qwen2vl_llm(qwen2vl_folder) -> LLM:
-    llm = LLM(str(qwen2vl_folder / "qwen2vl-f32.gguf"), device="cpu", dtype="float32")
+def qwen2vl_llm(qwen2vl_folder, qwen_name: str) -> LLM:
+    llm = LLM(str(qwen2vl_folder / f"{qwen_name}-f32.gguf"), device="cpu", dtype="float32")
     assert llm.vision is not None
     return llm
 
@@ -203,7 +210,8 @@ def qwen2vl_llm(qwen2vl_folder) -> LLM:
 def test_qwen2vl_patches_and_features_equal_transformers(qwen2vl_llm, qwen2vl_hf) -> None:
     model, processor = qwen2vl_hf
     tower = qwen2vl_llm.vision.tower
-    for image in (picture(5), picture(6, (31, 77)), picture(7, (300, 7)), picture(8, (200, 150))):
+    for image in (picture(5), picture(6, (31, 77)), picture(7, (300, 7)), picture(8, (200, 150)),
+                  picture(9, (300, 120))):  # the last two: several of Qwen2.5-VL's windows
         inputs = processor.image_processor([image], return_tensors="pt")
         with torch.no_grad():
             ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
@@ -211,13 +219,17 @@ def test_qwen2vl_patches_and_features_equal_transformers(qwen2vl_llm, qwen2vl_hf
         assert [1, gh, gw] == inputs["image_grid_thw"][0].tolist()
         torch.testing.assert_close(patches, inputs["pixel_values"], atol=1e-6, rtol=0)  # bicubic, mean/std, order
         ours = tower.encode_patches(patches, gh, gw)
-        torch.testing.assert_close(ours, ref[0] if isinstance(ref, (list, tuple)) else ref, atol=2e-5, rtol=1e-4)
+        ref = ref[0] if isinstance(ref, (list, tuple)) else ref
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    if tower.v25:  # the windows matter: attending over the whole image in every block is another answer
+        with mock.patch.object(tower, "window_pattern", 1):
+            assert (tower.encode_patches(patches, gh, gw) - ref).abs().max() > 1e-3
 
 
 QWEN_CHATS = {
     "one image": CHATS["one image"],
-    "two images of other shapes": lambda: [{"role": "user", "content": [
-        {"type": "text", "text": "Compare"}, {"type": "image", "image": picture(2, (90, 40))},
+    "two images of other shapes (one of several windows)": lambda: [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image", "image": picture(2, (240, 100))},
         {"type": "text", "text": "with"}, {"type": "image", "image": picture(3, (20, 50))},
         {"type": "text", "text": "please."}]}],
     "an image in a later turn": CHATS["an image in a later turn"],
@@ -250,11 +262,12 @@ def test_qwen2vl_logits_and_greedy_tokens_equal_transformers(qwen2vl_llm, qwen2v
 
 def test_qwen2vl_chunked_prefill_and_media_marker(qwen2vl_folder, qwen2vl_hf) -> None:
     model, processor = qwen2vl_hf
-    messages = QWEN_CHATS["two images of other shapes"]()
+    messages = QWEN_CHATS["two images of other shapes (one of several windows)"]()
     _, inputs = hf_inputs(qwen2vl_hf, messages)
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
-    small = LLM(str(qwen2vl_folder / "qwen2vl-f32.gguf"), device="cpu", dtype="float32", max_num_batched_tokens=5)
+    small = LLM(str(next(qwen2vl_folder.glob("qwen*-f32.gguf"))), device="cpu", dtype="float32",
+                max_num_batched_tokens=5)
     assert small.chat(messages, GREEDY)[0].token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
     image = picture(9)
     inputs = processor(text="Look: <|vision_start|><|image_pad|><|vision_end|> What is it?", images=[image],
@@ -267,11 +280,12 @@ def test_qwen2vl_chunked_prefill_and_media_marker(qwen2vl_folder, qwen2vl_hf) ->
 
 
 @needs_kernels
-def test_qwen2vl_fast_path_reads_text_and_refuses_images_by_name(qwen2vl_folder, capsys) -> None:
+def test_qwen2vl_fast_path_reads_text_and_refuses_images_by_name(default_model_path: Path, capsys) -> None:
     """M-RoPE image positions are on the exact path only: the fast path skips the mmproj beside the model (text
     still equals the exact path's) and refuses one named with --mmproj."""
     from gpullama.cli import main
 
+    qwen2vl_folder = tiny_vlm_folder("qwen2vl", smollm2_tokenizer(default_model_path))
     model_path = str(qwen2vl_folder / "qwen2vl-f32.gguf")
     with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
         fast = LLM(model_path, device="cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 log = logging.getLogger("gpullama")
 
-ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",), "qwen2vl": ("qwen2vl_merger",)}
+ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",), "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger")}
 """Text architecture -> the projector types it takes (SmolVLM's and Idefics3's text models are llama's)."""
 EXPECTS_MMPROJ = ("gemma3",)
 """Architectures whose models mostly come with an mmproj (`gpullama info` says when none lies beside one)."""
@@ -33,13 +33,13 @@ def find_mmproj(model_path: str) -> str | None:
 
 def load_tower(path: str | os.PathLike, ops):
     """The tower of an mmproj file for its projector type: `VisionTower` (SigLIP: gemma3, idefics3) or
-    `QwenVLTower` (qwen2vl_merger)."""
+    `QwenVLTower` (qwen2vl_merger, qwen2.5vl_merger)."""
     from gpullama.gguf_file import read_gguf
     from gpullama.vision.qwen_tower import QwenVLTower
-    from gpullama.vision.tower import VisionTower
+    from gpullama.vision.tower import QWEN_PROJECTORS, VisionTower
 
     model = read_gguf(os.fspath(path), text_model=False)
-    kind = QwenVLTower if model.metadata.get("clip.projector_type") == "qwen2vl_merger" else VisionTower
+    kind = QwenVLTower if model.metadata.get("clip.projector_type") in QWEN_PROJECTORS else VisionTower
     return kind(path, ops, model)
 
 

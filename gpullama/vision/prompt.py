@@ -84,7 +84,7 @@ class Qwen2VLFormat(ImageFormat):
 
 
 FORMATS: dict[str, type[ImageFormat]] = {"gemma3": Gemma3Format, "idefics3": Idefics3Format,
-                                         "qwen2vl_merger": Qwen2VLFormat}
+                                         "qwen2vl_merger": Qwen2VLFormat, "qwen2.5vl_merger": Qwen2VLFormat}
 """Projector type -> its images' place in the prompt."""
 
 

@@ -1,10 +1,14 @@
-"""Qwen2-VL's vision tower from its mmproj (``clip.projector_type = qwen2vl_merger``, as llama.cpp's converter writes
-it): images at their own size (`smart_resize` to multiples of patch x merge pixels, bicubic), 14x14 (here: the
+"""Qwen2-VL's and Qwen2.5-VL's vision towers from their mmproj (``clip.projector_type = qwen2vl_merger`` /
+``qwen2.5vl_merger``, as llama.cpp's converter writes them): images at their own size (`smart_resize` to multiples of patch x merge pixels, bicubic), 14x14 (here: the
 file's) patches of two identical frames (``v.patch_embd.weight`` and ``.weight.1``, the converter's halves of the
 Conv3d), a 2D rotary over each head (height then width frequencies, transformers' axial rope), LayerNorm blocks
 with QuickGELU MLPs attending over the whole image, then the merger: LayerNorm (``v.post_ln``), each 2x2 block of
 patches concatenated, ``mm.0`` -> GELU -> ``mm.2``. The patches are laid out in 2x2-block order, as transformers'
-image processor does, so the merger's blocks are contiguous rows.
+image processor does, so the merger's blocks are contiguous rows. Qwen2.5-VL: RMSNorms (no biases) and SwiGLU
+MLPs (``ffn_gate``, SiLU); each block but every ``clip.vision.n_wa_pattern``-th attends within windows of
+``clip.vision.window_size`` pixels (112 when absent, llama.cpp's default: 4x4 merged tokens of 14-pixel patches),
+the merged grid cut from its top-left corner (transformers reorders the tokens by window; a mask over the same
+order is the same attention).
 
 The text model places the image's tokens at M-RoPE positions (`gpullama.vision.mrope_image_positions`): time, row and column of each
 merged token, counted from the image's first position; the text after it from one past the largest."""
@@ -68,20 +72,32 @@ class QwenVLTower:
         def weight(name: str):
             return ops.prepare_weight(need(name))
 
+        self.v25 = c.projector == "qwen2.5vl_merger"
+        self.window_pattern = int(model.metadata.get("clip.vision.n_wa_pattern", 0)) if self.v25 else 0
+        self.window = int(model.metadata.get("clip.vision.window_size", 112)) // (c.patch_size * c.pool)
+        if self.v25 and (self.window_pattern < 1 or self.window < 1):
+            raise ModelFileError(f"{path}: Qwen2.5-VL's window attention needs clip.vision.n_wa_pattern >= 1 and a "
+                                 f"window of at least one merged token (n_wa_pattern {self.window_pattern})")
         first, second = dense("v.patch_embd.weight"), dense("v.patch_embd.weight.1")  # [D, 3, p, p] each frame
         self.patch_w = torch.stack([first, second], dim=2).reshape(c.hidden, -1)  # (channel, frame, row, column)
+
+        def norm(name: str):  # Qwen2-VL: LayerNorm (weight, bias); Qwen2.5-VL: RMSNorm (weight)
+            return (dense(name + ".weight"), None if self.v25 else dense(name + ".bias"))
+
         self.blocks = []
         for i in range(c.layers):
             b = f"v.blk.{i}."
             qkv = _f32(torch.cat([dense(b + f"attn_{x}.weight") for x in "qkv"]), b + "attn_qkv.weight")
             self.blocks.append(dict(
-                ln1=(dense(b + "ln1.weight"), dense(b + "ln1.bias")), qkv=ops.prepare_weight(qkv),
+                ln1=norm(b + "ln1"), qkv=ops.prepare_weight(qkv),
                 qkv_bias=torch.cat([dense(b + f"attn_{x}.bias") for x in "qkv"]),
                 out=weight(b + "attn_out.weight"), out_bias=dense(b + "attn_out.bias"),
-                ln2=(dense(b + "ln2.weight"), dense(b + "ln2.bias")),
+                ln2=norm(b + "ln2"),
                 up=weight(b + "ffn_up.weight"), up_bias=dense(b + "ffn_up.bias"),
+                gate=weight(b + "ffn_gate.weight") if self.v25 else None,
+                gate_bias=dense(b + "ffn_gate.bias") if self.v25 else None,
                 down=weight(b + "ffn_down.weight"), down_bias=dense(b + "ffn_down.bias")))
-        self.post_ln = (dense("v.post_ln.weight"), dense("v.post_ln.bias"))
+        self.post_ln = norm("v.post_ln")
         self.mm0, self.mm0_bias = weight("mm.0.weight"), dense("mm.0.bias")
         self.mm2, self.mm2_bias = weight("mm.2.weight"), dense("mm.2.bias")
         if need("mm.2.weight").shape[0] != c.projection_dim:
@@ -124,11 +140,29 @@ class QwenVLTower:
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos()[:, None, :], emb.sin()[:, None, :]
 
+    def _norm(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
+        w, b = weights
+        c = self.config
+        if b is not None:
+            return F.layer_norm(x, (c.hidden,), w, b, c.eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.eps) * w
+
+    def _window_mask(self, gh: int, gw: int) -> torch.Tensor:
+        """``[n, n]`` True where two patches (in 2x2-block order) lie in one attention window (Qwen2.5-VL's windows
+        of `window` x `window` merged tokens from the grid's top-left corner)."""
+        m, w = self.config.pool, self.window
+        rows, cols = gh // m, gw // m
+        unit = torch.arange(rows * cols)
+        window = (unit // cols // w) * (-(-cols // w)) + (unit % cols) // w
+        window = window.repeat_interleave(m * m)
+        return window[:, None] == window[None, :]
+
     @torch.inference_mode()
     def encode_patches(self, patches: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
         """Embeddings ``[gh * gw / 4, projection_dim]`` float32 of one image's patches (`pixels`)."""
         c, ops = self.config, self.ops
         device = self.post_ln[0].device
+        windows = self._window_mask(gh, gw).to(device) if self.v25 else None
         x = patches.to(device, torch.float32) @ self.patch_w.t()
         n, hd = x.shape[0], c.hidden // c.heads
         cos, sin = (t.to(device) for t in self._rotary(gh, gw))
@@ -137,17 +171,22 @@ class QwenVLTower:
             half = v.shape[-1] // 2
             return v * cos + torch.cat([-v[..., half:], v[..., :half]], dim=-1) * sin
 
-        for blk in self.blocks:
-            h = F.layer_norm(x, (c.hidden,), *blk["ln1"], c.eps)
+        for i, blk in enumerate(self.blocks):
+            h = self._norm(x, blk["ln1"])
             q, k, v = ops.linear(h, blk["qkv"], blk["qkv_bias"]).view(n, 3, c.heads, hd).unbind(1)
             q, k = rotate(q), rotate(k)
+            full = windows is None or (i + 1) % self.window_pattern == 0
             a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               scale=1.0 / math.sqrt(hd))
+                                               attn_mask=None if full else windows, scale=1.0 / math.sqrt(hd))
             x = x + ops.linear(a.transpose(0, 1).reshape(n, c.hidden), blk["out"], blk["out_bias"])
-            h = F.layer_norm(x, (c.hidden,), *blk["ln2"], c.eps)
-            h = ops.linear(h, blk["up"], blk["up_bias"])
-            x = x + ops.linear(h * torch.sigmoid(1.702 * h), blk["down"], blk["down_bias"])
-        x = F.layer_norm(x, (c.hidden,), *self.post_ln, c.eps).reshape(-1, c.hidden * c.pool * c.pool)
+            h = self._norm(x, blk["ln2"])
+            if blk["gate"] is not None:  # Qwen2.5-VL: SwiGLU
+                h = F.silu(ops.linear(h, blk["gate"], blk["gate_bias"])) * ops.linear(h, blk["up"], blk["up_bias"])
+            else:  # Qwen2-VL: QuickGELU
+                h = ops.linear(h, blk["up"], blk["up_bias"])
+                h = h * torch.sigmoid(1.702 * h)
+            x = x + ops.linear(h, blk["down"], blk["down_bias"])
+        x = self._norm(x, self.post_ln).reshape(-1, c.hidden * c.pool * c.pool)
         x = F.gelu(ops.linear(x.contiguous(), self.mm0, self.mm0_bias))
         return ops.linear(x, self.mm2, self.mm2_bias).float()
 

@@ -22,16 +22,17 @@ import torch.nn.functional as F
 
 from gpullama.gguf_file import ModelFileError, read_gguf
 
-PROJECTORS = ("gemma3", "idefics3", "qwen2vl_merger")
-"""The ``clip.projector_type`` values gpullama reads (qwen2vl_merger: `gpullama.vision.qwen_tower`)."""
-DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "qwen2vl_merger": 2}
+PROJECTORS = ("gemma3", "idefics3", "qwen2vl_merger", "qwen2.5vl_merger")
+"""The ``clip.projector_type`` values gpullama reads (the Qwen ones: `gpullama.vision.qwen_tower`)."""
+QWEN_PROJECTORS = ("qwen2vl_merger", "qwen2.5vl_merger")
+DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "qwen2vl_merger": 2, "qwen2.5vl_merger": 2}
 """``clip.vision.projector.scale_factor`` when a file has none (llama.cpp's defaults)."""
 
 
 def describe_projector(meta: dict) -> str:
     """A line on what an mmproj file's metadata says its tower reads (`gpullama info`)."""
     projector, size = meta.get("clip.projector_type"), meta.get("clip.vision.image_size")
-    if projector == "qwen2vl_merger":
+    if projector in QWEN_PROJECTORS:
         side = meta.get("clip.vision.patch_size", 14) * meta.get("clip.vision.spatial_merge_size", 2)
         return (f"{projector} projector, images at their own size in tokens of {side}x{side} pixels "
                 "(8 to 4096 tokens an image), M-RoPE positions")
@@ -79,7 +80,7 @@ class VisionConfig:
 
         image, patch = int(key("image_size")), int(key("patch_size"))
         side = image // patch
-        scale_key = "spatial_merge_size" if projector == "qwen2vl_merger" else "projector.scale_factor"
+        scale_key = "spatial_merge_size" if projector in QWEN_PROJECTORS else "projector.scale_factor"
         pool = int(meta.get(f"clip.vision.{scale_key}", DEFAULT_SCALE[projector]))
         if pool < 1 or side % pool:
             raise ModelFileError(f"{path}: {side} patches a side do not pool by {pool}")

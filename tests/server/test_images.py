@@ -204,13 +204,18 @@ def test_an_image_to_a_text_only_model_names_mmproj(http, model_name: str) -> No
 
 
 
-@pytest.mark.parametrize("projector", ["idefics3", "qwen2vl"])
+@pytest.mark.parametrize("projector", ["idefics3", "qwen2vl", "qwen25vl"])
 def test_other_projectors_through_openai_and_ollama(default_model_path: Path, tmp_path: Path, projector: str) -> None:
     """SmolVLM's projector (the image cut into tiles plus the whole image) and Qwen2-VL's (the image at its own
-    size, M-RoPE positions), `tests/fixtures/tiny_vlm`: through the OpenAI and Ollama clients, transformers' greedy
+    size, M-RoPE positions; Qwen2.5-VL's window attention), `tests/fixtures/tiny_vlm`: through the OpenAI and Ollama clients, transformers' greedy
     answer."""
     from PIL import Image
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (
+        AutoProcessor,
+        Idefics3ForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
 
     from tests.fixtures.tiny_vlm import qwen2vl_processor, tiny_vlm_folder
 
@@ -221,7 +226,8 @@ def test_other_projectors_through_openai_and_ollama(default_model_path: Path, tm
         end = "<end_of_utterance>"
     else:
         processor = qwen2vl_processor(folder)
-        model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        kind = Qwen2VLForConditionalGeneration if projector == "qwen2vl" else Qwen2_5_VLForConditionalGeneration
+        model = kind.from_pretrained(folder, dtype=torch.float32).eval()
         end = "<|im_end|>"
     image = Image.open(io.BytesIO(encoded(picture(20))))
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}]
