@@ -207,8 +207,8 @@ class ModelSize:
     active_parameters: int  # with each MoE layer's unused experts left out (all of them in a dense model)
     expert_parameters: int
     bytes: int  # of every tensor, as stored
-    active_bytes: int  # read for one token: all but the unused experts, one embedding row, and the table in full
-    # where it is also the output head (no output.weight)
+    active_bytes: int  # read for one token: all but the unused experts, one embedding row (and one row of Gemma 4's
+    # per-layer table), and the table in full where it is also the output head (no output.weight)
 
 
 def model_size(header: GGUFHeader) -> ModelSize:
@@ -234,6 +234,8 @@ def model_size(header: GGUFHeader) -> ModelSize:
             active += count
             if t.name == "token_embd.weight":  # one row looked up; the whole table again where it is the head
                 active_bytes += stored // t.shape[0] + (stored if tied else 0)
+            elif t.name == "per_layer_token_embd.weight":  # Gemma 4's per-layer table: one row looked up
+                active_bytes += stored // t.shape[0]
             else:
                 active_bytes += stored
     return ModelSize(params, active, experts, nbytes, active_bytes)

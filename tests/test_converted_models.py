@@ -487,7 +487,16 @@ def test_gemma4_pools_info_and_refusals(converted, loaded, capsys) -> None:
     assert "4 / 1 / 32 (sliding layers: 2 kv heads of 16)" in out, out
     with pytest.raises(ValueError, match="Gemma 4.*tensor_parallel_size 1"):
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
+    from gpullama.gguf_file import model_size
     from gpullama.lora import LoraFile, prepare_lora
+
+    header = read_header(path)  # a token reads one row of each table (the main one again in full: the tied head)
+    stored = {t.name: int(torch.Size(t.shape).numel()) * 4 for t in header.tensors}  # all F32
+    rows = {name: header.config.vocab_size for name in ("token_embd.weight", "per_layer_token_embd.weight")}
+    size = model_size(header)
+    assert size.bytes == sum(stored.values())
+    assert size.active_bytes == size.bytes - stored["per_layer_token_embd.weight"] + sum(
+        stored[name] // rows[name] for name in rows)
 
     with pytest.raises(ValueError, match="adapters on gemma4 .* are not supported"):
         prepare_lora(llm.model, LoraFile("adapter.gguf", "gemma4", 16.0, {}), "adapter")
