@@ -497,6 +497,12 @@ def test_gemma4_pools_info_and_refusals(converted, loaded, capsys) -> None:
     assert size.bytes == sum(stored.values())
     assert size.active_bytes == size.bytes - stored["per_layer_token_embd.weight"] + sum(
         stored[name] // rows[name] for name in rows)
+    from gpullama.engine.args import EngineArgs
+    from gpullama.engine.model_spec import estimate_memory_bytes
+
+    # the load-time estimate reserves the pool the runner allocates (two head sizes, no pool for shared layers)
+    estimate = estimate_memory_bytes(EngineArgs(model=path, device="cpu", dtype="float32"), path)
+    assert estimate == size.parameters * 4 + runner.kv_cache_bytes
 
     with pytest.raises(ValueError, match="adapters on gemma4 .* are not supported"):
         prepare_lora(llm.model, LoraFile("adapter.gguf", "gemma4", 16.0, {}), "adapter")

@@ -25,7 +25,7 @@ from gpullama.engine.scheduler import ScheduledBatch
 from gpullama.engine.sequence import Sequence
 from gpullama.engine.step_inputs import StepBroadcast, StepInputs, step_buffer_size
 from gpullama.model import Decoder
-from gpullama.ops import BatchMetadata
+from gpullama.ops import BatchMetadata, TorchOps
 from gpullama.ops.metadata import LoraGroup
 from gpullama.ops.torch_ops import rope_rows
 
@@ -39,6 +39,13 @@ def kv_row_size(head_dim: int, kv_dtype: torch.dtype) -> int:
     """Elements of one KV cache row (one token, one kv head): `head_dim`, or for a uint8 (Q8_0) pool its int8
     values and then a float16 scale (2 bytes) per 32 of them."""
     return head_dim + head_dim // 16 if kv_dtype == torch.uint8 else head_dim
+
+
+def kv_pool_dtype(ops: TorchOps, name: str, config: ModelConfig, block_size: int) -> torch.dtype:
+    """The one dtype of every KV pool for `kv_cache_dtype` `name`: what the ops pick for each head dim the pools have
+    (Gemma 4's sliding and full layers differ), the widest of them; ValueError where one of them is refused."""
+    dims = sorted({config.layer_head_dim(i) for i in config.kv_layers} or {config.head_dim})
+    return max((ops.kv_cache_dtype(name, d, block_size, latent=config.is_mla) for d in dims), key=lambda t: t.itemsize)
 
 
 def kv_format_name(kv_dtype: torch.dtype) -> str:
@@ -133,11 +140,7 @@ class ModelRunner:
         # the ops say what the pool holds: float16 on the CPU fast path by default, float32 on the exact CPU path,
         # the compute dtype on a GPU (uint8: Q8_0 rows)
         mc = model.config
-        # one dtype for every pool (Gemma 4's sliding and full layers have pools of two head dims): the widest the
-        # ops pick for any of them
-        self.kv_dtype = max((ops.kv_cache_dtype(config.kv_cache_dtype, d, config.block_size, latent=mc.is_mla)
-                             for d in sorted({mc.layer_head_dim(i) for i in mc.kv_layers} or {mc.head_dim})),
-                            key=lambda t: t.itemsize)
+        self.kv_dtype = kv_pool_dtype(ops, config.kv_cache_dtype, mc, config.block_size)
         local = dataclasses.replace(mc, num_kv_heads=model.num_kv_heads)  # this rank's share of each block
         if config.num_blocks:
             self.num_blocks, self.kv_pool_limit = config.num_blocks, "num_blocks"

@@ -12,7 +12,7 @@ import torch
 
 from gpullama.distributed import TensorParallel
 from gpullama.engine.args import EngineArgs, EngineConfig
-from gpullama.engine.model_runner import kv_block_bytes, kv_pool_size
+from gpullama.engine.model_runner import kv_block_bytes, kv_pool_dtype, kv_pool_size
 from gpullama.gguf_file import GGUFModel, model_size, read_gguf, read_header
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
@@ -118,7 +118,7 @@ def estimate_memory_bytes(args: EngineArgs, path: str) -> int:
     weights = size.bytes if quantized else size.parameters * dtype.itemsize
     engine = EngineConfig.from_args(args, args.max_model_len or config.context_length)
     ops = select_ops(device, dtype, quantized)
-    kv_dtype = ops.kv_cache_dtype(engine.kv_cache_dtype, config.head_dim, engine.block_size, latent=config.is_mla)
+    kv_dtype = kv_pool_dtype(ops, engine.kv_cache_dtype, config, engine.block_size)
     blocks = engine.num_blocks or kv_pool_size(config, engine, kv_dtype, device)[0]
     return weights + (blocks + 1) * kv_block_bytes(config, engine.block_size, kv_dtype)
 
