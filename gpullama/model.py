@@ -532,8 +532,10 @@ class Decoder:
         if meta.input_embeds is not None:  # image embeddings in place of their tokens' (no embedding scale)
             rows, values = meta.input_embeds
             hidden[rows] = values.to(hidden.dtype)
-        # the one-call stack attends causally only; a step with an image runs the layer loop
-        stack = self._layer_stack(k_caches, v_caches) if self.native_stack and meta.image_attention is None else None
+        # the one-call stack attends causally only and reads one position a row: a step with an image that attends
+        # both ways, or with M-RoPE rows, runs the layer loop
+        stack = self._layer_stack(k_caches, v_caches) if self.native_stack and meta.image_attention is None and \
+            meta.rope_table is None else None
         if stack is not None:
             hidden, residual = stack(hidden, meta)
         else:

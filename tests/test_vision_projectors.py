@@ -280,22 +280,28 @@ def test_qwen2vl_chunked_prefill_and_media_marker(qwen2vl_folder, qwen2vl_hf) ->
 
 
 @needs_kernels
-def test_qwen2vl_fast_path_reads_text_and_refuses_images_by_name(default_model_path: Path, capsys) -> None:
-    """M-RoPE image positions are on the exact path only: the fast path skips the mmproj beside the model (text
-    still equals the exact path's) and refuses one named with --mmproj."""
+def test_qwen2vl_fast_path_logits_equal_transformers(qwen2vl_folder, qwen2vl_hf, qwen_name: str) -> None:
+    """The CPU fast path (the C kernels read each row's own M-RoPE cos|sin row, `BatchMetadata.rope_table`; the
+    one-call stack steps aside): within 1e-3 of transformers' largest logit, greedy tokens equal."""
+    model, _ = qwen2vl_hf
+    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+        fast = LLM(str(qwen2vl_folder / f"{qwen_name}-f32.gguf"), device="cpu")
+    assert isinstance(fast.model.ops, CpuOps) and fast.vision is not None
+    messages = QWEN_CHATS["two images of other shapes (one of several windows)"]()
+    text, inputs = hf_inputs(qwen2vl_hf, messages)
+    with torch.no_grad():
+        want = model(**inputs).logits[0]
+        ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    ids = fast.vision.prompt(text, [ImageRef(im) for im in images_of(messages)])
+    rel = ((fast.logits(ids) - want).abs().max() / want.abs().max()).item()
+    assert rel < 1e-3, f"max error {rel:.3g} of the largest logit"
+    assert fast.chat(messages, GREEDY)[0].token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_qwen2vl_info_shows_the_projector(qwen2vl_folder, qwen_name: str, capsys) -> None:
     from gpullama.cli import main
 
-    qwen2vl_folder = tiny_vlm_folder("qwen2vl", smollm2_tokenizer(default_model_path))
-    model_path = str(qwen2vl_folder / "qwen2vl-f32.gguf")
-    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
-        fast = LLM(model_path, device="cpu")
-        assert isinstance(fast.model.ops, CpuOps) and fast.vision is None
-        with pytest.raises(ValueError, match="--mmproj: .*exact path only"):
-            LLM(model_path, device="cpu", mmproj=str(qwen2vl_folder / "mmproj-qwen2vl-f32.gguf"))
-    exact = LLM(model_path, device="cpu", dtype="float32", no_mmproj=True)
-    ids = exact.tokenizer.encode("Hello, how are you today? Tell me a story about a cat.")
-    want = exact.logits(ids)
-    assert ((fast.logits(ids) - want).abs().max() / want.abs().max()).item() < 1e-3
-    assert main(["info", model_path]) == 0
-    assert ("text, image (mmproj-qwen2vl-f32.gguf: qwen2vl_merger projector, images at their own size in tokens of "
+    assert main(["info", str(qwen2vl_folder / f"{qwen_name}-f32.gguf")]) == 0
+    projector = "qwen2.5vl_merger" if qwen_name == "qwen25vl" else "qwen2vl_merger"
+    assert (f"text, image (mmproj-{qwen_name}-f32.gguf: {projector} projector, images at their own size in tokens of "
             "16x16 pixels (8 to 4096 tokens an image), M-RoPE positions)") in capsys.readouterr().out

@@ -27,7 +27,6 @@ from gpullama.engine.step_inputs import StepBroadcast, StepInputs, step_buffer_s
 from gpullama.model import Decoder
 from gpullama.ops import BatchMetadata, TorchOps
 from gpullama.ops.metadata import LoraGroup
-from gpullama.ops.torch_ops import rope_rows
 
 log = logging.getLogger("gpullama")
 
@@ -364,24 +363,24 @@ class ModelRunner:
                                  torch.cat([values for _, values in step.embeds]).to(device))
         if step.image_rows:
             meta.image_attention = self._image_attention(step, positions, slots, tables)
+        if step.rope_positions:  # M-RoPE (Qwen2-VL with an image): each row's angles from its three positions
+            meta.rope_table = self._mrope_table(step)
+            meta.rope_index = torch.arange(meta.rope_table.shape[0], device=device)
         # per-step tensors the ops read (rotary rows, decode context slots), derived here once, not per layer
         meta = self.model.ops.prepare_step(meta, self.model.cos_sin, bs)
-        if step.rope_positions:  # M-RoPE (Qwen2-VL with an image): each row's angles from its three positions
-            meta = dataclasses.replace(meta, **dict(zip(("rope_cos", "rope_sin"), self._mrope_rows(step))))
         if step.loras:
             meta.lora = self._lora_groups(step, starts, logits_rows)
         return torch.tensor(step.token_ids, dtype=torch.long, device=device), meta
 
-    def _mrope_rows(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary rows (`rope_rows`' cos and sin) of a step's M-RoPE positions: each frequency of the head
-        turns by the position on its axis (`rope_sections`: how many frequencies time, rows and columns take)."""
+    def _mrope_table(self, step: StepInputs) -> torch.Tensor:
+        """Each row's cos|sin row ``[T, R]`` for a step's M-RoPE positions: each frequency of the head turns by the
+        position on its axis (`rope_sections`: how many frequencies time, rows and columns take)."""
         table = self.model.cos_sin  # [max_pos, R]: cos of each frequency | sin of each
         positions = torch.tensor(step.rope_positions, dtype=torch.long, device=table.device)  # [3, T]
         sections = torch.tensor(self.model.config.rope_sections[:3], device=table.device)
         axis = torch.repeat_interleave(torch.arange(3, device=table.device), sections).repeat(2)  # [R]
         rows = table[positions]  # [3, T, R]
-        chosen = rows.gather(0, axis.view(1, 1, -1).expand(1, rows.shape[1], -1))[0]
-        return rope_rows(chosen, torch.arange(chosen.shape[0], device=table.device))
+        return rows.gather(0, axis.view(1, 1, -1).expand(1, rows.shape[1], -1))[0].contiguous()
 
     def _image_attention(self, step: StepInputs, positions: list[int], slots: list[int],
                          tables: list[list[int]]) -> tuple[torch.Tensor, BatchMetadata]:

@@ -19,7 +19,7 @@ from gpullama.kernels import cpu_native
 from gpullama.ops.cpu_stack import NativeStack
 from gpullama.ops.cpu_weights import CpuExperts, CpuWeight, packable, packable_experts
 from gpullama.ops.experts import Experts
-from gpullama.ops.metadata import BatchMetadata
+from gpullama.ops.metadata import BatchMetadata, rope_source
 from gpullama.ops.torch_ops import TorchOps
 from gpullama.quants import QTensor
 
@@ -207,7 +207,7 @@ class CpuOps(TorchOps):
         """Rotate q and k in place and write k, v to the pool (k blocks transposed, for `attention`)."""
         if not self._kernel_attention(q, k_cache):
             return super().rope_and_cache(q, k, v, cos_sin, k_cache, v_cache, meta)
-        cpu_native.rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
+        cpu_native.rope_and_cache(q, k, v, *rope_source(meta, cos_sin), meta.slot_mapping, k_cache, v_cache)
         return q, k
 
     def attention(

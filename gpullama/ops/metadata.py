@@ -52,6 +52,11 @@ class BatchMetadata:
     # they attend again, to every key of their image (not causally)
     input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     image_attention: tuple[torch.Tensor, BatchMetadata] | None = None
+    # M-RoPE (Qwen2-VL's images): each row's own cos|sin row ``[T, R]`` (its frequencies turned by the positions of
+    # their axes) and the row each token reads, arange(T); every op's rotary reads these in place of the model's
+    # table at `positions` (`rope_source`)
+    rope_table: torch.Tensor | None = None
+    rope_index: torch.Tensor | None = None
     # LoRA adapters of the step's rows, one group an adapter (None: no row has one)
     lora: list[LoraGroup] | None = None
 
@@ -59,3 +64,11 @@ class BatchMetadata:
     def is_decode(self) -> bool:
         """True when every sequence of the batch computes exactly one new token."""
         return self.max_query_len == 1
+
+
+def rope_source(meta: BatchMetadata, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary table and the row of it each token reads: `meta.rope_table` row by row (M-RoPE), else `cos_sin`
+    at the tokens' positions."""
+    if meta.rope_table is not None:
+        return meta.rope_table, meta.rope_index
+    return cos_sin, meta.positions

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gpullama.ops.experts import Experts, activate, expert_rows, route
-from gpullama.ops.metadata import BatchMetadata
+from gpullama.ops.metadata import BatchMetadata, rope_source
 from gpullama.ops.sampling import keep_mask
 from gpullama.quants import QTensor
 
@@ -95,7 +95,7 @@ class TorchOps:
     def prepare_step(self, meta: BatchMetadata, cos_sin: torch.Tensor, block_size: int) -> BatchMetadata:
         """`meta` with the per-step tensors these ops read, derived once per step instead of once per layer: the
         rotary rows of the batch's positions, and for a decode batch the pool rows and mask of every context."""
-        derived = dict(zip(("rope_cos", "rope_sin"), rope_rows(cos_sin, meta.positions)))
+        derived = dict(zip(("rope_cos", "rope_sin"), rope_rows(*rope_source(meta, cos_sin))))
         if meta.is_decode:
             derived["context_slots"], derived["context_mask"] = decode_context(meta, block_size)
         return dataclasses.replace(meta, **derived)
@@ -166,7 +166,8 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k (NeoX halves; `cos_sin` is ``[max_pos, R]`` = cos|sin of each half, rotating the first
         R <= D dims of each head: partial rotary) and write k, v to the pool."""
-        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else rope_rows(cos_sin, meta.positions)
+        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else \
+            rope_rows(*rope_source(meta, cos_sin))
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         num_blocks, block_size = k_cache.shape[:2]
@@ -177,7 +178,8 @@ class TorchOps:
     def rope(self, q: torch.Tensor, cos_sin: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """Rotate q alone, as `rope_and_cache` does, for a layer that attends over another layer's K/V (Gemma 4's
         shared layers); float32."""
-        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else rope_rows(cos_sin, meta.positions)
+        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else \
+            rope_rows(*rope_source(meta, cos_sin))
         return _rotate(q, cos, sin)
 
     def short_conv(
@@ -255,7 +257,8 @@ class TorchOps:
         the queries ``q [T, Hq, D]`` and of each token's cache row ``rows [T, 1, D]`` (rotary | latent), and write
         the rows into the pool ``cache [num_blocks, block_size, 1, D]`` at `meta.slot_mapping`; returns q. There
         is no value pool: the values are the latent part of the same rows (`latent_attention`)."""
-        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else rope_rows(cos_sin, meta.positions)
+        cos, sin = (meta.rope_cos, meta.rope_sin) if meta.rope_cos is not None else \
+            rope_rows(*rope_source(meta, cos_sin))
         q, rows = _rotate(q, cos, sin), _rotate(rows, cos, sin)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, rows.to(cache.dtype))
         return q

@@ -20,7 +20,7 @@ from gpullama.kernels.silu_mul import silu_mul as _silu_mul
 from gpullama.kernels.soft_cap import soft_cap as _soft_cap
 from gpullama.kernels.ssm_scan import ssm_scan as _ssm_scan
 from gpullama.ops.experts import Experts
-from gpullama.ops.metadata import BatchMetadata
+from gpullama.ops.metadata import BatchMetadata, rope_source
 from gpullama.ops.torch_ops import TorchOps
 from gpullama.quants import QTensor
 
@@ -115,7 +115,7 @@ class TritonOps(TorchOps):
         meta: BatchMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k in place and write k, v into the paged pool, in one kernel."""
-        return _rope_and_cache(q, k, v, cos_sin, meta.positions, meta.slot_mapping, k_cache, v_cache)
+        return _rope_and_cache(q, k, v, *rope_source(meta, cos_sin), meta.slot_mapping, k_cache, v_cache)
 
     def short_conv(
         self, x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, meta: BatchMetadata

@@ -47,7 +47,6 @@ def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
     """The `VisionModel` of a loaded text model: `args.mmproj` (ValueError when it does not fit), else the file
     `find_mmproj` finds (skipped, with a log line, when it does not fit); None without one."""
     from gpullama.gguf_file import ModelFileError, read_header
-    from gpullama.ops.torch_ops import TorchOps
     from gpullama.vision.prompt import VisionModel
     from gpullama.vision.tower import VisionConfig
 
@@ -63,9 +62,6 @@ def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
                              f"not {arch}")
         if tp_size > 1:
             raise ValueError(f"{Path(path).name}: an mmproj is not supported with tensor parallelism")
-        if model.config.rope_sections and type(model.ops) is not TorchOps:
-            raise ValueError(f"{Path(path).name}: images for a {arch} model (M-RoPE positions) run on the exact "
-                             "path only (dtype float32 on the CPU), not on the fast C or Triton kernels yet")
         tower = load_tower(path, model.ops)
         if tower.config.projection_dim != model.config.hidden_size:
             raise ValueError(f"{path}: its projector writes {tower.config.projection_dim}-dim embeddings, the "

@@ -65,6 +65,33 @@ def test_rope_and_cache_partial_rotary_longrope(device):
         assert rel_err(got, want) < 1e-6
 
 
+def test_rope_and_cache_reads_mrope_rows(device):
+    """M-RoPE (Qwen2-VL's images): each row's own cos|sin row (`BatchMetadata.rope_table`, its frequencies from
+    three positions by section) in place of the table at its position, as TorchOps and the C kernels read it."""
+    hq, hk, d, block_size = 4, 2, 16, 4
+    meta = make_batch([7, 3], [3, 3], block_size, num_blocks=6)
+    t = meta.positions.shape[0]
+    table = rope_cos_sin(d, 32, 10000.0)
+    g = torch.Generator().manual_seed(7)
+    axes = torch.randint(0, 32, (3, t), generator=g)  # time, row, column positions of each row
+    axis = torch.repeat_interleave(torch.arange(3), torch.tensor([2, 3, 3])).repeat(2)
+    meta.rope_table = table[axes].gather(0, axis.view(1, 1, -1).expand(1, t, -1))[0].contiguous()
+    meta.rope_index = torch.arange(t)
+    q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hk, d, generator=g), torch.randn(t, hk, d, generator=g)
+    pools = [torch.randn(6, block_size, hk, d, generator=g) for _ in range(2)]
+    want_pools = [p.clone() for p in pools]
+    want_q, want_k = TorchOps(CPU).rope_and_cache(q.clone(), k.clone(), v, table, *want_pools, meta)
+    plain_q, _ = TorchOps(CPU).rope_and_cache(q.clone(), k.clone(), v, table, *[p.clone() for p in pools],
+                                              make_batch([7, 3], [3, 3], block_size, num_blocks=6))
+    assert rel_err(plain_q, want_q) > 1e-2  # the rows' own angles, not their positions'
+    got_pools = [p.to(device) for p in pools]
+    got_q, got_k = TritonOps(device).rope_and_cache(q.to(device), k.to(device), v.to(device), table.to(device),
+                                                    *got_pools, meta_to(meta, device))
+    assert rel_err(got_q, want_q) < 1e-5 and rel_err(got_k, want_k) < 1e-5
+    for got, want in zip(got_pools, want_pools):
+        assert rel_err(got, want) < 1e-6
+
+
 def _attention_case(seq_lens, q_lens, hq, hk, d, block_size, cache_dtype, device, window=0, softcap=0.0,
                     sinks=None, **kernel_args):
     """(kernel output, TorchOps output) for one random batch."""
