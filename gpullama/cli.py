@@ -332,9 +332,14 @@ def kv_per_token(c) -> str:
         values = c.num_layers * c.head_dim
         return (f"{values * 4 / 1024:.1f} KiB float32, {values * 2 / 1024:.1f} KiB float16 (latent attention: "
                 f"{c.kv_lora_rank} latent + {c.rotary_dim} rope values a layer, no values cached)")
+    from gpullama.kernels.cpu_native import MAX_HEAD_DIM
+
     values = c.kv_values_per_token
-    sizes = [f"{values * 2 / 1024:.1f} KiB float16 (the CPU fast path's default)", f"{values * 4 / 1024:.1f} KiB float32"]
-    if all(c.layer_head_dim(i) % 32 == 0 for i in c.kv_layers):
+    dims = {c.layer_head_dim(i) for i in c.kv_layers}
+    kernel = all(d % 16 == 0 and d <= MAX_HEAD_DIM for d in dims)  # the C attention takes every pool: float16 default
+    sizes = [f"{values * 2 / 1024:.1f} KiB float16" + (" (the CPU fast path's default)" if kernel else ""),
+             f"{values * 4 / 1024:.1f} KiB float32" + ("" if kernel else " (the CPU fast path's default)")]
+    if kernel and all(d % 32 == 0 for d in dims):
         sizes.insert(1, f"{values * 34 / 32 / 1024:.1f} KiB q8_0")
     return ", ".join(sizes)
 
