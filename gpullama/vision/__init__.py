@@ -36,19 +36,25 @@ def rope_positions(spans: list[ImageSpan], start: int, end: int) -> list[list[in
     `spans` (in order): an image's tokens its `rope`, any other token its index shifted by the images before it
     (each ends one past its largest position)."""
     out: list[list[int]] = [[], [], []]
-    shift, s = 0, 0
-    for i in range(start, end):
-        while s < len(spans) and spans[s].end <= i:  # images wholly before token i
-            if spans[s].rope is not None:
-                shift = int(spans[s].rope.max()) + 1 - spans[s].end
-            s += 1
-        span = spans[s] if s < len(spans) else None
-        if span is not None and span.start <= i and span.rope is not None:
-            for axis in range(3):
-                out[axis].append(int(span.rope[axis, i - span.start]))
-        else:
-            for axis in range(3):
-                out[axis].append(i + shift)
+    shift, i = 0, start
+    for span in spans:
+        if span.start >= end:
+            break
+        if span.end > i:
+            lo, hi = max(i, span.start), min(end, span.end)
+            for axis in out:  # the text before it
+                axis.extend(range(i + shift, lo + shift))
+            if span.rope is not None:
+                for axis, values in zip(out, span.rope[:, lo - span.start : hi - span.start].tolist()):
+                    axis.extend(values)
+            else:
+                for axis in out:
+                    axis.extend(range(lo + shift, hi + shift))
+            i = hi
+        if span.rope is not None and span.end <= end:
+            shift = int(span.rope.max()) + 1 - span.end
+    for axis in out:
+        axis.extend(range(i + shift, end + shift))
     return out
 
 
