@@ -305,3 +305,36 @@ def test_qwen2vl_info_shows_the_projector(qwen2vl_folder, qwen_name: str, capsys
     projector = "qwen2.5vl_merger" if qwen_name == "qwen25vl" else "qwen2vl_merger"
     assert (f"text, image (mmproj-{qwen_name}-f32.gguf: {projector} projector, images at their own size in tokens of "
             "16x16 pixels (8 to 4096 tokens an image), M-RoPE positions)") in capsys.readouterr().out
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["idefics3", "qwen2vl", "qwen25vl"])
+def test_f16_mmproj_towers_near_transformers(default_model_path: Path, name: str) -> None:
+    """The converter's F16 mmproj (the type projector files are published in) on the fast path's C kernels: the
+    same features as the exact path on that file (1e-4), within 1e-3 of transformers' float32 largest feature."""
+    from transformers import (
+        AutoProcessor,
+        Idefics3ForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    from gpullama.ops.torch_ops import TorchOps
+    from gpullama.vision.loading import load_tower
+
+    folder = tiny_vlm_folder(name, smollm2_tokenizer(default_model_path))
+    kind = {"idefics3": Idefics3ForConditionalGeneration, "qwen2vl": Qwen2VLForConditionalGeneration,
+            "qwen25vl": Qwen2_5_VLForConditionalGeneration}[name]
+    model = kind.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(folder) if name == "idefics3" else qwen2vl_processor(folder)
+    image = picture(5, (200, 150))
+    inputs = processor.image_processor([image], return_tensors="pt")
+    with torch.no_grad():
+        ref = model.model.get_image_features(**{k: v for k, v in inputs.items() if k not in ("rows", "cols")}
+                                             ).pooler_output
+    ref = ref[0] if isinstance(ref, (list, tuple)) else ref
+    path = folder / "f16" / f"mmproj-{name}-f16.gguf"
+    fast = load_tower(path, CpuOps(torch.device("cpu"))).encode_images([image])[0][0].reshape(ref.shape)
+    exact = load_tower(path, TorchOps(torch.device("cpu"))).encode_images([image])[0][0].reshape(ref.shape)
+    torch.testing.assert_close(fast, exact, atol=1e-4, rtol=1e-4)
+    assert ((exact - ref).abs().max() / ref.abs().max()).item() < 1e-3
