@@ -332,7 +332,7 @@ def kv_per_token(c) -> str:
         values = c.num_layers * c.head_dim
         return (f"{values * 4 / 1024:.1f} KiB float32, {values * 2 / 1024:.1f} KiB float16 (latent attention: "
                 f"{c.kv_lora_rank} latent + {c.rotary_dim} rope values a layer, no values cached)")
-    from gpullama.kernels.cpu_native import MAX_HEAD_DIM
+    from gpullama.kernels import CPU_MAX_HEAD_DIM as MAX_HEAD_DIM  # no torch: cpu_native imports it
 
     values = c.kv_values_per_token
     dims = {c.layer_head_dim(i) for i in c.kv_layers}
@@ -367,7 +367,7 @@ def modalities(model_path: str, config, mmproj: str | None = None) -> str:
     """What a model reads: text, and images when its mmproj (named, or the one beside it) fits it."""
     from gpullama.gguf_file import ModelFileError, read_header
     from gpullama.vision.loading import ARCHITECTURES, EXPECTS_MMPROJ, find_mmproj
-    from gpullama.vision.tower import PROJECTORS, describe_projector
+    from gpullama.vision.projectors import PROJECTORS, describe_projector
 
     path = mmproj or find_mmproj(model_path)
     if path is None:

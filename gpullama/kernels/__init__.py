@@ -5,3 +5,7 @@ Leaf code: the kernels import triton, torch and `gpullama.quants` only; `gpullam
 puts them behind the ops seam. Importing a kernel module needs triton but no GPU: the kernels run on CUDA
 tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check them).
 """
+
+CPU_MAX_HEAD_DIM = 256
+"""The widest attention head the C kernels take (``GL_MAX_HEAD_DIM`` in `cpu_native.c`): kept here, without torch,
+for `gpullama info`, which must not import torch."""

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from gpullama.kernels import CPU_MAX_HEAD_DIM
+
 log = logging.getLogger("gpullama")
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -32,7 +34,8 @@ FMT_F16, FMT_F32 = 2, 3
 FMT_Q4_0, FMT_Q4_1, FMT_Q5_0, FMT_Q5_1, FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 4, 5, 6, 7, 8, 9, 10, 11
 FMT_MXFP4 = 12
 """Weight formats of `matmul` (see the top of `cpu_native.c`)."""
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = CPU_MAX_HEAD_DIM
+"""The widest attention head of `attention` (D a multiple of 16, at most this)."""
 MAX_CONV_KERNEL = 8
 """The widest short convolution `short_conv` takes (LFM2's is 3, Qwen3.5's 4)."""
 MAX_DELTA_KEY_DIM = 256

@@ -26,7 +26,6 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpullama.engine.args import EngineArgs
-from gpullama.engine.model_spec import estimate_memory_bytes
 from gpullama.hub import ALIASES, resolve_model
 
 from .http.errors import APIError
@@ -461,6 +460,9 @@ class Registry:
         its file cannot be read: its load then fails by itself)."""
         if entry.memory_bytes is not None:
             return entry.memory_bytes
+        # imported here, at the first load: model_spec imports torch, which `gpullama-serve --help` must not
+        from gpullama.engine.model_spec import estimate_memory_bytes
+
         args = entry.config.engine
         try:
             return await asyncio.to_thread(estimate_memory_bytes, args, resolve_model(args.model, download=False))

@@ -35,8 +35,9 @@ def load_tower(path: str | os.PathLike, ops):
     """The tower of an mmproj file for its projector type: `VisionTower` (SigLIP: gemma3, idefics3) or
     `QwenVLTower` (qwen2vl_merger, qwen2.5vl_merger)."""
     from gpullama.gguf_file import read_gguf
+    from gpullama.vision.projectors import QWEN_PROJECTORS
     from gpullama.vision.qwen_tower import QwenVLTower
-    from gpullama.vision.tower import QWEN_PROJECTORS, VisionTower
+    from gpullama.vision.tower import VisionTower
 
     model = read_gguf(os.fspath(path), text_model=False)
     kind = QwenVLTower if model.metadata.get("clip.projector_type") in QWEN_PROJECTORS else VisionTower
