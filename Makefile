@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8080
+# `make test`'s pytest worker processes (pytest-xdist; each takes whole test files): while one worker waits on a
+# server, a subprocess or a single-threaded step, the other computes. 0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 export PYTHON TORCH
 
 .PHONY: install install-test serve generate test lint bench lock clean
@@ -37,7 +40,7 @@ test: install-test
 	scripts/install-chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/gpullama pull $(MODEL)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install-test
 	$(VENV)/bin/ruff check .
