@@ -154,6 +154,8 @@ def main() -> None:
     parser.add_argument("--llama-bench", metavar="BINARY", help="llama.cpp's llama-bench: add its rows")
     parser.add_argument("--n-depth", default="0", help="depths, comma-separated (llama-bench's -d; default 0)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="gpullama's KV cache format (default auto)")
+    parser.add_argument("--activation-bits", default="16",
+                        help="gpullama's CPU matmul activations, a row each: 16, 8 or 16,8 (default 16)")
     parser.add_argument("--llama-kv", default="f16", help="llama-bench's -ctk/-ctv (default f16)")
     parser.add_argument("--llama-fa", default="0,1", help="llama-bench's -fa settings, a row each; the ratio is to "
                         "the fastest of them per test (default 0,1: on CPUs flash attention is sometimes the slow one)")
@@ -162,8 +164,8 @@ def main() -> None:
     path = resolve_model(args.model)
     depths = [int(d) for d in args.n_depth.split(",") if d]
     engines: list = [Gpullama(path, d, args.device, args.n_prompt, args.n_gen, args.threads, n_depth=max(depths),
-                              kv_cache_dtype=args.kv_cache_dtype)
-                     for d in args.dtypes.split(",") if d]
+                              kv_cache_dtype=args.kv_cache_dtype, cpu_activation_bits=int(bits))
+                     for d in args.dtypes.split(",") if d for bits in args.activation_bits.split(",") if bits]
     if args.llama_bench:
         engines += [LlamaBench(args.llama_bench, path, args.threads, args.llama_kv, fa)
                     for fa in args.llama_fa.split(",") if fa]

@@ -268,7 +268,7 @@ def cmd_bench(args) -> int:
     from gpullama.bench import PpTg, copy_bandwidth, read_bandwidth, run, table
 
     kwargs = {name: getattr(engine_args, name)
-              for name in ("kv_cache_memory", "kv_cache_dtype", "block_size", "enforce_eager")}
+              for name in ("kv_cache_memory", "kv_cache_dtype", "block_size", "enforce_eager", "cpu_activation_bits")}
     with LoadingLine(engine_args.model) as line:
         bench = PpTg(engine_args.model, engine_args.dtype, engine_args.device, max(args.n_prompt),
                      max(args.n_gen), engine_args.threads, on_progress=line.progress, n_depth=max(args.n_depth),

@@ -132,3 +132,37 @@ def test_bytes_a_token_reads_are_the_files(arch, weight_type, tiny_model, fast_l
     llm.generate([[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     per_forward = (cpu_native.matmul_bytes_read() - before) / 8  # a 1-token prompt, then 7 decode steps
     assert 0.95 < model_size(header).active_bytes / per_forward < 1.05
+
+
+# 8-bit activations (cpu_activation_bits=8): each 32 activations rounded to multiples of their largest magnitude / 127,
+# as llama.cpp's Q8 activations; measured on tiny random models against transformers: 1.5e-2 to 3.9e-2 (the largest on
+# llama Q6_K, whose near ties leave too few clear positions for the top-1 check); 16-bit: 9e-5 to 8e-4
+EIGHT_BIT_TOLERANCE = 8e-2
+
+
+@pytest.mark.parametrize(("arch", "weight_type"), [("llama", "Q4_0"), ("qwen3", "Q4_K"), ("qwen2", "Q8_0")])
+def test_eight_bit_activations_close_to_transformers(tiny_model, fast_llm, arch: str, weight_type: str) -> None:
+    """With 8-bit activations the fast path's logits stay near transformers' on the same weights, further than
+    with 16-bit ones."""
+    tiny = tiny_model(arch, weight_type)
+    eight, sixteen = fast_llm(tiny.path, cpu_activation_bits=8), fast_llm(tiny.path)
+    assert eight.model.ops.activation_bits == 8 and "8-bit in the matmuls" in eight.model.ops.mode
+    ids = token_ids(tiny.config.vocab_size, n=40)
+    want = hf_logits(tiny.hf_model, ids)
+    got = eight.logits(ids)
+    assert_close_and_same_top1(got, want, f"{arch} {weight_type} 8-bit", EIGHT_BIT_TOLERANCE)
+    assert (got - want).abs().max() > (sixteen.logits(ids) - want).abs().max()  # the 8 bits are in use
+
+
+def test_eight_bit_batch_equals_solo(tiny_model, fast_llm) -> None:
+    """8-bit activations keep each row's arithmetic its own: mixed batches give every prompt its solo tokens."""
+    llm = fast_llm(tiny_model("llama", "Q4_K").path, cpu_activation_bits=8)
+    solo = solo_runs(llm, mixed_prompts(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine = make_engine(llm, max_num_seqs=5, max_num_batched_tokens=64)
+    seqs = run_requests(engine, mixed_prompts(), mixed_params())
+    assert_as_solo(seqs, solo, mixed_params(), llm.tokenizer.eos_token_ids)
+
+
+def test_activation_bits_other_than_16_or_8_are_refused(tiny_model) -> None:
+    with pytest.raises(ValueError, match="cpu_activation_bits must be 16 or 8, got 4"):
+        LLM(str(tiny_model("llama", "Q4_0").path), device="cpu", cpu_activation_bits=4)

@@ -165,6 +165,11 @@ class EngineArgs:
         "auto", "KV cache format (vLLM's flag; default: auto: float16 on the CPU fast path, float32 on the exact "
         "CPU path, the compute dtype on CUDA); q8_0: llama.cpp's 8-bit blocks of 32 with a float16 scale, half "
         "of float16's bytes, CPU fast path only", choices=list(KV_CACHE_DTYPES))
+    cpu_activation_bits: int = _arg(
+        16, "CPU fast path: the integers each group of 32 activations is rounded to in the quantized matmuls: 16 "
+        "(to 1 part in 64516 of the group's largest value) or 8 (1 part in 254, as llama.cpp's Q8 activations: "
+        "half the integer dot products, a faster prefill; logits further from the float32 reference) "
+        "(default: %(default)s)", type=int, choices=[16, 8])
     max_num_seqs: int = _arg(64, "sequences per batch (default: %(default)s)", type=positive_int)
     max_num_batched_tokens: int = _arg(
         512, "tokens per engine step; longer prompts are prefilled in chunks (default: %(default)s)",
@@ -216,6 +221,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.cpu_activation_bits not in (16, 8) or not _is_int(self.cpu_activation_bits):
+            raise ValueError(f"cpu_activation_bits must be 16 or 8, got {self.cpu_activation_bits!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):

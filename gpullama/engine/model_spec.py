@@ -79,6 +79,7 @@ class ModelSpec:
     engine_config: EngineConfig
     threads: int | None  # torch intra-op threads of each rank (None: torch's choice)
     quantized_cpu: bool = False  # the CPU fast path (`select_ops`' quantized_cpu)
+    activation_bits: int = 16  # the fast path's matmul activations (`EngineArgs.cpu_activation_bits`)
 
     @classmethod
     def from_args(cls, args: EngineArgs, gguf_model: GGUFModel, world_size: int = 1,
@@ -100,7 +101,7 @@ class ModelSpec:
                                    else None)
         return cls(gguf_model.path, str(device), resolve_dtype(args.dtype, device), max_model_len,
                    EngineConfig.from_args(args, max_model_len), threads,
-                   quantized_cpu_path(args.dtype, device, gguf_model.tensors))
+                   quantized_cpu_path(args.dtype, device, gguf_model.tensors), args.cpu_activation_bits)
 
 
 def estimate_memory_bytes(args: EngineArgs, path: str) -> int:
@@ -133,7 +134,7 @@ def build_model(spec: ModelSpec, tp: TensorParallel | None = None, device: torch
         torch.set_num_threads(spec.threads)
     device = device or torch.device(spec.device)
     gguf_model = gguf_model or read_gguf(spec.path)
-    ops = select_ops(device, spec.dtype, spec.quantized_cpu)
+    ops = select_ops(device, spec.dtype, spec.quantized_cpu, spec.activation_bits)
     if on_progress is not None:
         on_progress(f"preparing {gguf_model.config.num_layers} layers of weights ({ops.mode})")
     return Decoder(gguf_model.config, gguf_model.tensors, ops, spec.max_model_len, tp)

@@ -392,9 +392,10 @@ static inline void unit_scales(int fmt, const uint8_t *b, int j, int t, vf *scal
 }
 
 /* The 16 rows x 32 unsigned values of one value section, unpacked: chunk c holds, per row (lane), values
-   4c .. 4c + 3. wg_dots(w, n, hi, lo, c0, c1, bias, out): for each of n rows of x (n <= WG_ROWS), the 16 weight
-   rows' integer dot products of chunks c0 .. c1 - 1 with the values Q = 256 hi[r] + lo[r] (int8, values
-   4 c0 .. 4 c1 - 1), plus bias[r], as floats in out[r]; exact in int32. AVX-512 computes the n rows together; AVX2
+   4c .. 4c + 3. wg_dots(w, n, hi, lo, c0, c1, bias, eight, out): for each of n rows of x (n <= WG_ROWS), the 16
+   weight rows' integer dot products of chunks c0 .. c1 - 1 with the values Q = 256 hi[r] + lo[r] (int8, values
+   4 c0 .. 4 c1 - 1), plus bias[r], as floats in out[r]; exact in int32. `eight`: every hi is 0 (8-bit
+   activations), whose products the vector paths skip (the same sums). AVX-512 computes the n rows together; AVX2
    and plain C define wg_dot for one row, and wg_dots loops over it. */
 #define WG_ROWS 4
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -439,7 +440,7 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
 #define GL_WG_DOTS
 static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
                                                           const int8_t *const *lo, int c0, int c1,
-                                                          const int32_t *bias, vf *out) {
+                                                          const int32_t *bias, int eight, vf *out) {
     __m512i a[WG_ROWS], b[WG_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < n; r++) a[r] = _mm512_setzero_si512(), b[r] = _mm512_set1_epi32(bias[r]);
@@ -450,7 +451,7 @@ static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, co
             int32_t h4, l4;
             memcpy(&h4, hi[r] + 4 * c, 4);
             memcpy(&l4, lo[r] + 4 * c, 4);
-            a[r] = _mm512_dpbusd_epi32(a[r], w->c[c], _mm512_set1_epi32(h4));
+            if (!eight) a[r] = _mm512_dpbusd_epi32(a[r], w->c[c], _mm512_set1_epi32(h4)); /* hi is 0 if eight */
             b[r] = _mm512_dpbusd_epi32(b[r], w->c[c], _mm512_set1_epi32(l4));
         }
 #pragma GCC unroll 4
@@ -516,7 +517,7 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
 static inline __m256i wg_rows(__m256i a, __m256i b) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
 }
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias) {
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias, int eight) {
     __m256i r0, r1;
     if (w->q4) {
         __m256i sh0 = _mm256_setzero_si256(), sh1 = sh0, sl0 = sh0, sl1 = sh0;
@@ -525,8 +526,10 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
             memcpy(&h4, hi + 4 * c, 4);
             memcpy(&l4, lo + 4 * c, 4);
             __m256i hb = _mm256_set1_epi32(h4), lb = _mm256_set1_epi32(l4);
-            sh0 = _mm256_add_epi16(sh0, _mm256_maddubs_epi16(w->c[c][0], hb));
-            sh1 = _mm256_add_epi16(sh1, _mm256_maddubs_epi16(w->c[c][1], hb));
+            if (!eight) { /* hi is 0 if eight */
+                sh0 = _mm256_add_epi16(sh0, _mm256_maddubs_epi16(w->c[c][0], hb));
+                sh1 = _mm256_add_epi16(sh1, _mm256_maddubs_epi16(w->c[c][1], hb));
+            }
             sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(w->c[c][0], lb));
             sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(w->c[c][1], lb));
         }
@@ -558,8 +561,9 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
 #else
 typedef struct { uint8_t c[8][64]; } wg;
 static inline void wg_load(int fmt, const uint8_t *b, wg *w) { unpack_values(fmt, b, w->c); }
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias) {
+static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias, int eight) {
     int32_t acc[16];
+    (void)eight; /* hi is 0 then: the same sums */
     for (int r = 0; r < 16; r++) acc[r] = 0;
     for (int c = c0; c < c1; c++)
         for (int r = 0; r < 16; r++)
@@ -574,8 +578,8 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
 #ifndef GL_WG_DOTS
 static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
                                                           const int8_t *const *lo, int c0, int c1,
-                                                          const int32_t *bias, vf *out) {
-    for (int r = 0; r < n; r++) out[r] = wg_dot(w, hi[r], lo[r], c0, c1, bias[r]);
+                                                          const int32_t *bias, int eight, vf *out) {
+    for (int r = 0; r < n; r++) out[r] = wg_dot(w, hi[r], lo[r], c0, c1, bias[r], eight);
 }
 #endif
 
@@ -600,9 +604,11 @@ typedef struct {
     int8_t *q;  /* [tiles][G][MT][64]: a record's hi [32], then its lo [32] */
     float *d;   /* [tiles][G][MT] */
     int32_t *s; /* [tiles][G][MT][2] */
+    int eight;  /* 8-bit activations: |Q| <= 127, every hi 0 */
 } xquant_t;
 
 #define Q_MAX 32258 /* the largest |Q| (254 * 127): |hi| <= 126 */
+#define Q_MAX8 127  /* the largest |Q| of 8-bit activations (`bits` 8): hi is 0 */
 
 static inline int64_t xq_rec(int64_t m, int64_t G, int64_t g) { return ((m / MT) * G + g) * MT + m % MT; }
 /* M rows rounded up to whole tiles */
@@ -611,20 +617,23 @@ static inline int64_t xq_pad(int64_t M) { return (M + MT - 1) / MT * MT; }
 static inline size_t xq_bytes(int64_t Mp, int64_t K) { return (size_t)(Mp * (K / 32)) * (64 + 4 + 8); }
 static inline xquant_t xq_over(uint8_t *buf, int64_t Mp, int64_t K) {
     size_t n = (size_t)(Mp * (K / 32));
-    xquant_t q = {(int8_t *)buf, (float *)(buf + 64 * n), (int32_t *)(buf + 68 * n)};
+    xquant_t q = {(int8_t *)buf, (float *)(buf + 64 * n), (int32_t *)(buf + 68 * n), 0};
     return q;
 }
 /* the rows from r (a multiple of MT) of q */
 static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
     int64_t n = r * (K / 32);
-    xquant_t o = {q->q + 64 * n, q->d + n, q->s + 2 * n};
+    xquant_t o = {q->q + 64 * n, q->d + n, q->s + 2 * n, q->eight};
     return o;
 }
 
-/* Row m of x [M, ldx] quantized into row dest[m] of xq (dest NULL: row m). */
+/* Row m of x [M, ldx] quantized into row dest[m] of xq (dest NULL: row m), to 16 bits (|Q| <= Q_MAX) or with
+   `bits` 8 to 8 (|Q| <= Q_MAX8, d = max |x| / 127: each hi 0). */
 static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, const int64_t *dest,
-                          int threads) {
+                          int bits, int threads) {
     int64_t G = K / 32;
+    const int32_t qmax = bits == 8 ? Q_MAX8 : Q_MAX;
+    xq->eight = bits == 8;
     (void)threads; /* read by GL_OMP only */
     GL_OMP(parallel for num_threads(threads) if (M * K >= 65536))
     for (int64_t m = 0; m < M; m++)
@@ -637,8 +646,8 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
                nearest even are exact lane by lane; integer sums in any order) */
             __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            float d = amax / (float)Q_MAX, id = amax > 0.0f ? (float)Q_MAX / amax : 0.0f;
-            __m512i lim = _mm512_set1_epi32(Q_MAX), q[2];
+            float d = amax / (float)qmax, id = amax > 0.0f ? (float)qmax / amax : 0.0f;
+            __m512i lim = _mm512_set1_epi32(qmax), q[2];
             q[0] = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
             q[1] = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
             for (int i = 0; i < 2; i++) {
@@ -654,11 +663,11 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
                 float a = fabsf(v[k]);
                 amax = a > amax ? a : amax; /* fmaxf, without its call */
             }
-            float d = amax / (float)Q_MAX, id = amax > 0.0f ? (float)Q_MAX / amax : 0.0f;
+            float d = amax / (float)qmax, id = amax > 0.0f ? (float)qmax / amax : 0.0f;
             int32_t s0 = 0, s1 = 0;
             for (int k = 0; k < 32; k++) {
                 int32_t q = (int32_t)nearbyintf(v[k] * id);
-                q = q > Q_MAX ? Q_MAX : q < -Q_MAX ? -Q_MAX : q;
+                q = q > qmax ? qmax : q < -qmax ? -qmax : q;
                 int32_t h = (q + 128) >> 8; /* floor((q + 128) / 256): -128 <= q - 256 h <= 127, |h| <= 126 */
                 hi[k] = (int8_t)h, lo[k] = (int8_t)(q - 256 * h);
                 if (k < 16) s0 += q; else s1 += q;
@@ -731,7 +740,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, cons
                         bias[r] = offset * sum[r];
                         hi[r] = xq->q + 64 * rec, lo[r] = hi[r] + 32;
                     }
-                    wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, dot);
+                    wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, xq->eight, dot);
 #pragma GCC unroll 4
                     for (int r = 0; r < n; r++) {
                         vf *ac = &acc[i0 + r];
@@ -832,15 +841,17 @@ static int64_t matmul_bytes; /* weight bytes gl_matmul has read, for benchmarks 
 /* the weight bytes gl_matmul has read so far (every block of each matrix, once per call) */
 int64_t gl_matmul_bytes_read(void) { return matmul_bytes; }
 
-/* x quantized for the quantized formats into the matmul's scratch (xq->q NULL for the float ones); -1: no memory */
-static int matmul_quantize(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, xquant_t *xq, int threads) {
-    xquant_t none = {NULL, NULL, NULL};
+/* x quantized (to `bits`, 16 or 8) for the quantized formats into the matmul's scratch (xq->q NULL for the float
+   ones); -1: no memory */
+static int matmul_quantize(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, xquant_t *xq, int bits,
+                           int threads) {
+    xquant_t none = {NULL, NULL, NULL, 0};
     *xq = none;
     if (!fmt_quantized(fmt)) return 0;
     uint8_t *buf = scratch(SCRATCH_MATMUL, xq_bytes(xq_pad(M), K));
     if (!buf) return -1;
     *xq = xq_over(buf, xq_pad(M), K);
-    quantize_rows(x, ldx, M, K, xq, NULL, threads);
+    quantize_rows(x, ldx, M, K, xq, NULL, bits, threads);
     return 0;
 }
 
@@ -860,11 +871,12 @@ static void matmul_quantized(int fmt, const float *x, int64_t M, int64_t K, int6
 }
 
 /* y [M, ldy] (its first N columns) = x [M, ldx] @ W.T for W [N, K] (N a multiple of 16, K of 32; of 256 for the
-   K-quants) in format `fmt` laid out in blocks (see the top of the file). Returns 0, or -1 when out of memory. */
+   K-quants) in format `fmt` laid out in blocks (see the top of the file), x's groups quantized to `bits` (16, or 8)
+   for the quantized formats. Returns 0, or -1 when out of memory. */
 int gl_matmul(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx,
-              const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
+              const uint8_t *data, int64_t N, float *y, int64_t ldy, int bits, int threads) {
     xquant_t xq;
-    if (matmul_quantize(fmt, x, M, K, ldx, &xq, threads)) return -1;
+    if (matmul_quantize(fmt, x, M, K, ldx, &xq, bits, threads)) return -1;
     matmul_quantized(fmt, x, M, K, ldx, &xq, data, N, y, ldy, threads);
     return 0;
 }
@@ -1663,7 +1675,7 @@ static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *
             if (b0 >= b1) continue;
             weight_t w = ex->w;
             w.data = ex->w.data + e * ex->stride;
-            xquant_t q = {NULL, NULL, NULL};
+            xquant_t q = {NULL, NULL, NULL, 0};
             if (xq->q) q = xq_rows(xq, pstart[e], K);
             run(&w, x + r0 * K, K, &q, M, b0, b1, y + r0 * ldy, ldy);
         }
@@ -1673,11 +1685,11 @@ static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *
 /* rows of x [M, K] quantized as quantize_rows does (row m into row dest[m] of Mp), into buffer `which` of the MoE
    scratch */
 static int moe_quantize(const float *x, int64_t M, int64_t Mp, int64_t K, const int64_t *dest, xquant_t *xq,
-                        int which, int threads) {
+                        int which, int bits, int threads) {
     uint8_t *buf = moe_scratch(which, xq_bytes(Mp, K));
     if (!buf) return -1;
     *xq = xq_over(buf, Mp, K);
-    quantize_rows(x, K, M, K, xq, dest, threads);
+    quantize_rows(x, K, M, K, xq, dest, bits, threads);
     return 0;
 }
 
@@ -1695,7 +1707,7 @@ int64_t gl_moe_bytes_read(void) { return moe_bytes; }
 int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float *b1,
            int fmt2, const uint8_t *w2, int64_t stride2, int64_t N2, const float *b2,
            const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *wts, int64_t k,
-           int64_t E, int act, float alpha, float limit, float *out, int threads) {
+           int64_t E, int act, float alpha, float limit, float *out, int bits, int threads) {
     int64_t P = T * k;
     experts_t ex1 = {weight_of(fmt1, H, w1), stride1, N1};
     experts_t ex2 = {weight_of(fmt2, I, w2), stride2, N2};
@@ -1729,13 +1741,14 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
     float *y1 = moe_scratch(2, sizeof(float) * P * N1);
     float *y2 = moe_scratch(3, sizeof(float) * P * N2);
     if (!xs || !y1 || !y2) return -1;
-    xquant_t xq = {NULL, NULL, NULL};
+    xquant_t xq = {NULL, NULL, NULL, 0};
     if (quant1) { /* quantize each token once, then gather its rows (identical to quantizing the gathered rows) */
         xquant_t tq;
-        if (moe_quantize(x, T, xq_pad(T), H, NULL, &tq, 4, threads)) return -1;
+        if (moe_quantize(x, T, xq_pad(T), H, NULL, &tq, 4, bits, threads)) return -1;
         uint8_t *buf = moe_scratch(5, xq_bytes(Pp, H));
         if (!buf) return -1;
         xq = xq_over(buf, Pp, H);
+        xq.eight = tq.eight;
         int64_t G = H / 32;
         GL_OMP(parallel for num_threads(threads) if (P * H >= 65536))
         for (int64_t r = 0; r < P; r++)
@@ -1776,8 +1789,8 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
             vf_store_n(h + i, vf_mul(s, uv), n);
         }
     }
-    xquant_t hq = {NULL, NULL, NULL};
-    if (quant2 && moe_quantize(xs, P, Pp, I, prow, &hq, 6, threads)) return -1;
+    xquant_t hq = {NULL, NULL, NULL, 0};
+    if (quant2 && moe_quantize(xs, P, Pp, I, prow, &hq, 6, bits, threads)) return -1;
     experts_matmul(&ex2, xs, &hq, start, pstart, active, n_active, y2, N2, threads);
 
     /* out[t] = sum over j in order of wts[t, j] * (y2 + b2) */
@@ -1846,6 +1859,7 @@ typedef struct {
     int64_t n_layers, H, Hq, Hk, D, kvt, block_size, act;
     int64_t E, top_k, gating, norm_topk, expert_act;
     float eps, scale, softcap, expert_scale, alpha, limit;
+    int64_t bits; /* the matmuls' activations: 16 or 8 bits (quantize_rows) */
 } gl_model_t;
 
 static void *stack_scratch(int which, size_t bytes) { return scratch(SCRATCH_STACK + which, bytes); }
@@ -1900,11 +1914,12 @@ static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t 
 
 /* x [T, K] (row stride ldx) @ the parts' rows, side by side in y [T, ldy] */
 static int mat_parts(const gl_mat_t *parts, int64_t n_parts, const float *x, int64_t T, int64_t ldx, float *y,
-                     int64_t ldy, int threads) {
-    xquant_t xq = {NULL, NULL, NULL}; /* x quantized once for all the quantized parts (the same K) */
+                     int64_t ldy, int bits, int threads) {
+    xquant_t xq = {NULL, NULL, NULL, 0}; /* x quantized once for all the quantized parts (the same K) */
     for (int64_t i = 0, off = 0; i < n_parts; off += parts[i].n, i++) {
         int fmt = (int)parts[i].fmt;
-        if (fmt_quantized(fmt) && !xq.q && matmul_quantize(fmt, x, T, parts[i].k, ldx, &xq, threads)) return -1;
+        if (fmt_quantized(fmt) && !xq.q && matmul_quantize(fmt, x, T, parts[i].k, ldx, &xq, bits, threads))
+            return -1;
         matmul_quantized(fmt, x, T, parts[i].k, ldx, &xq, parts[i].data, parts[i].n, y + off, ldy, threads);
     }
     return 0;
@@ -1980,6 +1995,7 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
                const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, const gl_lora_group_t *lora,
                int64_t n_lora, int threads) {
     int64_t H = m->H, D = m->D, qs = m->Hq * D, kvs = m->Hk * D, W = 0, G = 0;
+    int bits = (int)m->bits;
     size_t A = 0;
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gl_layer_t *l = layers + i;
@@ -2006,7 +2022,7 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         res = hid;
         int64_t w = 0;
         for (int64_t p = 0; p < l->n_qkv; p++) w += l->qkv[p].n;
-        if (mat_parts(l->qkv, l->n_qkv, x, T, H, qkv, w, threads)) return -1;
+        if (mat_parts(l->qkv, l->n_qkv, x, T, H, qkv, w, bits, threads)) return -1;
         lora_add(lora, n_lora, i, 0, x, H, qkv, w);
         if (l->qkv_bias) add_bias(qkv, T, qs + 2 * kvs, w, l->qkv_bias);
         if (l->q_norm)
@@ -2021,7 +2037,7 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
                                attn, threads))
             return -1;
         hid = free_buffer(bufs, res, NULL);
-        if (gl_matmul((int)l->o.fmt, attn, T, qs, qs, l->o.data, l->o.n, hid, H, threads)) return -1;
+        if (gl_matmul((int)l->o.fmt, attn, T, qs, qs, l->o.data, l->o.n, hid, H, bits, threads)) return -1;
         lora_add(lora, n_lora, i, 1, attn, qs, hid, H);
         if (l->o_bias) add_bias(hid, T, H, H, l->o_bias);
         if (l->post_attn_norm) {
@@ -2034,30 +2050,32 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         hid = free_buffer(bufs, res, NULL);
         if (l->n_gate_up) {
             int64_t I = l->inter;
-            if (mat_parts(l->gate_up, l->n_gate_up, x, T, H, gu, 2 * I, threads)) return -1;
+            if (mat_parts(l->gate_up, l->n_gate_up, x, T, H, gu, 2 * I, bits, threads)) return -1;
             lora_add(lora, n_lora, i, 2, x, H, gu, 2 * I);
             if (m->act == 1) gl_gelu_tanh_mul(gu, T, I, act, threads);
             else gl_silu_mul(gu, T, I, act, threads);
-            if (gl_matmul((int)l->down.fmt, act, T, I, I, l->down.data, l->down.n, hid, H, threads)) return -1;
+            if (gl_matmul((int)l->down.fmt, act, T, I, I, l->down.data, l->down.n, hid, H, bits, threads)) return -1;
             lora_add(lora, n_lora, i, 3, act, I, hid, H);
         } else {
             int64_t *ids = (int64_t *)act;
             float *wts = (float *)(ids + T * m->top_k);
-            if (gl_matmul((int)l->router.fmt, x, T, H, H, l->router.data, l->router.n, gu, l->router.n, threads))
+            if (gl_matmul((int)l->router.fmt, x, T, H, H, l->router.data, l->router.n, gu, l->router.n, bits,
+                          threads))
                 return -1;
             if (l->router_bias) add_bias(gu, T, m->E, l->router.n, l->router_bias);
             route_rows(gu, l->router.n, T, m->E, m->top_k, m->gating, m->norm_topk, m->expert_scale, l->choice_bias,
                        ids, wts);
             if (gl_moe((int)l->fmt1, l->w1, l->stride1, l->n1, l->b1, (int)l->fmt2, l->w2, l->stride2, l->n2, l->b2,
-                       x, T, H, l->inter, ids, wts, m->top_k, m->E, (int)m->expert_act, m->alpha, m->limit, hid, threads))
+                       x, T, H, l->inter, ids, wts, m->top_k, m->E, (int)m->expert_act, m->alpha, m->limit, hid, bits,
+                       threads))
                 return -1;
             if (l->n_shared_gate_up) { /* the shared expert, added to the experts' sum */
                 int64_t I = l->shared_inter;
                 float *y = free_buffer(bufs, res, hid);
-                if (mat_parts(l->shared_gate_up, l->n_shared_gate_up, x, T, H, gu, 2 * I, threads)) return -1;
+                if (mat_parts(l->shared_gate_up, l->n_shared_gate_up, x, T, H, gu, 2 * I, bits, threads)) return -1;
                 gl_silu_mul(gu, T, I, act, threads);
                 if (gl_matmul((int)l->shared_down.fmt, act, T, I, I, l->shared_down.data, l->shared_down.n, y, H,
-                              threads))
+                              bits, threads))
                     return -1;
                 for (int64_t j = 0; j < T * H; j++) hid[j] += y[j];
             }

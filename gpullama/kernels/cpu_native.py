@@ -51,7 +51,7 @@ KV_DTYPES = {torch.float32: KV_F32, torch.float16: KV_F16, torch.uint8: KV_Q8}
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "gl_matmul": [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32],
+    "gl_matmul": [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32],
     "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
     "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32, _P, _P,
                           _I32],
@@ -70,7 +70,7 @@ _SIGNATURES = {
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
     "gl_read_sum": [_P, _I64, _I32],
     "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
-               _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32],
+               _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32, _I32],
     "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32],
 }
 _RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder")
@@ -135,6 +135,7 @@ class ModelParams(ctypes.Structure):
         *[(name, _I64) for name in ("n_layers", "H", "Hq", "Hk", "D", "kvt", "block_size", "act", "E", "top_k",
                                     "gating", "norm_topk", "expert_act")],
         *[(name, _F32) for name in ("eps", "scale", "softcap", "expert_scale", "alpha", "limit")],
+        ("bits", _I64),
     ]
 
 
@@ -255,12 +256,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def matmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+ACTIVATION_BITS = (16, 8)
+"""What the quantized formats' matmuls round each group of 32 activations to: 16-bit integers (the default: to 1
+part in 64516 of the group's largest value) or 8-bit ones (1 part in 254, as llama.cpp's Q8 activations; half the
+integer dot products: a faster prefill)."""
+
+
+def matmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, bits: int = 16) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ W.T`` for W in format `fmt` as `blocks` ``[N / 16, units, unit bytes]`` uint8
     (units of 32 values, of 256 for the K-quants; the format is described at the top of `cpu_native.c`); `out` may
-    be a column slice of a wider matrix."""
+    be a column slice of a wider matrix. `bits`: the activations' integers for the quantized formats (16 or 8)."""
     if _lib.gl_matmul(fmt, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), blocks.data_ptr(),
-                      16 * blocks.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads()):
+                      16 * blocks.shape[0], out.data_ptr(), out.stride(0), bits, torch.get_num_threads()):
         raise MemoryError(f"no memory for the int8 copy of a {tuple(x.shape)} matmul input")
     return out
 
@@ -404,19 +411,20 @@ def moe(
     gate_up: tuple[int, torch.Tensor], gate_up_bias: torch.Tensor | None,
     down: tuple[int, torch.Tensor], down_bias: torch.Tensor | None,
     x: torch.Tensor, intermediate: int, ids: torch.Tensor, weights: torch.Tensor, act: int, alpha: float,
-    limit: float, out: torch.Tensor,
+    limit: float, out: torch.Tensor, bits: int = 16,
 ) -> torch.Tensor:
     """A MoE block: ``out [T, H]`` = for each row t, the sum over j (in order) of ``weights[t, j]`` times expert
     ``ids[t, j]`` (int64 ``[T, k]``) applied to ``x[t]``. `gate_up` and `down` are (fmt,
     blocks ``[E, N / 16, units, unit bytes]``) as `matmul` reads them: expert e's gate rows 0 .. I-1 and up rows
     I .. 2I-1 (`intermediate` = I) of K = H values, its down rows of I values; biases float32 ``[E, 2I]`` and
-    ``[E, H]`` or None; `act` ACT_SILU, ACT_SWIGLU_OAI (with `alpha`, `limit`) or ACT_GELU_TANH."""
+    ``[E, H]`` or None; `act` ACT_SILU, ACT_SWIGLU_OAI (with `alpha`, `limit`) or ACT_GELU_TANH; `bits` as
+    `matmul`'s."""
     (f1, w1), (f2, w2) = gate_up, down
     t, k = ids.shape
     status = _lib.gl_moe(f1, w1.data_ptr(), w1[0].numel(), 16 * w1.shape[1], _ptr(gate_up_bias),
                          f2, w2.data_ptr(), w2[0].numel(), 16 * w2.shape[1], _ptr(down_bias),
                          x.data_ptr(), t, x.shape[1], intermediate, ids.data_ptr(), weights.data_ptr(), k,
-                         w1.shape[0], act, alpha, limit, out.data_ptr(), torch.get_num_threads())
+                         w1.shape[0], act, alpha, limit, out.data_ptr(), bits, torch.get_num_threads())
     if status == -2:
         raise ValueError(f"expert id out of range [0, {w1.shape[0]})")
     if status:

@@ -28,11 +28,13 @@ from gpullama.ops.torch_ops import TorchOps
 __all__ = ["BatchMetadata", "CpuOps", "TorchOps", "YarnParams", "keep_mask", "rope_cos_sin", "select_ops"]
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, quantized_cpu: bool = False) -> TorchOps:
+def select_ops(device: torch.device, dtype: torch.dtype, quantized_cpu: bool = False,
+               activation_bits: int = 16) -> TorchOps:
     """The ops backend for a device, chosen once at load: Triton kernels on CUDA; on the CPU with `quantized_cpu`,
-    the C kernels on quantized weights where they build here (`cpu_native.library()`); else torch."""
+    the C kernels on quantized weights where they build here (`cpu_native.library()`), their matmuls' activations
+    rounded to `activation_bits` integers; else torch."""
     if device.type == "cpu" and quantized_cpu and cpu_native.library() is not None:
-        return CpuOps(device)
+        return CpuOps(device, activation_bits)
     if device.type == "cuda":
         try:
             from gpullama.ops.triton_ops import TritonOps

@@ -29,16 +29,19 @@ class CpuOps(TorchOps):
 
     name = "cpu"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, activation_bits: int = 16):
         assert device.type == "cpu" and cpu_native.library() is not None
+        assert activation_bits in cpu_native.ACTIVATION_BITS
         super().__init__(device, torch.float32)
+        self.activation_bits = activation_bits  # the quantized matmuls' activation integers (`cpu_native.matmul`)
         # packed embedding tables, so that a tied output head shares the table's copy
         self._tables: dict[tuple, CpuWeight] = {}
 
     @property
     def mode(self) -> str:
         """What the matmuls run on, for logs and benchmark labels."""
-        return f"quantized weights, native kernels ({cpu_native.isa()}), float32 activations"
+        eight = ", 8-bit in the matmuls" if self.activation_bits == 8 else ""
+        return f"quantized weights, native kernels ({cpu_native.isa()}), float32 activations{eight}"
 
     def kv_cache_dtype(self, name: str, head_dim: int, block_size: int, latent: bool = False) -> torch.dtype:
         """The KV pool's dtype for `kv_cache_dtype` `name`: ``"auto"`` is float16 (half the bytes each decode step
@@ -92,7 +95,8 @@ class CpuOps(TorchOps):
         out = x.new_empty(x.shape[0], experts.hidden_size)
         return cpu_native.moe(experts.gate_up.operand, experts.gate_up_bias, experts.down.operand, experts.down_bias,
                               x.contiguous(), experts.intermediate_size, ids.contiguous(),
-                              weights.float().contiguous(), act, experts.alpha, experts.limit, out)
+                              weights.float().contiguous(), act, experts.alpha, experts.limit, out,
+                              self.activation_bits)
 
     def short_conv(
         self, x: torch.Tensor, kernel: torch.Tensor, states: torch.Tensor, meta: BatchMetadata
@@ -165,7 +169,7 @@ class CpuOps(TorchOps):
         """``x @ weight.T (+ bias)``, float32."""
         if not isinstance(weight, CpuWeight):
             return super().linear(x, weight, bias)
-        out = weight.matmul(x if x.is_contiguous() else x.contiguous())
+        out = weight.matmul(x if x.is_contiguous() else x.contiguous(), self.activation_bits)
         return out if bias is None else out.add_(bias)
 
     def rms_norm(

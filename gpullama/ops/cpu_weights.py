@@ -140,10 +140,11 @@ class CpuWeight:
         fmt = NATIVE_FORMATS.get(qtype, cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32)
         return cls(fmt, torch.cat(chunks), n, k)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded)."""
+    def matmul(self, x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+        """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded); `bits`:
+        the activations' integers for a quantized format (`cpu_native.matmul`)."""
         out = x.new_empty(x.shape[0], 16 * self.blocks.shape[0])
-        cpu_native.matmul(self.fmt, x, self.blocks, out)
+        cpu_native.matmul(self.fmt, x, self.blocks, out, bits)
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
 

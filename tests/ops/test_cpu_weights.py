@@ -28,12 +28,14 @@ def weight_and_reference(qtype: gguf.GGMLQuantizationType, rows: int = ROWS, col
     return QTensor(torch.from_numpy(raw), qtype, (rows, cols)), torch.from_numpy(reference)
 
 
-def rounded_input(x: torch.Tensor) -> torch.Tensor:
-    """x as the quantized matmul sees it: each 32 values rounded to multiples of their largest magnitude / 32258."""
+def rounded_input(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """x as the quantized matmul sees it: each 32 values rounded to multiples of their largest magnitude / 32258
+    (16-bit activations), or / 127 (8-bit ones, as llama.cpp's Q8_0 rounds them)."""
+    top = 32258 if bits == 16 else 127
     groups = x.view(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.where(amax > 0, torch.round(groups * (32258 / amax)), 0)
-    return (q * (amax / 32258)).view_as(x)
+    q = torch.where(amax > 0, torch.round(groups * (top / amax)), 0)
+    return (q * (amax / top)).view_as(x)
 
 
 GGUF_MATRIX_BYTES = {qtype: gguf.GGML_QUANT_SIZES[qtype][1] / gguf.GGML_QUANT_SIZES[qtype][0] for qtype in QUANTIZED}
@@ -94,34 +96,37 @@ def test_packed_rows_read_back_exactly(qtype) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("qtype", [*QUANTIZED, *FLOATS], ids=lambda t: t.name)
-def test_matmul_is_the_dot_product_with_the_rounded_input(qtype) -> None:
-    """Quantized formats: exactly ``rounded_input(x) @ W.T`` up to float32 summation (1e-6 of the sum of |terms|);
-    float formats: ``x @ W.T``."""
+def test_matmul_is_the_dot_product_with_the_rounded_input(qtype, bits) -> None:
+    """Quantized formats: exactly ``rounded_input(x, bits) @ W.T`` up to float32 summation (1e-6 of the sum of
+    |terms|), with 16-bit and with 8-bit activations; float formats: ``x @ W.T`` (`bits` unused)."""
     weight, reference = weight_and_reference(qtype)
     x = torch.randn(9, COLS, generator=torch.Generator().manual_seed(1))
-    seen = x if qtype in FLOATS else rounded_input(x)
+    seen = x if qtype in FLOATS else rounded_input(x, bits)
     want = seen.double() @ reference.double().T
     size = seen.double().abs() @ reference.double().abs().T
-    got = CpuWeight.from_qtensor(weight).matmul(x)
+    got = CpuWeight.from_qtensor(weight).matmul(x, bits)
     assert got.shape == (9, ROWS)
     assert ((got.double() - want).abs() / size).max() < 1e-6
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4, Q.F16], ids=lambda t: t.name)
-def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
-    """Each output row is bitwise the same computed alone or among 1 to 300 rows, on 1 thread or 2."""
+def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype, bits) -> None:
+    """Each output row is bitwise the same computed alone or among 1 to 300 rows, on 1 thread or 2 (16-bit and
+    8-bit activations)."""
     weight, _ = weight_and_reference(qtype, rows=96, cols=256)
     packed = CpuWeight.from_qtensor(weight)
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(0))
-    alone = torch.cat([packed.matmul(x[i : i + 1]) for i in range(0, 300, 7)])
+    alone = torch.cat([packed.matmul(x[i : i + 1], bits) for i in range(0, 300, 7)])
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             for batch in (2, 5, 8, 9, 16, 33, 300):
-                together = packed.matmul(x[:batch])
+                together = packed.matmul(x[:batch], bits)
                 assert torch.equal(together[::7], alone[: len(range(0, batch, 7))]), f"batch {batch}"
     finally:
         torch.set_num_threads(threads)
