@@ -1,13 +1,17 @@
-"""Server start to first token, and the server's memory, for one or more checkouts side by side.
+"""Server start to first token, and the server's memory, for one or more checkouts side by side, and llama.cpp's.
 
     python benchmarks/bench_startup.py --model ~/.cache/gpullama/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --checkout before=/tmp/before --checkout after=. --rounds 5
+    python benchmarks/bench_startup.py --model llama-3.1-8b-q4_k_m.gguf --checkout gpullama=. \\
+        --llama-server /path/to/llama-server --ctx 4096 --rounds 3 -- --device cpu
 
 Each round starts ``python -m gpullama.server`` once per checkout, in turn (``PYTHONPATH`` naming the checkout, so
-every round sees the same machine load for all), and times, from the process start: the socket answering, ``GET
-/health`` answering 200 (the model loaded), and the first streamed token of a one-token chat completion. Then it
+every round sees the same machine load for all), then llama.cpp's ``llama-server`` when one is named (``-c CTX -t
+THREADS``), and times, from the process start: the socket answering, ``GET /health`` answering 200 (the model
+loaded; both servers answer 503 while loading), and the first streamed token of a one-token chat completion. Then it
 reads the server's resident memory (VmRSS) and its peak (VmHWM) from /proc and kills it (SIGKILL: shutdown time is
-not part of this). The table gives the median over the rounds and the min-max.
+not part of this). ``--warmup`` starts of each server come first and are not counted (the file in the page cache:
+the figures are for a warm start). The table gives the median over the rounds and the min-max.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -49,21 +54,36 @@ def proc_memory(pid: int) -> tuple[float, float]:
     return values["VmRSS"], values["VmHWM"]
 
 
-def one_start(checkout: Path, model: str, extra: list[str], timeout: float) -> dict[str, float]:
-    """Start the server from `checkout`, time it to the socket, to ready and to the first token; its memory then."""
-    port = free_port()
+def gpullama_command(checkout: Path, model: str, port: int, extra: list[str]) -> tuple[list[str], dict, Path]:
+    """The command, environment and directory that start gpullama's server from `checkout`."""
     env = dict(os.environ, PYTHONPATH=str(checkout), PYTHONUNBUFFERED="1")
+    return [sys.executable, "-m", "gpullama.server", "--model", model, "--port", str(port), *extra], env, checkout
+
+
+def llama_server_command(binary: Path, model: str, port: int, ctx: int, threads: int,
+                         more: list[str]) -> tuple[list[str], dict, Path]:
+    """The command, environment and directory that start llama.cpp's server."""
+    cmd = [str(binary), "-m", model, "--port", str(port), "--host", "127.0.0.1", "-c", str(ctx), "-t", str(threads),
+           *more]
+    return cmd, dict(os.environ), binary.parent
+
+
+def one_start(command, timeout: float) -> dict[str, float]:
+    """Start a server (`command(port)`: its argv, environment and directory), time it to the socket, to ready and
+    to the first token; its memory then."""
+    port = free_port()
+    argv, env, cwd = command(port)
+    label = " ".join(argv[:3])
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "gpullama.server", "--model", model, "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=checkout)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     out: dict[str, float] = {}
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=timeout) as http:
             while True:
                 if proc.poll() is not None:
-                    raise SystemExit(f"the server from {checkout} exited with {proc.returncode}")
+                    raise SystemExit(f"{label} ... exited with {proc.returncode}")
                 if time.perf_counter() - start > timeout:
-                    raise SystemExit(f"the server from {checkout} was not ready in {timeout}s")
+                    raise SystemExit(f"{label} ... was not ready in {timeout}s")
                 try:
                     status = http.get("/health").status_code
                 except httpx.TransportError:
@@ -90,25 +110,42 @@ def one_start(checkout: Path, model: str, extra: list[str], timeout: float) -> d
 
 
 def main() -> None:
-    """Parse arguments, alternate the checkouts over the rounds, print the table."""
+    """Parse arguments, alternate the servers over the rounds, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a GGUF file")
     parser.add_argument("--checkout", action="append", required=True, metavar="NAME=PATH")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted starts of each server first")
+    parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary, started after the checkouts")
+    parser.add_argument("--ctx", type=int, default=4096,
+                        help="llama-server's context (-c); give gpullama the same with -- --max-model-len")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's threads (-t)")
+    parser.add_argument("--llama-args", default="", help="more llama-server flags, one string (shell words)")
     parser.add_argument("server_args", nargs="*", help="more gpullama-serve flags, after --")
     args = parser.parse_args()
     checkouts = [(name, Path(path).resolve()) for name, _, path in (c.partition("=") for c in args.checkout)]
     extra = args.server_args or ["--device", "cpu", "--dtype", "float32"]
-    results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in checkouts}
-    for _ in range(args.rounds):
-        for name, path in checkouts:
-            results[name].append(one_start(path, args.model, extra, args.timeout))
+    servers = [(name, lambda port, path=path: gpullama_command(path, args.model, port, extra))
+               for name, path in checkouts]
+    if args.llama_server:
+        binary = args.llama_server.resolve()
+        more = shlex.split(args.llama_args)
+        servers.append(("llama.cpp", lambda port: llama_server_command(binary, args.model, port, args.ctx,
+                                                                      args.threads, more)))
+    results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in servers}
+    for i in range(args.warmup + args.rounds):
+        for name, command in servers:
+            run = one_start(command, args.timeout)
+            if i >= args.warmup:
+                results[name].append(run)
+    llama = f"; llama-server -c {args.ctx} -t {args.threads} {args.llama_args}".rstrip() if args.llama_server else ""
     print(f"\nmodel: {os.path.basename(args.model)}; {cpu_name()}, {os.cpu_count()} logical cores; server flags "
-          f"{' '.join(extra)}; {datetime.datetime.now():%Y-%m-%d %H:%M}; {args.rounds} alternating rounds\n")
+          f"{' '.join(extra)}{llama}; {datetime.datetime.now():%Y-%m-%d %H:%M}; {args.warmup} uncounted start(s), "
+          f"then {args.rounds} alternating rounds\n")
     columns = [("socket_s", "socket up (s)"), ("ready_s", "/health 200 (s)"), ("first_token_s", "first token (s)"),
                ("rss_mib", "RSS (MiB)"), ("peak_rss_mib", "peak RSS (MiB)")]
-    print("| checkout | " + " | ".join(title for _, title in columns) + " |")
+    print("| server | " + " | ".join(title for _, title in columns) + " |")
     print("| --- |" + " ---: |" * len(columns))
     for name, runs in results.items():
         cells = []
