@@ -135,7 +135,7 @@ class NativeStack:
         model = cpu_native.ModelParams(
             n_layers=len(layers), H=hidden, Hq=hq, Hk=hk, D=d, kvt=cpu_native.KV_DTYPES[cache.dtype],
             block_size=cache.shape[1], act=_ACTIVATIONS[c.activation], eps=c.rms_eps, scale=decoder.scale,
-            softcap=c.attn_softcap, bits=getattr(decoder.ops, "activation_bits", 16),
+            softcap=c.attn_softcap, bits=decoder.ops.activation_bits,
         )
         if moe_layer is not None:
             if c.expert_gating not in _GATINGS:

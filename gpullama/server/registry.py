@@ -210,13 +210,8 @@ class ModelState:
         self.reserved = max(self.memory_bytes, 1)
         too_large = self.server.registry.after_load(self)
         if too_large is not None:  # measured, it does not fit even alone: dropped again
-            engine.shutdown()
-            if hasattr(llm, "shutdown"):
-                llm.shutdown()
-            if self is self.server.default:
-                self.server.stop_kv_events()
+            self._release(engine, llm, None)
             del engine, llm
-            self._released = asyncio.ensure_future(self._give_back_memory(None))
             self.status, self.error, self.error_code, self.reserved = "failed", too_large, "model_too_large", 0
             log.error("model %s: %s", self.name, self.error)
             self.server.changed()
@@ -302,16 +297,21 @@ class ModelState:
         status_task, self._status_task = self._status_task, None
         if status_task is not None:
             status_task.cancel()
+        self._release(engine, llm, status_task)
+        del engine, llm
+        log.info("model %s unloaded", self.name)
+        self.server.changed()
+
+    def _release(self, engine, llm, status_task: asyncio.Task | None) -> None:
+        """Stop `engine` and `llm` (the callers drop their last references), end the KV events of the default
+        model, and give their memory back in the background (`_give_back_memory`)."""
         if engine is not None:
             engine.shutdown()
         if hasattr(llm, "shutdown"):
             llm.shutdown()
         if self is self.server.default:
             self.server.stop_kv_events()
-        del engine, llm
         self._released = asyncio.ensure_future(self._give_back_memory(status_task))
-        log.info("model %s unloaded", self.name)
-        self.server.changed()
 
     async def _give_back_memory(self, status_task: asyncio.Task | None) -> None:
         if status_task is not None:  # it holds the engine until its cancellation has run
