@@ -1,6 +1,7 @@
 /* gpullama's CPU kernels: quantized matmul, embedding rows, RMSNorm, rotary + KV write, paged attention (sliding
    windows, soft caps, sinks), SwiGLU, GeGLU, the final soft cap, greedy argmax, mixture-of-experts blocks, the
-   recurrent layers' scans (short convolution, gated delta rule, Mamba2's selective scan).
+   recurrent layers' scans (short convolution, gated delta rule, Mamba2's selective scan), and the repacking of GGUF
+   blocks into the weight formats at load.
 
 Built at first use by `cpu_native.py` with the machine's C compiler (-O3 -march=native -fopenmp -Wall -Wextra; it
 builds without a warning under each of the flag sets `cpu_native.FLAG_SETS` tries) and called through ctypes on
@@ -19,8 +20,8 @@ after group, 16 weight rows in the 16 lanes of one accumulator. Float formats: F
 to 8 rows of x share each block's unpacked weights; threads split the weight rows; a row's arithmetic is the same in
 any tile.
 
-Weight formats. This is their one description: `gpullama/ops/cpu_weights.py` writes them from GGUF blocks, and the
-docs point here. A matrix W [N, K] is uint8 blocks [N / 16][units][unit bytes]: rows in groups of 16 (N padded with
+Weight formats. This is their one description: `gl_repack` writes them from GGUF blocks at load (through
+`gpullama/ops/cpu_weights.py`), and the docs point here. A matrix W [N, K] is uint8 blocks [N / 16][units][unit bytes]: rows in groups of 16 (N padded with
 rows of zero bytes, whose scales are 0); a group is one contiguous stream of units along K, so the weights are read
 front to back. A unit covers 32 values (256 for the K-quants, their super-blocks: K a multiple of it), and holds:
 - the values, 32 at a time (8 sections of 32 in a K-quant unit); the 16 rows' values of each 32 come in chunks of 4
@@ -918,6 +919,148 @@ int gl_embedding(int fmt, const uint8_t *data, int64_t N, int64_t K, const int64
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+   Repacking at load: GGUF blocks into the formats above (what `cpu_weights.py` calls for each quantized matrix)
+   ------------------------------------------------------------------------------------------------------------ */
+
+/* bytes of one GGUF block of a quantized format's type (32 values; 256 for the K-quants) */
+static int gguf_block_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_Q4_0: return 18;
+    case FMT_Q4_1: return 20;
+    case FMT_Q5_0: return 22;
+    case FMT_Q5_1: return 24;
+    case FMT_Q8_0: return 34;
+    case FMT_Q4_K: return 144;
+    case FMT_Q5_K: return 176;
+    case FMT_Q6_K: return 210;
+    case FMT_MXFP4: return 17;
+    default: return 0;
+    }
+}
+
+/* value i of 32 in the low nibble of qs[i] (i < 16), in the high nibble of qs[i - 16] otherwise */
+static inline void gguf_nibbles(const uint8_t *qs, uint8_t *u) {
+    for (int i = 0; i < 16; i++) {
+        u[i] = qs[i] & 15;
+        u[i + 16] = qs[i] >> 4;
+    }
+}
+
+/* One GGUF block b: its unsigned values u (as the format holds them, see the table at the top) and its fields f, in
+   the table's order, each entry the bytes the format keeps (float16 fields as they are in the file). */
+static void gguf_unpack_block(int fmt, const uint8_t *b, uint8_t *u, uint8_t *f) {
+    switch (fmt) {
+    case FMT_Q4_0: memcpy(f, b, 2); gguf_nibbles(b + 2, u); break;                 /* d, qs[16] */
+    case FMT_Q4_1: memcpy(f, b, 4); gguf_nibbles(b + 4, u); break;                 /* d, m, qs[16] */
+    case FMT_MXFP4: f[0] = b[0]; gguf_nibbles(b + 1, u); break;                    /* e, codes[16] */
+    case FMT_Q8_0: memcpy(f, b, 2); memcpy(u, b + 2, 32); break;                   /* d, q[32] (signed) */
+    case FMT_Q5_0: case FMT_Q5_1: {                            /* d, (m,) qh: bit i of a u32 is bit 4 of value i */
+        int at = fmt == FMT_Q5_0 ? 2 : 4;
+        memcpy(f, b, (size_t)at);
+        gguf_nibbles(b + at + 4, u);
+        for (int i = 0; i < 32; i++) u[i] |= ((b[at + i / 8] >> (i % 8)) & 1) << 4;
+        break;
+    }
+    case FMT_Q4_K: case FMT_Q5_K: { /* d, dmin, 12 bytes of 6-bit sc and mn, (Q5_K: qh[32],) qs[128] */
+        const uint8_t *s = b + 4, *qs = b + (fmt == FMT_Q4_K ? 16 : 48);
+        for (int j = 0; j < 4; j++) {
+            f[j] = s[j] & 63;
+            f[j + 4] = (s[8 + j] & 15) | ((s[j] >> 2) & 0x30);
+            f[8 + j] = s[4 + j] & 63;
+            f[12 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
+        }
+        memcpy(f + 16, b, 4);
+        for (int c = 0; c < 4; c++) /* chunk c of 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high */
+            for (int i = 0; i < 32; i++) {
+                u[64 * c + i] = qs[32 * c + i] & 15;
+                u[64 * c + 32 + i] = qs[32 * c + i] >> 4;
+            }
+        if (fmt == FMT_Q5_K) /* bit c of qh[i]: bit 4 of value 32 c + i */
+            for (int c = 0; c < 8; c++)
+                for (int i = 0; i < 32; i++) u[32 * c + i] |= ((b[16 + i] >> c) & 1) << 4;
+        break;
+    }
+    case FMT_Q6_K: { /* ql[128], qh[64], sc[16] (int8), d */
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < 64; i++) {
+                u[128 * h + i] = b[64 * h + i] & 15;
+                u[128 * h + 64 + i] = b[64 * h + i] >> 4;
+            }
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 4; c++)
+                for (int i = 0; i < 32; i++) u[128 * h + 32 * c + i] |= ((b[128 + 32 * h + i] >> (2 * c)) & 3) << 4;
+        memcpy(f, b + 192, 18);
+        break;
+    }
+    default: break;
+    }
+}
+
+/* W [N, K] as GGUF rows (src: N rows of row_bytes, K / 32 blocks of 32 values or K / 256 of 256) into the blocks of
+   format `fmt` (dst: [ceil(N / 16)][units][unit_bytes(fmt)]; rows past N are zero bytes, whose scales are 0), by
+   `threads` threads over the groups of 16 rows. Returns 0, or -1 for a format that is not quantized. */
+int gl_repack(int fmt, const uint8_t *src, int64_t N, int64_t K, int64_t row_bytes, uint8_t *dst, int threads) {
+    int block = gguf_block_bytes(fmt);
+    if (block == 0) return -1;
+    (void)threads; /* read by GL_OMP only */
+    int values = fmt_super(fmt) ? 256 : 32, groups = values / 32, bits = fmt_bits(fmt), planes = fmt_planes(fmt);
+    /* the fields: count entries a row of size bytes each (see the table at the top) */
+    int n_fields = 0, count[4], size[4];
+#define GL_FIELD(c, s) (count[n_fields] = (c), size[n_fields++] = (s))
+    if (fmt == FMT_MXFP4) GL_FIELD(1, 1);
+    else if (fmt == FMT_Q6_K) { GL_FIELD(16, 1); GL_FIELD(1, 2); }
+    else if (fmt_super(fmt)) { GL_FIELD(8, 1); GL_FIELD(8, 1); GL_FIELD(1, 2); GL_FIELD(1, 2); }
+    else { GL_FIELD(1, 2); if (fmt_has_zero(fmt)) GL_FIELD(1, 2); }
+#undef GL_FIELD
+    int64_t units = K / values, ubytes = unit_bytes(fmt), row_groups = (N + 15) / 16;
+    GL_OMP(parallel for num_threads(threads) schedule(static))
+    for (int64_t rg = 0; rg < row_groups; rg++) {
+        uint8_t u[16][256], f[16][20];
+        for (int64_t unit = 0; unit < units; unit++) {
+            for (int r = 0; r < 16; r++) {
+                int64_t row = 16 * rg + r;
+                if (row < N) gguf_unpack_block(fmt, src + row * row_bytes + unit * block, u[r], f[r]);
+                else memset(u[r], 0, sizeof u[r]), memset(f[r], 0, sizeof f[r]);
+            }
+            uint8_t *o = dst + (rg * units + unit) * ubytes;
+            for (int g = 0; g < groups; g++) {
+                const int at = 32 * g;
+                if (bits == 8) { /* chunk c of every row: its 4 bytes */
+                    for (int c = 0; c < 8; c++)
+                        for (int r = 0; r < 16; r++)
+                            for (int i = 0; i < 4; i++) *o++ = u[r][at + 4 * c + i];
+                    continue;
+                }
+                for (int c = 0; c < 4; c++) /* byte 4c + i of a row: value 4c + i low, 4c + i + 16 high */
+                    for (int r = 0; r < 16; r++)
+                        for (int i = 0; i < 4; i++)
+                            *o++ = (uint8_t)((u[r][at + 4 * c + i] & 15) | ((u[r][at + 16 + 4 * c + i] & 15) << 4));
+                /* word ((2j + h) planes + p) 2 + r8, bit 4 rl + i: bit 4 + p of value 16h + 4j + i of row 8 r8 + rl */
+                for (int j = 0; j < 4; j++)
+                    for (int h = 0; h < 2; h++)
+                        for (int p = 0; p < planes; p++)
+                            for (int r8 = 0; r8 < 2; r8++)
+                                for (int a = 0; a < 4; a++) {
+                                    int byte = 0;
+                                    for (int k = 0; k < 8; k++) {
+                                        int row = 8 * r8 + 2 * a + (k >> 2), v = at + 16 * h + 4 * j + (k & 3);
+                                        byte |= ((u[row][v] >> (4 + p)) & 1) << k;
+                                    }
+                                    *o++ = (uint8_t)byte;
+                                }
+            }
+            for (int i = 0, off = 0; i < n_fields; off += count[i] * size[i], i++) /* entry c of the 16 rows */
+                for (int c = 0; c < count[i]; c++)
+                    for (int r = 0; r < 16; r++, o += size[i]) memcpy(o, f[r] + off + c * size[i], (size_t)size[i]);
+        }
+    }
+    return 0;
+}
+
+/* bytes of one unit of format `fmt` (16 rows x 32 values, 256 for the K-quants), for the caller's dst */
+int64_t gl_unit_bytes(int fmt) { return unit_bytes(fmt); }
 
 /* out[r] = the first index of the largest value of row r of x [rows, n] (NaNs are skipped) */
 void gl_argmax(const float *x, int64_t rows, int64_t n, int64_t ldx, int64_t *out) {

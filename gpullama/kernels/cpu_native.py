@@ -69,11 +69,14 @@ _SIGNATURES = {
     "gl_embedding": [_I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
     "gl_read_sum": [_P, _I64, _I32],
+    "gl_repack": [_I32, _P, _I64, _I64, _I64, _P, _I32],
+    "gl_unit_bytes": [_I32],
     "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
                _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32, _I32],
     "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32],
 }
-_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder")
+_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder",
+                   "gl_repack")
 ACT_SILU, ACT_SWIGLU_OAI, ACT_GELU_TANH = 0, 1, 2
 """Expert activations of `moe`: SwiGLU, and gpt-oss's clamped SwiGLU."""
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
@@ -222,6 +225,7 @@ def _build() -> ctypes.CDLL:
         lib.gl_moe_bytes_read.restype = ctypes.c_int64
         lib.gl_matmul_bytes_read.restype = ctypes.c_int64
         lib.gl_read_sum.restype = ctypes.c_float
+        lib.gl_unit_bytes.restype = ctypes.c_int64
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -270,6 +274,17 @@ def matmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, b
                       16 * blocks.shape[0], out.data_ptr(), out.stride(0), bits, torch.get_num_threads()):
         raise MemoryError(f"no memory for the int8 copy of a {tuple(x.shape)} matmul input")
     return out
+
+
+def repack(fmt: int, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF rows ``[N, row bytes]`` (uint8, contiguous) of a matrix ``[N, K]`` of quantized format `fmt` as that
+    format's blocks ``[ceil(N / 16), units, unit bytes]`` uint8 (rows past N zero), by torch's threads."""
+    units = k // (256 if fmt in (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K) else 32)
+    blocks = torch.empty((-(-rows.shape[0] // 16), units, int(_lib.gl_unit_bytes(fmt))), dtype=torch.uint8)
+    if _lib.gl_repack(fmt, rows.data_ptr(), rows.shape[0], k, rows.shape[1], blocks.data_ptr(),
+                      torch.get_num_threads()):
+        raise ValueError(f"format {fmt} is not a quantized one")
+    return blocks
 
 
 def matmul_bytes_read() -> int:

@@ -1,10 +1,10 @@
 """CPU weight formats of the fast path: each GGUF matrix repacked once at load for the kernels of
-`gpullama.kernels.cpu_native`, which dequantize it on the fly, exactly as gguf's dequantizers do.
+`gpullama.kernels.cpu_native` (the quantized types by its `gl_repack`), which dequantize it on the fly, exactly as
+gguf's dequantizers do.
 
 Each type keeps its own width and its own scale fields (issue 23), so the weights the kernels multiply by are
 bit-identical to `gpullama.quants.dequantize`. The format (the units of 16 rows, each type's values, offset, scale,
-zero and fields, its bytes a weight) is described once, at the top of `gpullama/kernels/cpu_native.c`; this module
-writes it.
+zero and fields, its bytes a weight) is described once, at the top of `gpullama/kernels/cpu_native.c`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import gguf
 import torch
 
 from gpullama.kernels import cpu_native
-from gpullama.quants import QTensor, _bits, _nibbles, _q5_quants, unpack_k_scales
+from gpullama.quants import QTensor
 
 Q = gguf.GGMLQuantizationType
 
-_CHUNK_ROWS = 4096  # rows converted at a time, to bound the memory a load needs
+_CHUNK_ROWS = 4096  # rows of a float matrix converted at a time, to bound the memory a load needs
 _ROW_ALIGN = 16
 
 NATIVE_FORMATS = {
@@ -32,43 +32,6 @@ QUANTIZED_TYPES = tuple(NATIVE_FORMATS)
 """Every quantized type with a CPU format."""
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 """Types whose blocks cover 256 values: their rows must be a multiple of 256 values."""
-_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.MXFP4: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
-
-
-def native_fields(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """GGUF rows ``[n, row bytes]`` of a type of `NATIVE_FORMATS` as (values ``[n, K / 32, 32]`` uint8: the
-    unsigned quants, Q8_0's signed bytes as they are; the type's scale fields per unit of 32 values, 256 for the
-    K-quants: ``[n, units, count]`` each, float16 as in the file, Q4_K/Q5_K's 6-bit sc and mn as bytes, MXFP4's
-    E8M0 byte))."""
-    n = data.shape[0]
-    b = data.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
-
-    def half(at: int) -> torch.Tensor:
-        return b[:, at : at + 2].contiguous().view(torch.float16).reshape(n, -1, 1)
-
-    if qtype == Q.Q6_K:
-        low = _nibbles(b[:, 0:128].reshape(-1, 2, 64))
-        high = _bits(b[:, 128:192].reshape(-1, 2, 32), 2, 4).reshape(-1, 2, 128)
-        values, fields = low | (high << 4), [b[:, 192:208].reshape(n, -1, 16), half(208)]
-    elif qtype in (Q.Q4_K, Q.Q5_K):
-        sc, mn = unpack_k_scales(b[:, 4:16])
-        values = _nibbles(b[:, -128:].reshape(-1, 4, 32)).reshape(-1, 256)
-        if qtype == Q.Q5_K:
-            values = values | (_bits(b[:, 16:48], 1, 8).reshape(-1, 256) << 4)
-        fields = [sc.reshape(n, -1, 8), mn.reshape(n, -1, 8), half(0), half(2)]
-    elif qtype == Q.Q8_0:
-        values, fields = b[:, 2:], [half(0)]
-    elif qtype == Q.MXFP4:  # the E2M1 codes as they are (the kernel looks them up), the exponent byte
-        values, fields = _nibbles(b[:, 1:]), [b[:, 0:1].reshape(n, -1, 1)]
-    elif qtype == Q.Q4_0:
-        values, fields = _nibbles(b[:, 2:]), [half(0)]
-    elif qtype == Q.Q4_1:
-        values, fields = _nibbles(b[:, 4:]), [half(0), half(2)]
-    elif qtype == Q.Q5_0:
-        values, fields = _q5_quants(b[:, 2:6], b[:, 6:]), [half(0)]
-    else:  # Q5_1
-        values, fields = _q5_quants(b[:, 4:8], b[:, 8:]), [half(0), half(2)]
-    return values.reshape(n, -1, 32), fields
 
 
 def _interleave(t: torch.Tensor) -> torch.Tensor:
@@ -77,35 +40,6 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     n, groups = t.shape[:2]
     t = t.reshape(n // 16, 16, groups, t.shape[2], -1).permute(0, 2, 3, 1, 4).contiguous()
     return t.view(torch.uint8).reshape(n // 16, groups, -1)
-
-
-def _bit_planes(values: torch.Tensor, planes: int) -> torch.Tensor:
-    """Bits 4 .. 3 + planes of `values` ``[n, groups, 32]`` as the kernels' words ``[n / 16, groups, 64 planes]``:
-    word ((2j + h) * planes + p) * 2 + r holds, at bit 4 rl + i, bit 4 + p of value 16h + 4j + i of row 8r + rl."""
-    n, groups = values.shape[:2]
-    bits = torch.stack([(values >> (4 + p)) & 1 for p in range(planes)], dim=-1)  # [n, groups, 32, planes]
-    bits = bits.reshape(n // 16, 2, 8, groups, 2, 4, 4, planes).permute(0, 3, 5, 4, 7, 1, 2, 6)
-    bits = bits.reshape(n // 16, groups, 16 * planes, 4, 8)  # bit 4 rl + i: bit i + 4 (rl % 2) of byte rl // 2
-    words = torch.zeros(bits.shape[:-1], dtype=torch.uint8)
-    for k in range(8):
-        words |= bits[..., k] << k
-    return words.reshape(n // 16, groups, -1)
-
-
-def _native_blocks(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """GGUF rows ``[n, row bytes]`` (n a multiple of 16) as the blocks of `cpu_native`'s format for `qtype`."""
-    values, fields = native_fields(data, qtype)
-    n, groups = values.shape[:2]
-    if _BITS[qtype] == 8:
-        sections = [_interleave(values.reshape(n, groups, 8, 4))]
-    else:  # byte j: value j in its low nibble, value j + 16 in its high nibble; then the bit planes
-        nibbles = (values[..., :16] & 15) | ((values[..., 16:] & 15) << 4)
-        sections = [_interleave(nibbles.reshape(n, groups, 4, 4))]
-        if _BITS[qtype] > 4:
-            sections.append(_bit_planes(values, _BITS[qtype] - 4))
-    units = fields[0].shape[1]
-    value_bytes = torch.cat(sections, dim=-1).reshape(n // 16, units, -1)  # K-quants: 8 groups of 32 a unit
-    return torch.cat([value_bytes] + [_interleave(f.unsqueeze(-1)) for f in fields], dim=-1)
 
 
 @dataclass
@@ -124,21 +58,21 @@ class CpuWeight:
 
     @classmethod
     def from_qtensor(cls, weight: QTensor) -> CpuWeight:
-        """Repack a 2-D GGUF matrix (see `packable`), a few thousand rows at a time."""
+        """Repack a 2-D GGUF matrix (see `packable`): the quantized types in C by torch's threads
+        (`cpu_native.repack`), the float ones a few thousand rows at a time."""
         n, k = weight.shape
         qtype = weight.qtype
+        if qtype in NATIVE_FORMATS:
+            return cls(NATIVE_FORMATS[qtype], cpu_native.repack(NATIVE_FORMATS[qtype], weight.data.contiguous(), k),
+                       n, k)
         chunks = []
         for start in range(0, n, _CHUNK_ROWS):
-            data = weight.data[start : start + _CHUNK_ROWS]
-            pad = -data.shape[0] % _ROW_ALIGN  # only the last chunk can be short; zero rows compute 0
-            if qtype in NATIVE_FORMATS:  # rows of zero bytes: blocks whose scales are 0
-                chunks.append(_native_blocks(torch.cat([data, data.new_zeros(pad, data.shape[1])]), qtype))
-                continue
-            values = data if qtype == Q.F16 else data.to(torch.float32)
+            values = weight.data[start : start + _CHUNK_ROWS]
+            values = values if qtype == Q.F16 else values.to(torch.float32)
+            pad = -values.shape[0] % _ROW_ALIGN  # only the last chunk can be short; zero rows compute 0
             values = torch.cat([values, values.new_zeros(pad, k)])
             chunks.append(_interleave(values.reshape(-1, k // 32, 32, 1)))  # value k of the 16 rows, then k + 1
-        fmt = NATIVE_FORMATS.get(qtype, cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32)
-        return cls(fmt, torch.cat(chunks), n, k)
+        return cls(cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32, torch.cat(chunks), n, k)
 
     def matmul(self, x: torch.Tensor, bits: int = 16) -> torch.Tensor:
         """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded); `bits`:

@@ -9,7 +9,7 @@ import torch
 
 from gpullama.kernels import cpu_native
 from gpullama.ops import cpu_weights
-from gpullama.ops.cpu_weights import CpuWeight, native_fields, packable
+from gpullama.ops.cpu_weights import CpuWeight, packable
 from gpullama.quants import QTensor
 from tests.fixtures.quant_blocks import random_blocks, random_float_tensor
 
@@ -41,35 +41,7 @@ def rounded_input(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
 GGUF_MATRIX_BYTES = {qtype: gguf.GGML_QUANT_SIZES[qtype][1] / gguf.GGML_QUANT_SIZES[qtype][0] for qtype in QUANTIZED}
 
 
-@pytest.mark.parametrize("qtype", list(cpu_weights.NATIVE_FORMATS), ids=lambda t: t.name)
-def test_native_fields_are_the_gguf_quants_and_scales(qtype) -> None:
-    """The values and fields the native formats hold rebuild gguf's values exactly, by each type's formula."""
-    weight, reference = weight_and_reference(qtype)
-    values, fields = native_fields(weight.data, qtype)
-    if qtype == Q.MXFP4:  # E2M1 codes (sign bit 3; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6) times 2^(e - 127)
-        magnitude = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)[(values & 7).long()]
-        e2m1 = torch.where(values >= 8, -magnitude, magnitude).reshape(ROWS, -1)
-        scale = torch.ldexp(torch.ones(1, dtype=torch.float64), fields[0].double() - 127)
-        assert torch.equal((e2m1 * scale.repeat_interleave(32, -1).reshape(ROWS, -1)).float(), reference)
-        return
-    q = values.to(torch.int32)
-    if qtype == Q.Q8_0:
-        q = values.view(torch.int8).to(torch.int32)
-    q = (q - {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q6_K: 32}.get(qtype, 0)).reshape(ROWS, -1).double()
-    d = fields[{Q.Q6_K: 1, Q.Q4_K: 2, Q.Q5_K: 2}.get(qtype, 0)].double()
-    if qtype == Q.Q6_K:  # d * sc per 16 values
-        got = q * (d * fields[0].view(torch.int8).double()).repeat_interleave(16, -1).reshape(ROWS, -1)
-    elif qtype in (Q.Q4_K, Q.Q5_K):  # d * sc * q - dmin * mn per 32 values
-        scale = (d * fields[0].double()).repeat_interleave(32, -1).reshape(ROWS, -1)
-        zero = (fields[-1].double() * fields[1].double()).repeat_interleave(32, -1).reshape(ROWS, -1)
-        got = q * scale - zero
-    else:
-        got = q * d.repeat_interleave(32, -1).reshape(ROWS, -1)
-        if qtype in (Q.Q4_1, Q.Q5_1):
-            got = got + fields[1].double().repeat_interleave(32, -1).reshape(ROWS, -1)
-    assert torch.equal(got.float(), reference)
-
-
+@needs_kernels
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 def test_packed_bytes_are_the_gguf_bytes(qtype) -> None:
     """Bytes a weight: the file's for the legacy types, Q6_K and MXFP4, within 3% for Q4_K/Q5_K (their 6-bit
@@ -133,12 +105,23 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(qtype, bits) -> None:
 
 
 @needs_kernels
-def test_packing_in_row_chunks_matches_one_chunk(monkeypatch) -> None:
-    """A matrix packed a few rows at a time (as large ones are) is the same as one packed whole."""
-    weight, _ = weight_and_reference(Q.Q4_K, rows=200, cols=256)
-    whole = CpuWeight.from_qtensor(weight)
-    monkeypatch.setattr(cpu_weights, "_CHUNK_ROWS", 64)
-    assert torch.equal(whole.blocks, CpuWeight.from_qtensor(weight).blocks)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_packing_is_the_same_on_one_thread_or_two_and_pads_with_zero_rows(qtype) -> None:
+    """`gl_repack` splits the 16-row groups between threads: one thread or two write the same bytes; the rows
+    added to fill the last group read back as zeros."""
+    weight, reference = weight_and_reference(qtype, rows=200, cols=512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = CpuWeight.from_qtensor(weight).blocks
+        torch.set_num_threads(2)
+        two = CpuWeight.from_qtensor(weight).blocks
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape[0] == 13 and torch.equal(one, two)
+    got = cpu_native.embedding(cpu_weights.NATIVE_FORMATS[qtype], one, 208, torch.arange(190, 208),
+                               torch.empty(18, 512))
+    assert torch.equal(got[:10], reference[190:]) and not got[10:].any()
 
 
 @needs_kernels
