@@ -189,14 +189,6 @@ def unpermute_qk_rows(rows: int, num_heads: int) -> torch.Tensor:
     return (head * head_dim + 2 * pair + side).reshape(-1)
 
 
-def concat_rows(parts: list[QTensor]) -> QTensor | None:
-    """Stack weights along the output rows when they share a type (so one matmul serves them all)."""
-    if len({p.qtype for p in parts}) != 1 or len({p.shape[1:] for p in parts}) != 1:
-        return None
-    data = torch.cat([p.data for p in parts], dim=0)
-    return QTensor(data=data, qtype=parts[0].qtype, shape=(sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
-
-
 class Decoder:
     """Weights prepared for one ops backend, and the forward pass of one engine step.
 
@@ -234,8 +226,7 @@ class Decoder:
             return b[unpermute_qk_rows(b.shape[0], heads).to(device)] if config.permuted_qk else b
 
         def fused(parts: list[QTensor]) -> list:
-            joined = concat_rows(parts)
-            return [ops.prepare_weight(joined)] if joined is not None else [ops.prepare_weight(p) for p in parts]
+            return ops.prepare_joined(parts)
 
         c = config
         self._tensors = tensors

@@ -507,3 +507,11 @@ class QTensor:
         qtype = check_supported(t.tensor_type, t.name)
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         return cls(_from_numpy(t.data), qtype, shape, t.name)
+
+
+def concat_rows(parts: list[QTensor]) -> QTensor | None:
+    """The parts' rows stacked into a new tensor (one copy) when they share a type and row width, else None."""
+    if len({p.qtype for p in parts}) != 1 or len({p.shape[1:] for p in parts}) != 1:
+        return None
+    data = torch.cat([p.data for p in parts], dim=0)
+    return QTensor(data, parts[0].qtype, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].name)

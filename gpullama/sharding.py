@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from gpullama.config import ModelConfig
-from gpullama.quants import QTensor, block_size
+from gpullama.quants import QTensor, block_size, concat_rows
 
 _LAYER_TENSOR = re.compile(r"blk\.\d+\.(.+)")
 _ONCE = ("attn_output.bias", "ffn_down.bias", "ffn_down_exps.bias", "ffn_down_shexp.bias")
@@ -231,7 +231,7 @@ class ShardPlan:
         if spans is None:
             return tensor
         parts = [tensor.slice_rows(*span) for span in spans]
-        return parts[0] if len(parts) == 1 else _concat_rows(parts)
+        return parts[0] if len(parts) == 1 else concat_rows(parts)
 
     def check(self, tensors: dict[str, QTensor]) -> None:
         """Raise ValueError naming the first tensor this plan cannot cut (a column span that splits a quant block,
@@ -254,10 +254,3 @@ class ShardPlan:
 
 def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:
     return span[0] + offset, span[1] + offset
-
-
-def _concat_rows(parts: list[QTensor]) -> QTensor:
-    """Stack row slices of one tensor (same type and row width) into a new tensor."""
-    first = parts[0]
-    data = torch.cat([p.data for p in parts], dim=0)
-    return QTensor(data, first.qtype, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.name)

@@ -998,10 +998,11 @@ static void gguf_unpack_block(int fmt, const uint8_t *b, uint8_t *u, uint8_t *f)
     }
 }
 
-/* W [N, K] as GGUF rows (src: N rows of row_bytes, K / 32 blocks of 32 values or K / 256 of 256) into the blocks of
-   format `fmt` (dst: [ceil(N / 16)][units][unit_bytes(fmt)]; rows past N are zero bytes, whose scales are 0), by
-   `threads` threads over the groups of 16 rows. Returns 0, or -1 for a format that is not quantized. */
-int gl_repack(int fmt, const uint8_t *src, int64_t N, int64_t K, int64_t row_bytes, uint8_t *dst, int threads) {
+/* W [N, K] as GGUF rows (rows[n]: the address of row n, K / 32 blocks of 32 values or K / 256 of 256; the rows of
+   several matrices can be joined so, without a copy) into the blocks of format `fmt` (dst: [ceil(N / 16)][units]
+   [unit_bytes(fmt)]; rows past N are zero bytes, whose scales are 0), by `threads` threads over the groups of 16
+   rows. Returns 0, or -1 for a format that is not quantized. */
+int gl_repack(int fmt, const int64_t *rows, int64_t N, int64_t K, uint8_t *dst, int threads) {
     int block = gguf_block_bytes(fmt);
     if (block == 0) return -1;
     (void)threads; /* read by GL_OMP only */
@@ -1021,7 +1022,7 @@ int gl_repack(int fmt, const uint8_t *src, int64_t N, int64_t K, int64_t row_byt
         for (int64_t unit = 0; unit < units; unit++) {
             for (int r = 0; r < 16; r++) {
                 int64_t row = 16 * rg + r;
-                if (row < N) gguf_unpack_block(fmt, src + row * row_bytes + unit * block, u[r], f[r]);
+                if (row < N) gguf_unpack_block(fmt, (const uint8_t *)(intptr_t)rows[row] + unit * block, u[r], f[r]);
                 else memset(u[r], 0, sizeof u[r]), memset(f[r], 0, sizeof f[r]);
             }
             uint8_t *o = dst + (rg * units + unit) * ubytes;

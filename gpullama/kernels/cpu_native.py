@@ -69,7 +69,7 @@ _SIGNATURES = {
     "gl_embedding": [_I32, _P, _I64, _I64, _P, _I64, _P],
     "gl_argmax": [_P, _I64, _I64, _I64, _P],
     "gl_read_sum": [_P, _I64, _I32],
-    "gl_repack": [_I32, _P, _I64, _I64, _I64, _P, _I32],
+    "gl_repack": [_I32, _P, _I64, _I64, _P, _I32],
     "gl_unit_bytes": [_I32],
     "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
                _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32, _I32],
@@ -276,13 +276,14 @@ def matmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, b
     return out
 
 
-def repack(fmt: int, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """GGUF rows ``[N, row bytes]`` (uint8, contiguous) of a matrix ``[N, K]`` of quantized format `fmt` as that
-    format's blocks ``[ceil(N / 16), units, unit bytes]`` uint8 (rows past N zero), by torch's threads."""
+def repack(fmt: int, parts: list[torch.Tensor], k: int) -> torch.Tensor:
+    """GGUF rows ``[n, row bytes]`` (uint8, unit column stride) of one or more matrices of ``K = k`` columns and
+    quantized format `fmt`, their rows joined in order, as that format's blocks ``[ceil(N / 16), units, unit
+    bytes]`` uint8 (N the rows of all parts; rows past N zero), by torch's threads; the parts are read in place."""
+    rows = torch.cat([p.data_ptr() + torch.arange(p.shape[0], dtype=torch.int64) * p.stride(0) for p in parts])
     units = k // (256 if fmt in (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K) else 32)
     blocks = torch.empty((-(-rows.shape[0] // 16), units, int(_lib.gl_unit_bytes(fmt))), dtype=torch.uint8)
-    if _lib.gl_repack(fmt, rows.data_ptr(), rows.shape[0], k, rows.shape[1], blocks.data_ptr(),
-                      torch.get_num_threads()):
+    if _lib.gl_repack(fmt, rows.data_ptr(), rows.shape[0], k, blocks.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"format {fmt} is not a quantized one")
     return blocks
 

@@ -17,7 +17,7 @@ import torch
 
 from gpullama.kernels import cpu_native
 from gpullama.ops.cpu_stack import NativeStack
-from gpullama.ops.cpu_weights import CpuExperts, CpuWeight, packable, packable_experts
+from gpullama.ops.cpu_weights import NATIVE_FORMATS, CpuExperts, CpuWeight, packable, packable_experts
 from gpullama.ops.experts import Experts
 from gpullama.ops.metadata import BatchMetadata, rope_source
 from gpullama.ops.torch_ops import TorchOps
@@ -67,6 +67,15 @@ class CpuOps(TorchOps):
         if not packable(weight):
             return super().prepare_weight(weight)
         return self._tables.get(_key(weight)) or CpuWeight.from_qtensor(weight)
+
+    def prepare_joined(self, parts: list[QTensor]) -> list:
+        """Quantized matrices of one type and row width packed as one, from where they lie (no joined copy)."""
+        first = parts[0]
+        if len(parts) > 1 and first.qtype in NATIVE_FORMATS and all(
+            packable(p) and p.qtype == first.qtype and p.shape[1:] == first.shape[1:] for p in parts
+        ):
+            return [CpuWeight.from_parts(parts)]
+        return super().prepare_joined(parts)
 
     def prepare_experts(
         self, gate_up: list[QTensor], down: QTensor, gate_up_bias: torch.Tensor | None = None,

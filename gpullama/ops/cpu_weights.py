@@ -15,7 +15,7 @@ import gguf
 import torch
 
 from gpullama.kernels import cpu_native
-from gpullama.quants import QTensor
+from gpullama.quants import QTensor, concat_rows
 
 Q = gguf.GGMLQuantizationType
 
@@ -63,8 +63,7 @@ class CpuWeight:
         n, k = weight.shape
         qtype = weight.qtype
         if qtype in NATIVE_FORMATS:
-            return cls(NATIVE_FORMATS[qtype], cpu_native.repack(NATIVE_FORMATS[qtype], weight.data.contiguous(), k),
-                       n, k)
+            return cls.from_parts([weight])
         chunks = []
         for start in range(0, n, _CHUNK_ROWS):
             values = weight.data[start : start + _CHUNK_ROWS]
@@ -73,6 +72,14 @@ class CpuWeight:
             values = torch.cat([values, values.new_zeros(pad, k)])
             chunks.append(_interleave(values.reshape(-1, k // 32, 32, 1)))  # value k of the 16 rows, then k + 1
         return cls(cpu_native.FMT_F16 if qtype == Q.F16 else cpu_native.FMT_F32, torch.cat(chunks), n, k)
+
+    @classmethod
+    def from_parts(cls, parts: list[QTensor]) -> CpuWeight:
+        """Quantized 2-D matrices of one type and row width (see `packable`; q|k|v, gate|up) as one matrix of their
+        rows in order, repacked in C from where they lie, without a joined copy."""
+        k = parts[0].shape[1]
+        fmt = NATIVE_FORMATS[parts[0].qtype]
+        return cls(fmt, cpu_native.repack(fmt, [p.data for p in parts], k), sum(p.shape[0] for p in parts), k)
 
     def matmul(self, x: torch.Tensor, bits: int = 16) -> torch.Tensor:
         """``x [M, K] @ W.T``: float32 ``[M, N]`` (a column slice of a wider result where N was padded); `bits`:
@@ -116,17 +123,17 @@ class CpuExperts:
         at a time."""
         num_experts = parts[0].shape[0]
 
-        def expert(e: int) -> QTensor:
-            data = [p.data[e] for p in parts]
-            rows = sum(p.shape[1] for p in parts)
-            joined = data[0] if len(data) == 1 else torch.cat(data, dim=0)
-            return QTensor(joined, parts[0].qtype, (rows, parts[0].shape[2]), parts[0].name)
+        def expert(e: int) -> CpuWeight:
+            rows = [QTensor(p.data[e], p.qtype, p.shape[1:], p.name) for p in parts]
+            if parts[0].qtype in NATIVE_FORMATS:
+                return CpuWeight.from_parts(rows)
+            return CpuWeight.from_qtensor(rows[0] if len(rows) == 1 else concat_rows(rows))
 
-        first = CpuWeight.from_qtensor(expert(0))  # one layer's experts into one buffer (no second copy at load)
+        first = expert(0)  # one layer's experts into one buffer (no second copy at load)
         blocks = first.blocks.new_empty((num_experts, *first.blocks.shape))
         blocks[0] = first.blocks
         for e in range(1, num_experts):
-            blocks[e] = CpuWeight.from_qtensor(expert(e)).blocks
+            blocks[e] = expert(e).blocks
         return cls(first.fmt, blocks)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gpullama.ops.experts import Experts, activate, expert_rows, route
 from gpullama.ops.metadata import BatchMetadata, rope_source
 from gpullama.ops.sampling import keep_mask
-from gpullama.quants import QTensor
+from gpullama.quants import QTensor, concat_rows
 
 
 class TorchOps:
@@ -63,6 +63,12 @@ class TorchOps:
         on the CPU)."""
         dense = weight.dequantize(torch.float32).to(device=self.device, dtype=self.dtype).contiguous()
         return torch.ops.mkldnn._reorder_linear_weight(dense) if self.packed else dense
+
+    def prepare_joined(self, parts: list[QTensor]) -> list:
+        """Matrices that read one input (q|k|v, gate|up) for `linear`: one weight of their rows stacked where they
+        share a type and row width, else one weight each."""
+        joined = concat_rows(parts)
+        return [self.prepare_weight(joined)] if joined is not None else [self.prepare_weight(p) for p in parts]
 
     def prepare_experts(
         self, gate_up: list[QTensor], down: QTensor, gate_up_bias: torch.Tensor | None = None,

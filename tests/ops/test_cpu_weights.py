@@ -125,6 +125,25 @@ def test_packing_is_the_same_on_one_thread_or_two_and_pads_with_zero_rows(qtype)
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_joined_parts_pack_as_one_matrix_of_their_rows(qtype) -> None:
+    """q|k|v or gate|up packed from where each part lies (`CpuWeight.from_parts`, no joined copy), with part sizes
+    that are not multiples of 16: the rows read back as gguf's values of each part, in order, and the matmul is
+    the dot product with every part's rows."""
+    sizes = (40, 24, 9)
+    pairs = [weight_and_reference(qtype, rows=n, cols=256, seed=i) for i, n in enumerate(sizes)]
+    reference = torch.cat([r for _, r in pairs])
+    packed = CpuWeight.from_parts([w for w, _ in pairs])
+    assert (packed.out_features, packed.in_features) == (73, 256)
+    got = cpu_native.embedding(packed.fmt, packed.blocks, 73, torch.arange(73), torch.empty(73, 256))
+    assert torch.equal(got, reference)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    want = rounded_input(x).double() @ reference.double().T
+    size = rounded_input(x).double().abs() @ reference.double().abs().T
+    assert ((packed.matmul(x).double() - want).abs() / size).max() < 1e-6
+
+
+@needs_kernels
 def test_mxfp4_exponents_at_their_ends_read_back_exactly() -> None:
     """MXFP4's E8M0 exponent bytes 0 and 1 (subnormal scales), 2, 127 and 254-255 (the largest): the packed rows
     read back as gguf's values, bit for bit, and a matmul by the small ones stays exact."""
