@@ -189,6 +189,8 @@ class ModelState:
         start = time.perf_counter()
         args = self.config.engine
         try:
+            # a file that cannot load fails here, in milliseconds, before another model is unloaded for its room
+            await asyncio.to_thread(self.server.check_file, args.model)
             await self.server.make_room(self)
             log.info("loading model %s from %s (device=%s, dtype=%s, max_model_len=%s)", self.name, args.model,
                      args.device, args.dtype, args.max_model_len)

@@ -18,6 +18,7 @@ from gpullama import __version__
 from gpullama.engine.args import EngineArgs
 from gpullama.engine.errors import EngineStopped
 from gpullama.engine.kv_events import KVEventsConfig
+from gpullama.hub import check_model
 from gpullama.vision.images import ImagePolicy
 
 from .engine_log import DEFAULT_INTERVAL_S
@@ -161,11 +162,14 @@ class ServerState:
     ``llm``, ``engine`` and ``model_name`` are the default (first) model's."""
 
     def __init__(self, config: ServerConfig,
-                 loader: Callable[[ServerConfig], tuple[Any, Callable[[Any], Any]]] = load_engine) -> None:
+                 loader: Callable[[ServerConfig], tuple[Any, Callable[[Any], Any]]] = load_engine,
+                 check_file: Callable[[str], None] = check_model) -> None:
         from .registry import ModelState, Registry, display_name
 
         self.config = config
         self.loader = loader
+        # a model's file checked before its load makes room (milliseconds; ValueError naming what is wrong)
+        self.check_file = check_file
         self.status = "loading"
         self.error: str | None = None
         self.created = int(time.time())

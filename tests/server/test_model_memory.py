@@ -169,7 +169,7 @@ def test_the_registry_evicts_by_measured_bytes_and_waits_for_busy_models(tmp_pat
                           log_stats_interval=0, keep_alive=-1.0)
 
     async def scenario() -> None:
-        server = ServerState(config, loader)
+        server = ServerState(config, loader, check_file=lambda model: None)  # no files: nothing to check
         m = server.models
 
         def loaded() -> set[str]:

@@ -160,12 +160,16 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(http: httpx.Client) ->
 
 
 def test_a_corrupt_file_fails_only_its_own_requests(http: httpx.Client, reference) -> None:
+    for name in ("tiny-a", "smol"):  # at --max-loaded-models 2: a load would unload tiny-a to make room
+        assert http.post("/models/load", json={"model": name}).json()["success"] is True
+    assert _loaded(http) == {"tiny-a", "smol"}
     for _ in range(2):  # each request tries again, and fails again
         failed = _complete(http, "broken")
         assert failed.status_code == 500
         assert failed.json()["error"]["code"] == "model_load_failed"
         assert "model 'broken' failed to load" in failed.json()["error"]["message"]
     assert _status(http)["broken"] == "unloaded/failed"
+    assert _loaded(http) == {"tiny-a", "smol"}  # the file was refused before any model was unloaded for it
     assert _complete(http, "smol").json()["choices"][0]["text"] == reference["smol"]
     assert http.get("/health").status_code == 200
 
