@@ -284,5 +284,12 @@ def test_server_flags_field_and_model_names_reach_the_engine(tiny, exact) -> Non
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(tiny["all"][1])})
         assert loaded.status_code == 200, loaded.text
         assert completion(model="late") == want("all")
+        # unloaded and loaded again, the model serves its adapters as they were: "late" (loaded at run time) and
+        # every global scale at 0 (POST /lora-adapters above)
+        assert client.post("/models/unload", json={"model": base_name}).json()["success"] is True
+        assert completion(model="late") == want("all")  # this request loads the model again
+        listed = client.get("/lora-adapters").json()
+        assert [(a["name"], a["scale"]) for a in listed] == [("sql", 0.0), ("lora-qv", 0.0), ("late", 0.0)]
+        assert completion() == want(None)
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
         assert client.post("/completion", json={"prompt": ids, "model": "late"}).status_code == 404

@@ -9,10 +9,13 @@ behind ``--enable-lora-runtime-updating`` (`gpullama.server.vllm.lora`)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("gpullama")
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,28 @@ def load_adapters(llm: Any, specs: list[LoraSpec], init_without_apply: bool = Fa
         adapter_id = llm.load_lora(spec.path, name)
         scale = 0.0 if spec.name is not None or init_without_apply else spec.scale
         served.append(ServedAdapter(adapter_id, name, spec.path, scale, spec.scale))
+    return served
+
+
+def restore_adapters(llm: Any, loaded: list[ServedAdapter], before: list[ServedAdapter]) -> list[ServedAdapter]:
+    """A model loaded again after an unload (blocking; the load thread runs it): the adapters it served before,
+    as they were (loaded or unloaded at run time, their scales set by POST /lora-adapters), under the new engine's
+    ids; `loaded` are the command line's, which `load_engine` has just loaded. An adapter whose file is gone is
+    left out, with a warning."""
+    fresh = {a.name: a for a in loaded}
+    served = []
+    for old in before:
+        if old.name in fresh:
+            new = fresh.pop(old.name)
+            served.append(ServedAdapter(new.id, old.name, new.path, old.scale, old.model_scale))
+            continue
+        try:
+            served.append(ServedAdapter(llm.load_lora(old.path, old.name), old.name, old.path, old.scale,
+                                        old.model_scale))
+        except (OSError, ValueError) as exc:
+            log.warning("LoRA adapter %s (%s) could not be loaded again: %s", old.name, old.path, exc)
+    for name in fresh:  # unloaded at run time before: it stays unloaded
+        llm.unload_lora(name)
     return served
 
 

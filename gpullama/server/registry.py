@@ -218,8 +218,13 @@ class ModelState:
             log.error("model %s: %s", self.name, self.error)
             self.server.changed()
             return
+        served = getattr(llm, "served_adapters", [])
+        if self.load_seconds is not None and (served or self.adapters):  # loaded before: its adapters as they were
+            from .adapters import restore_adapters
+
+            served = await asyncio.to_thread(restore_adapters, llm, served, self.adapters)
         self.llm, self.engine = llm, engine
-        self.set_adapters(getattr(llm, "served_adapters", []))
+        self.set_adapters(served)
         self.status, self.loaded_at = "loaded", time.time()
         self.load_seconds = time.perf_counter() - start
         self.last_used = time.monotonic()
