@@ -376,23 +376,25 @@ class LLM:
         return seq.finish_reason
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]],
-              pooling: PoolingParams | None = None) -> list[EmbeddingOutput]:
+              pooling: PoolingParams | None = None, lora=None) -> list[EmbeddingOutput]:
         """The embedding of each input (a text, or token ids; one or a list), run as one continuous batch: the final
         hidden states pooled as the model says (its GGUF's pooling_type: mean, cls or last; else the last token),
         L2-normalised unless `pooling` says otherwise (`PoolingParams(normalize=False, dimensions=N)`). A text is
-        tokenized as a completion prompt is (the model's BOS/EOS rules)."""
+        tokenized as a completion prompt is (the model's BOS/EOS rules). `lora`: LoRA adapters, as `generate`'s."""
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
         if not isinstance(inputs, list) or not inputs:
             raise ValueError("embed() needs a text, a list of token ids, or a non-empty list of them")
-        seqs = self._pool([self._encode_prompt(p) for p in inputs], pooling, "embedding")
+        seqs = self._pool([self._encode_prompt(p) for p in inputs], pooling, "embedding", self._lora_pairs(lora))
         return [EmbeddingOutput(seq.embedding, seq.prompt_token_ids) for seq in seqs]
 
-    def _pool(self, prompts: list[list[int]], pooling: PoolingParams | None, what: str) -> list:
-        """Run `prompts` as pooled (never sampled) requests in one continuous batch; their finished sequences."""
+    def _pool(self, prompts: list[list[int]], pooling: PoolingParams | None, what: str,
+              lora: list[tuple[int, float]] | None = None) -> list:
+        """Run `prompts` as pooled (never sampled) requests in one continuous batch, under the adapters `lora`
+        ((id, scale) pairs); their finished sequences."""
         with self._lock:
             engine = self.engine
-            seqs = [engine.admit_embedding(f"llm-{next(self._ids)}", ids, pooling) for ids in prompts]
+            seqs = [engine.admit_embedding(f"llm-{next(self._ids)}", ids, pooling, lora) for ids in prompts]
             try:
                 for seq in seqs:
                     engine.add(seq)

@@ -128,6 +128,18 @@ def test_logits_equal_transformers_with_peft_and_the_merged_model(tiny, exact, n
                  tolerance=1e-3)
 
 
+def test_embeddings_under_an_adapter_equal_the_merged_models(tiny, exact) -> None:
+    """`embed(..., lora=)` runs the adapter as generation does: the vectors equal those of the merged model's GGUF
+    (peft's merged weights, written by llama.cpp's converter) within float32 rounding, and differ from the base's."""
+    prompts = [token_ids(exact.config.vocab_size, n=n, seed=n) for n in (5, 17)]
+    got = torch.tensor([e.embedding for e in exact.embed(prompts, lora="all")])
+    merged = LLM(str(tiny["all"][2]), device="cpu", dtype="float32")
+    want = torch.tensor([e.embedding for e in merged.embed(prompts)])
+    base = torch.tensor([e.embedding for e in exact.embed(prompts)])
+    assert (got - want).abs().max() < 1e-4
+    assert (got - base).abs().max() > 1e-2  # the adapter does change them
+
+
 def _mixed_batch(llm: LLM, prompts: list[list[int]], loras: list) -> list[list[int]]:
     """Greedy tokens of each prompt with its adapter (None: the base), all in one engine batch."""
     engine = llm.engine
@@ -271,6 +283,20 @@ def test_server_flags_field_and_model_names_reach_the_engine(tiny, exact) -> Non
         assert anthropic.status_code == 200 and anthropic.json()["model"] == "sql"
         responses = client.post("/v1/responses", json={"model": "sql", "input": "Hi", "max_output_tokens": 2})
         assert responses.status_code == 200 and responses.json()["model"] == "sql"
+
+        def vectors(answer) -> torch.Tensor:
+            assert answer.status_code == 200, answer.text
+            return torch.tensor([d["embedding"] for d in answer.json()["data"]])
+
+        def embedded(lora) -> torch.Tensor:
+            return torch.tensor([e.embedding for e in exact.embed([ids], lora=lora)])
+
+        named = client.post("/v1/embeddings", json={"model": "sql", "input": [ids]})  # vLLM: the adapter by name
+        assert torch.allclose(vectors(named), embedded("all"), atol=1e-5) and named.json()["model"] == "sql"
+        plain = client.post("/v1/embeddings", json={"input": [ids]})  # llama.cpp: the server's adapters
+        assert torch.allclose(vectors(plain), embedded("qv"), atol=1e-5)
+        olla = client.post("/api/embed", json={"model": "sql", "input": "Hi"})
+        assert olla.status_code == 200 and olla.json()["model"] == "sql"
         base_name = tiny["base"].stem
         assert openai_model(client, base_name)["model"] == base_name  # the base model by its own name
         cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}

@@ -78,13 +78,14 @@ class AsyncEngine:
             raise EngineStopped("the engine is not running")
         return self._submit(self.engine.admit(request_id, list(prompt_token_ids), params, images=images))
 
-    def embed(self, request_id: str, prompt_token_ids: list[int],
-              pooling: PoolingParams | None = None) -> AsyncIterator[StreamDelta]:
-        """Submit an embedding request (call from the event loop); its stream has one delta, with the `embedding`.
-        Raises RequestError at once when it can never run (see `LLMEngine.admit_embedding`)."""
+    def embed(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams | None = None,
+              lora: list[tuple[int, float]] | None = None) -> AsyncIterator[StreamDelta]:
+        """Submit an embedding request (call from the event loop; `lora`: adapters as `SamplingParams.lora`); its
+        stream has one delta, with the `embedding`. Raises RequestError at once when it can never run (see
+        `LLMEngine.admit_embedding`)."""
         if not self.is_alive:
             raise EngineStopped("the engine is not running")
-        return self._submit(self.engine.admit_embedding(request_id, list(prompt_token_ids), pooling))
+        return self._submit(self.engine.admit_embedding(request_id, list(prompt_token_ids), pooling, lora))
 
     def _submit(self, seq: Sequence) -> AsyncIterator[StreamDelta]:
         """Hand an admitted sequence to the engine thread; its stream of deltas."""

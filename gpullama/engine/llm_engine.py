@@ -110,17 +110,22 @@ class LLMEngine:
         del self.model.adapters[adapter_id]
 
     def admit_embedding(self, request_id: str, prompt_token_ids: list[int],
-                        pooling: PoolingParams | None = None) -> Sequence:
+                        pooling: PoolingParams | None = None,
+                        lora: list[tuple[int, float]] | None = None) -> Sequence:
         """Check an embedding request (`gpullama.engine.admission.check_embedding_request`) and build its sequence:
-        prefill only, pooled as `pooling.kind` says (None: the model's pooling type), its KV blocks not kept; queue it
-        with `add`. A reranker's request (kind `RANK`) ends with the classification head's outputs as its
-        embedding, the first being its score."""
+        prefill only, pooled as `pooling.kind` says (None: the model's pooling type), its KV blocks not kept, under
+        the LoRA adapters `lora` ((id, scale) pairs, as `SamplingParams.lora`); queue it with `add`. A reranker's
+        request (kind `RANK`) ends with the classification head's outputs as its embedding, the first being its
+        score."""
         pooling = pooling or PoolingParams()
         model_kind = self.limits.pooling_type
         # a reranker's own pooling gives scores, not an embedding: only a request that asks for RANK gets them
         pooling = dataclasses.replace(pooling, kind=pooling.kind or (None if model_kind == RANK else model_kind))
         check_embedding_request(prompt_token_ids, pooling, self.limits)
-        return Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 0, pooling=pooling)
+        seq = Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 0, pooling=pooling)
+        if lora:
+            seq.lora = self._lora_of(lora)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         """Queue an admitted sequence; it joins the batch at the next step with room."""

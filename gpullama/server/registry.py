@@ -414,6 +414,16 @@ def answer_name(request: Request, entry: ModelState) -> str:
     return entry.model_name
 
 
+def request_lora(request: Request, entry: ModelState) -> list[tuple[int, float]] | None:
+    """The LoRA adapters of a request that has no ``lora`` field of its own (embeddings): a named adapter's when
+    its ``model`` names one (vLLM), else the server's adapters at their global scales (llama.cpp); None: the base
+    model."""
+    defaults = entry.config.defaults
+    asked = request.scope.get(_ASKED)
+    lora = defaults.lora_of_model(asked) if isinstance(asked, str) else None
+    return lora if lora is not None else (list(defaults.lora) if defaults.lora is not None else None)
+
+
 class LeaseMiddleware:
     """Gives back the models a request held once its answer (a stream included) has been sent or abandoned."""
 

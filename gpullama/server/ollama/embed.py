@@ -15,7 +15,7 @@ from ..http.fields import bad, int_field, kind, object_body
 from ..http.streaming import ClientDisconnected
 from ..pipeline.embedding import one_vector_pooling, run_embeddings
 from ..pipeline.intake import read_json_for_model
-from ..registry import ModelState
+from ..registry import ModelState, answer_name
 from .request import check_model_name
 
 NAMES = FieldNames(fields=(("prompt", "input"),))
@@ -47,7 +47,7 @@ async def embed(request: Request) -> Response:
     if done is None:
         return Response(status_code=499)
     vectors, prompt_tokens = done
-    return JSONResponse({"model": state.model_name, "embeddings": vectors,
+    return JSONResponse({"model": answer_name(request, state), "embeddings": vectors,
                          "total_duration": int((time.perf_counter() - arrival) * 1e9), "load_duration": 0,
                          "prompt_eval_count": prompt_tokens})
 

@@ -18,6 +18,7 @@ from ..http.streaming import ClientDisconnected
 from ..pipeline.embedding import ENCODINGS, one_vector_pooling, parse_inputs, run_embeddings, tokenize_inputs
 from ..pipeline.intake import read_and_prepare
 from ..pipeline.prompts import Pieces
+from ..registry import answer_name
 from ..state import ServerState, check_model
 from .choices import new_id
 
@@ -74,5 +75,5 @@ async def create_embeddings(request: Request) -> Response:
     vectors, prompt_tokens = done
     data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
-    return JSONResponse({"object": "list", "data": data, "model": state.model_name,
+    return JSONResponse({"object": "list", "data": data, "model": answer_name(request, state),
                          "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})

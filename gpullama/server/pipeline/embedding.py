@@ -14,6 +14,7 @@ from gpullama.pooling_params import PoolingParams
 from ..http.errors import APIError
 from ..http.fields import bad
 from ..http.streaming import unless_disconnected
+from ..registry import request_lora
 from ..state import ServerState
 from .generation import Job, start_generation
 from .prompts import Pieces, prompt_list, tokenize_pieces
@@ -24,10 +25,12 @@ ENCODINGS = ("float", "base64")
 
 async def run_embeddings(request: Request, state: ServerState, inputs: list[list[int]], pooling: PoolingParams,
                          request_id: str, arrival: float | None = None) -> tuple[list[list[float]], int] | None:
-    """The embedding of each input (token ids) and the prompt tokens counted; None when the client left first.
-    Errors are the engine's admission errors (400, in the common plan's names: ``prompt`` is the input)."""
+    """The embedding of each input (token ids), under the request's LoRA adapters (`request_lora`: the one its
+    ``model`` names, else the server's), and the prompt tokens counted; None when the client left first. Errors are
+    the engine's admission errors (400, in the common plan's names: ``prompt`` is the input)."""
     arrival = time.perf_counter() if arrival is None else arrival
-    jobs = [Job(i, ids, None, prompt_index=i, request_id=f"{request_id}-{i}", pooling=pooling)
+    lora = request_lora(request, state)
+    jobs = [Job(i, ids, None, prompt_index=i, request_id=f"{request_id}-{i}", pooling=pooling, lora=lora)
             for i, ids in enumerate(inputs)]
     gen = await start_generation(request, state, jobs, arrival)
     if gen is None:

@@ -39,6 +39,7 @@ class Job:
     prompt_index: int = 0
     request_id: str = ""  # the engine's id, set when the answer gets its id
     pooling: PoolingParams | None = None
+    lora: list[tuple[int, float]] | None = None  # an embedding input's adapters (a choice's are in its params)
 
 
 def images_of(prompt_ids: list[int]) -> dict:
@@ -116,7 +117,7 @@ class Generation:
     def _submit(self, job: Job) -> None:
         try:
             if job.pooling is not None:
-                self._streams[job.index] = self.engine.embed(job.request_id, job.prompt_ids, job.pooling)
+                self._streams[job.index] = self.engine.embed(job.request_id, job.prompt_ids, job.pooling, job.lora)
             else:
                 self._streams[job.index] = self.engine.generate(job.request_id, job.prompt_ids, job.params,
                                                                 **images_of(job.prompt_ids))
