@@ -694,9 +694,9 @@ static inline __attribute__((always_inline)) void unpack_group(int fmt, int sets
    integer dot products dot = sum (u + offset) Q, then y += (scale * d) * dot + (zero * d) * sum(Q), one group after
    another. fmt, sets (scales per 32 values) and mt are constants at every call, so the loops unroll into
    registers. pre (NULL: unpack here): the block's groups already unpacked (mm_blocks, for more than one tile). */
-static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, const weight_t *w, const xquant_t *xq,
-                                                         int64_t m0, int mt, int64_t rb, float *y, int64_t ldy,
-                                                         const wgs_t *pre) {
+static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, int eight, const weight_t *w,
+                                                         const xquant_t *xq, int64_t m0, int mt, int64_t rb, float *y,
+                                                         int64_t ldy, const wgs_t *pre) {
     int64_t K = w->K, G = K / 32;
     int sub = fmt_super(fmt) ? 8 : 1, vbytes = fmt_vbytes(fmt), chunks = 8 / sets, offset = fmt_offset(fmt);
     const uint8_t *b = w->data + rb * w->G * w->block_bytes;
@@ -741,7 +741,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, cons
                         bias[r] = offset * sum[r];
                         hi[r] = xq->q + 64 * rec, lo[r] = hi[r] + 32;
                     }
-                    wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, xq->eight, dot);
+                    wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, eight, dot);
 #pragma GCC unroll 4
                     for (int r = 0; r < n; r++) {
                         vf *ac = &acc[i0 + r];
@@ -768,12 +768,13 @@ static inline __attribute__((always_inline)) void mm_dense(int fmt, const weight
 }
 
 /* one tile of mt rows of x (mt a constant after the switch) */
-static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, const weight_t *w, const float *x,
+static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, int eight, const weight_t *w,
+                                                          const float *x,
                                                           int64_t ldx, const xquant_t *xq, int64_t m0, int mt,
                                                           int64_t rb, float *y, int64_t ldy, const wgs_t *pre) {
 #define GL_TILE(n)                                                                                                   \
     case n:                                                                                                          \
-        if (fmt_quantized(fmt)) mm_int(fmt, sets, w, xq, m0, n, rb, y, ldy, pre);                                    \
+        if (fmt_quantized(fmt)) mm_int(fmt, sets, eight, w, xq, m0, n, rb, y, ldy, pre);                             \
         else mm_dense(fmt, w, x, ldx, m0, n, rb, y, ldy);                                                            \
         break;
     switch (mt) { GL_TILE(1) GL_TILE(2) GL_TILE(3) GL_TILE(4) GL_TILE(5) GL_TILE(6) GL_TILE(7) GL_TILE(8) }
@@ -781,7 +782,8 @@ static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, con
 }
 
 /* blocks rb0 .. rb1 - 1 against every row of x, MT rows at a time */
-static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, const weight_t *w, const float *x,
+static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, int eight, const weight_t *w,
+                                                            const float *x,
                                                             int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,
                                                             int64_t rb1, float *y, int64_t ldy) {
     wgs_t *pre = NULL;
@@ -797,14 +799,19 @@ static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, c
                 for (int j = 0; j < sub; j++) unpack_group(fmt, sets, b, j, &pre[unit * sub + j]);
         }
         for (int64_t m = 0; m < M; m += MT)
-            mm_tile(fmt, sets, w, x, ldx, xq, m, M - m < MT ? (int)(M - m) : MT, rb, y, ldy, pre);
+            mm_tile(fmt, sets, eight, w, x, ldx, xq, m, M - m < MT ? (int)(M - m) : MT, rb, y, ldy, pre);
     }
 }
 
+/* each quantized format twice: `eight` a constant, so the 8-bit activations' kernel carries no high-byte work */
 #define GL_BLOCKS(name, fmt, sets)                                                                                  \
     static void name(const weight_t *w, const float *x, int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,     \
                      int64_t rb1, float *y, int64_t ldy) {                                                           \
-        mm_blocks(fmt, sets, w, x, ldx, xq, M, rb0, rb1, y, ldy);                                                    \
+        mm_blocks(fmt, sets, 0, w, x, ldx, xq, M, rb0, rb1, y, ldy);                                                 \
+    }                                                                                                                \
+    static void name##_8(const weight_t *w, const float *x, int64_t ldx, const xquant_t *xq, int64_t M,              \
+                         int64_t rb0, int64_t rb1, float *y, int64_t ldy) {                                          \
+        mm_blocks(fmt, sets, 1, w, x, ldx, xq, M, rb0, rb1, y, ldy);                                                 \
     }
 GL_BLOCKS(mm_f16, FMT_F16, 1)
 GL_BLOCKS(mm_f32, FMT_F32, 1)
@@ -821,19 +828,21 @@ GL_BLOCKS(mm_mxfp4, FMT_MXFP4, 1)
 typedef void (*blocks_fn)(const weight_t *, const float *, int64_t, const xquant_t *, int64_t, int64_t, int64_t,
                           float *, int64_t);
 
-static blocks_fn blocks_for(int fmt) {
+/* the kernel of format `fmt`, for x quantized as `xq` says (8-bit activations: the `_8` variant) */
+static blocks_fn blocks_for(int fmt, const xquant_t *xq) {
+    int eight = xq && xq->eight;
     switch (fmt) {
-    case FMT_F16: return mm_f16;
-    case FMT_Q4_0: return mm_q4_0;
-    case FMT_Q4_1: return mm_q4_1;
-    case FMT_Q5_0: return mm_q5_0;
-    case FMT_Q5_1: return mm_q5_1;
-    case FMT_Q8_0: return mm_q8_0;
-    case FMT_Q4_K: return mm_q4_k;
-    case FMT_Q5_K: return mm_q5_k;
-    case FMT_Q6_K: return mm_q6_k;
-    case FMT_MXFP4: return mm_mxfp4;
-    default: return mm_f32;
+    case FMT_F16: return eight ? mm_f16_8 : mm_f16; /* the same kernel: floats have no activation bits */
+    case FMT_Q4_0: return eight ? mm_q4_0_8 : mm_q4_0;
+    case FMT_Q4_1: return eight ? mm_q4_1_8 : mm_q4_1;
+    case FMT_Q5_0: return eight ? mm_q5_0_8 : mm_q5_0;
+    case FMT_Q5_1: return eight ? mm_q5_1_8 : mm_q5_1;
+    case FMT_Q8_0: return eight ? mm_q8_0_8 : mm_q8_0;
+    case FMT_Q4_K: return eight ? mm_q4_k_8 : mm_q4_k;
+    case FMT_Q5_K: return eight ? mm_q5_k_8 : mm_q5_k;
+    case FMT_Q6_K: return eight ? mm_q6_k_8 : mm_q6_k;
+    case FMT_MXFP4: return eight ? mm_mxfp4_8 : mm_mxfp4;
+    default: return eight ? mm_f32_8 : mm_f32;
     }
 }
 
@@ -860,7 +869,7 @@ static int matmul_quantize(int fmt, const float *x, int64_t M, int64_t K, int64_
 static void matmul_quantized(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const xquant_t *xq,
                              const uint8_t *data, int64_t N, float *y, int64_t ldy, int threads) {
     weight_t w = weight_of(fmt, K, data);
-    blocks_fn run = blocks_for(fmt);
+    blocks_fn run = blocks_for(fmt, xq);
     int64_t blocks = N / 16;
     matmul_bytes += blocks * w.G * w.block_bytes;
     if (blocks < 4 * threads && M < MT) threads = 1;
@@ -1802,7 +1811,7 @@ typedef struct {
 static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *xq, const int64_t *start,
                            const int64_t *pstart, const int64_t *active, int64_t n_active, float *y, int64_t ldy,
                            int threads) {
-    blocks_fn run = blocks_for(ex->w.fmt);
+    blocks_fn run = blocks_for(ex->w.fmt, xq);
     int64_t K = ex->w.K, blocks = ex->N / 16, total = 0;
     for (int64_t a = 0; a < n_active; a++) total += blocks * (start[active[a] + 1] - start[active[a]] + MT);
     if (n_active * blocks < 2) threads = 1;
