@@ -78,25 +78,13 @@ def build(tokenizer_dir: Path, out: Path, text_layers: int, text_outtype: str) -
     converter (`tests.fixtures.llamacpp_source.convert_hf_to_gguf`, as `tests/fixtures/gemma3_vision.py` does):
     ``gemma3-text-<outtype>.gguf`` and ``mmproj-gemma3.gguf`` (the converter's default type)."""
     import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import (
-        AutoTokenizer,
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessorPil,
-        Gemma3Processor,
-    )
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
     from transformers.initialization import no_init_weights
 
-    from tests.fixtures.gemma3_vision import GEMMA3_TEMPLATE
+    from tests.fixtures.gemma3_vision import GEMMA3_TEMPLATE, gemma3_tokenizer, use_checkpoint_tower_names
     from tests.fixtures.llamacpp_source import convert_hf_to_gguf
 
-    # the tokenizer as tests/fixtures/gemma3_vision.py makes it: SmolLM2's plus Gemma's image and turn tokens
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens={
-        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
-    tok.add_tokens(["<start_of_turn>", "<end_of_turn>"], special_tokens=True)
-    tok.chat_template = GEMMA3_TEMPLATE
-    ids = tok.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<end_of_turn>"])
+    tok, ids = gemma3_tokenizer(tokenizer_dir)  # the tests' tokenizer: SmolLM2's plus Gemma's image and turn tokens
     config = Gemma3Config(
         text_config=dict(TEXT, vocab_size=len(tok), num_hidden_layers=text_layers, bos_token_id=tok.bos_token_id,
                          eos_token_id=[tok.eos_token_id, ids[3]], pad_token_id=tok.pad_token_id or 0,
@@ -122,13 +110,7 @@ def build(tokenizer_dir: Path, out: Path, text_layers: int, text_outtype: str) -
     model.save_pretrained(out, max_shard_size="100GB")
     processor.save_pretrained(out)
     del model
-    # as in tests/fixtures/gemma3_vision.py: the converter reads Gemma 3's checkpoint names
-    # (``vision_tower.vision_model.embeddings...``), transformers saves ``vision_tower.embeddings...``
-    weights = load_file(out / "model.safetensors")
-    save_file({name if name.startswith("vision_tower.vision_model.")
-               else name.replace("vision_tower.", "vision_tower.vision_model.", 1): w for name, w in weights.items()},
-              out / "model.safetensors", metadata={"format": "pt"})
-    del weights
+    use_checkpoint_tower_names(out)  # the names the converter reads
     convert_hf_to_gguf(out, out / f"gemma3-text-{text_outtype}.gguf", "--outtype", text_outtype)
     convert_hf_to_gguf(out, out / "mmproj-gemma3.gguf", "--mmproj")  # no --outtype: the converter's default
     (out / "model.safetensors").unlink()  # 1.2 GB the benchmark does not read again
