@@ -225,8 +225,7 @@ class Decoder:
             b = dense(name)
             return b[unpermute_qk_rows(b.shape[0], heads).to(device)] if config.permuted_qk else b
 
-        def fused(parts: list[QTensor]) -> list:
-            return ops.prepare_joined(parts)
+        fused = ops.prepare_joined  # matrices that read one input, as one weight where they can be
 
         c = config
         self._tensors = tensors

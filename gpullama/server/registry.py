@@ -415,13 +415,9 @@ def answer_name(request: Request, entry: ModelState) -> str:
 
 
 def request_lora(request: Request, entry: ModelState) -> list[tuple[int, float]] | None:
-    """The LoRA adapters of a request that has no ``lora`` field of its own (embeddings): a named adapter's when
-    its ``model`` names one (vLLM), else the server's adapters at their global scales (llama.cpp); None: the base
-    model."""
-    defaults = entry.config.defaults
-    asked = request.scope.get(_ASKED)
-    lora = defaults.lora_of_model(asked) if isinstance(asked, str) else None
-    return lora if lora is not None else (list(defaults.lora) if defaults.lora is not None else None)
+    """The LoRA adapters of a request that has no ``lora`` field of its own (embeddings), by the ``model`` it named
+    (`RequestDefaults.lora_for`)."""
+    return entry.config.defaults.lora_for(request.scope.get(_ASKED))
 
 
 class LeaseMiddleware:

@@ -78,6 +78,12 @@ class RequestDefaults:
                 return list(pairs)
         return None
 
+    def lora_for(self, model: Any) -> list[tuple[int, float]] | None:
+        """The adapters of a request without a ``lora`` field of its own: the named adapter its `model` names (vLLM),
+        else the server's at their global scales (llama.cpp); None: the base model."""
+        lora = self.lora_of_model(model)
+        return lora if lora is not None else (list(self.lora) if self.lora is not None else None)
+
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` fields these defaults set."""
         given = {"temperature": self.temperature, "seed": self.seed, "max_tokens": self.max_tokens}

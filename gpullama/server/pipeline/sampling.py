@@ -129,9 +129,7 @@ class FieldTable:
             if target in targets and target not in given:
                 opts.kwargs[target] = value
         if "lora" not in opts.kwargs:  # a named adapter's model name (vLLM), else the server's adapters (llama.cpp)
-            lora = defaults.lora_of_model(body.get("model")) if isinstance(body, dict) else None
-            if lora is None and defaults.lora is not None:
-                lora = list(defaults.lora)
+            lora = defaults.lora_for(body.get("model") if isinstance(body, dict) else None)
             if lora is not None:
                 opts.kwargs["lora"] = lora
         opts.max_tokens = opts.kwargs.pop("max_tokens", None)
