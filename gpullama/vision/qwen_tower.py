@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from gpullama.gguf_file import ModelFileError, read_gguf
-from gpullama.vision.tower import VisionConfig, _f32
+from gpullama.vision.tower import TowerTensors, VisionConfig, _f32
 
 ROPE_THETA = 10000.0
 MIN_TOKENS, MAX_TOKENS = 8, 4096
@@ -50,7 +50,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 class QwenVLTower:
     """A Qwen2-VL mmproj loaded for `ops`: `encode_images(images)` -> each image's embeddings ``[1, tokens,
-    projection_dim]`` and its merged grid (rows, columns)."""
+    projection_dim]`` and its merged grid (rows, columns). The patch embedding, the 2D rotary, the attention and the
+    merger are shared with Qwen3-VL's tower (`gpullama.vision.qwen3_tower`), which loads its own blocks (`_load`)."""
 
     def __init__(self, path: str | os.PathLike, ops, model=None):
         path = os.fspath(path)
@@ -58,53 +59,45 @@ class QwenVLTower:
         self.path = path
         self.config = c = VisionConfig.from_metadata(model.metadata, path)
         self.ops = ops
-        t = model.tensors
-        device = ops.device
+        t = TowerTensors(model, ops, path)
+        first, second = t.dense("v.patch_embd.weight"), t.dense("v.patch_embd.weight.1")  # [D, 3, p, p] each frame
+        self.patch_w = torch.stack([first, second], dim=2).reshape(c.hidden, -1)  # (channel, frame, row, column)
+        self.mm0, self.mm0_bias = t.weight("mm.0.weight"), t.dense("mm.0.bias")
+        self.mm2, self.mm2_bias = t.weight("mm.2.weight"), t.dense("mm.2.bias")
+        if t.need("mm.2.weight").shape[0] != c.projection_dim:
+            raise ModelFileError(f"{path}: mm.2 writes {t.need('mm.2.weight').shape[0]} values, projection_dim is "
+                                 f"{c.projection_dim}")
+        hd = c.hidden // c.heads
+        self.inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, hd // 2, 2, dtype=torch.float) / (hd // 2)))
+        self._load(t, model.metadata)
 
-        def need(name: str):
-            if name not in t:
-                raise ModelFileError(f"{path}: the mmproj file has no tensor {name!r}")
-            return t[name]
-
-        def dense(name: str) -> torch.Tensor:
-            return need(name).dequantize(torch.float32).to(device)
-
-        def weight(name: str):
-            return ops.prepare_weight(need(name))
-
+    def _load(self, t: TowerTensors, meta: dict) -> None:
+        """Qwen2-VL's blocks (LayerNorm, QuickGELU) or Qwen2.5-VL's (RMSNorm, SwiGLU, windows) and the merger's norm."""
+        c, path, ops = self.config, self.path, self.ops
         self.v25 = c.projector == "qwen2.5vl_merger"
-        self.window_pattern = int(model.metadata.get("clip.vision.n_wa_pattern", 0)) if self.v25 else 0
-        self.window = int(model.metadata.get("clip.vision.window_size", 112)) // (c.patch_size * c.pool)
+        self.window_pattern = int(meta.get("clip.vision.n_wa_pattern", 0)) if self.v25 else 0
+        self.window = int(meta.get("clip.vision.window_size", 112)) // (c.patch_size * c.pool)
         if self.v25 and (self.window_pattern < 1 or self.window < 1):
             raise ModelFileError(f"{path}: Qwen2.5-VL's window attention needs clip.vision.n_wa_pattern >= 1 and a "
                                  f"window of at least one merged token (n_wa_pattern {self.window_pattern})")
-        first, second = dense("v.patch_embd.weight"), dense("v.patch_embd.weight.1")  # [D, 3, p, p] each frame
-        self.patch_w = torch.stack([first, second], dim=2).reshape(c.hidden, -1)  # (channel, frame, row, column)
 
         def norm(name: str):  # Qwen2-VL: LayerNorm (weight, bias); Qwen2.5-VL: RMSNorm (weight)
-            return (dense(name + ".weight"), None if self.v25 else dense(name + ".bias"))
+            return (t.dense(name + ".weight"), None if self.v25 else t.dense(name + ".bias"))
 
         self.blocks = []
         for i in range(c.layers):
             b = f"v.blk.{i}."
-            qkv = _f32(torch.cat([dense(b + f"attn_{x}.weight") for x in "qkv"]), b + "attn_qkv.weight")
+            qkv = _f32(torch.cat([t.dense(b + f"attn_{x}.weight") for x in "qkv"]), b + "attn_qkv.weight")
             self.blocks.append(dict(
                 ln1=norm(b + "ln1"), qkv=ops.prepare_weight(qkv),
-                qkv_bias=torch.cat([dense(b + f"attn_{x}.bias") for x in "qkv"]),
-                out=weight(b + "attn_out.weight"), out_bias=dense(b + "attn_out.bias"),
+                qkv_bias=torch.cat([t.dense(b + f"attn_{x}.bias") for x in "qkv"]),
+                out=t.weight(b + "attn_out.weight"), out_bias=t.dense(b + "attn_out.bias"),
                 ln2=norm(b + "ln2"),
-                up=weight(b + "ffn_up.weight"), up_bias=dense(b + "ffn_up.bias"),
-                gate=weight(b + "ffn_gate.weight") if self.v25 else None,
-                gate_bias=dense(b + "ffn_gate.bias") if self.v25 else None,
-                down=weight(b + "ffn_down.weight"), down_bias=dense(b + "ffn_down.bias")))
+                up=t.weight(b + "ffn_up.weight"), up_bias=t.dense(b + "ffn_up.bias"),
+                gate=t.weight(b + "ffn_gate.weight") if self.v25 else None,
+                gate_bias=t.dense(b + "ffn_gate.bias") if self.v25 else None,
+                down=t.weight(b + "ffn_down.weight"), down_bias=t.dense(b + "ffn_down.bias")))
         self.post_ln = norm("v.post_ln")
-        self.mm0, self.mm0_bias = weight("mm.0.weight"), dense("mm.0.bias")
-        self.mm2, self.mm2_bias = weight("mm.2.weight"), dense("mm.2.bias")
-        if need("mm.2.weight").shape[0] != c.projection_dim:
-            raise ModelFileError(f"{path}: mm.2 writes {need('mm.2.weight').shape[0]} values, projection_dim is "
-                                 f"{c.projection_dim}")
-        hd = c.hidden // c.heads
-        self.inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, hd // 2, 2, dtype=torch.float) / (hd // 2)))
 
     @property
     def tokens_per_tile(self) -> int:
@@ -157,28 +150,41 @@ class QwenVLTower:
         window = window.repeat_interleave(m * m)
         return window[:, None] == window[None, :]
 
-    @torch.inference_mode()
-    def encode_patches(self, patches: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
-        """Embeddings ``[gh * gw / 4, projection_dim]`` float32 of one image's patches (`pixels`)."""
+    def _attention(self, h: torch.Tensor, blk: dict, rope: tuple, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One block's attention over an image's patches `h` ``[n, D]`` (normed): q|k|v, the 2D rotary (`rope`: cos,
+        sin of `_rotary`), every patch attending to every other one (or within `mask`), then the output matrix."""
         c, ops = self.config, self.ops
-        device = self.post_ln[0].device
-        windows = self._window_mask(gh, gw).to(device) if self.v25 else None
-        x = patches.to(device, torch.float32) @ self.patch_w.t()
-        n, hd = x.shape[0], c.hidden // c.heads
-        cos, sin = (t.to(device) for t in self._rotary(gh, gw))
+        n, hd = h.shape[0], c.hidden // c.heads
+        cos, sin = rope
 
         def rotate(v):
             half = v.shape[-1] // 2
             return v * cos + torch.cat([-v[..., half:], v[..., :half]], dim=-1) * sin
 
+        q, k, v = ops.linear(h, blk["qkv"], blk["qkv_bias"]).view(n, 3, c.heads, hd).unbind(1)
+        a = F.scaled_dot_product_attention(rotate(q).transpose(0, 1), rotate(k).transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=1.0 / math.sqrt(hd))
+        return ops.linear(a.transpose(0, 1).reshape(n, c.hidden), blk["out"], blk["out_bias"])
+
+    def _merge(self, x: torch.Tensor) -> torch.Tensor:
+        """The merger: ``v.post_ln`` on each patch, each 2x2 block of patches (contiguous rows) concatenated, then
+        ``mm.0`` -> GELU -> ``mm.2``: ``[n, D]`` -> ``[n / 4, projection_dim]``."""
+        c, ops = self.config, self.ops
+        x = self._norm(x, self.post_ln).reshape(-1, c.hidden * c.pool * c.pool)
+        x = F.gelu(ops.linear(x.contiguous(), self.mm0, self.mm0_bias))
+        return ops.linear(x, self.mm2, self.mm2_bias)
+
+    @torch.inference_mode()
+    def encode_patches(self, patches: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+        """Embeddings ``[gh * gw / 4, projection_dim]`` float32 of one image's patches (`pixels`)."""
+        ops = self.ops
+        device = self.post_ln[0].device
+        windows = self._window_mask(gh, gw).to(device) if self.v25 else None
+        x = patches.to(device, torch.float32) @ self.patch_w.t()
+        rope = tuple(t.to(device) for t in self._rotary(gh, gw))
         for i, blk in enumerate(self.blocks):
-            h = self._norm(x, blk["ln1"])
-            q, k, v = ops.linear(h, blk["qkv"], blk["qkv_bias"]).view(n, 3, c.heads, hd).unbind(1)
-            q, k = rotate(q), rotate(k)
             full = windows is None or (i + 1) % self.window_pattern == 0
-            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=None if full else windows, scale=1.0 / math.sqrt(hd))
-            x = x + ops.linear(a.transpose(0, 1).reshape(n, c.hidden), blk["out"], blk["out_bias"])
+            x = x + self._attention(self._norm(x, blk["ln1"]), blk, rope, None if full else windows)
             h = self._norm(x, blk["ln2"])
             if blk["gate"] is not None:  # Qwen2.5-VL: SwiGLU
                 h = F.silu(ops.linear(h, blk["gate"], blk["gate_bias"])) * ops.linear(h, blk["up"], blk["up_bias"])
@@ -186,9 +192,7 @@ class QwenVLTower:
                 h = ops.linear(h, blk["up"], blk["up_bias"])
                 h = h * torch.sigmoid(1.702 * h)
             x = x + ops.linear(h, blk["down"], blk["down_bias"])
-        x = self._norm(x, self.post_ln).reshape(-1, c.hidden * c.pool * c.pool)
-        x = F.gelu(ops.linear(x.contiguous(), self.mm0, self.mm0_bias))
-        return ops.linear(x, self.mm2, self.mm2_bias).float()
+        return self._merge(x).float()
 
     def encode_images(self, images: list) -> list[tuple[torch.Tensor, int, int]]:
         """Each decoded RGB PIL image's embeddings ``[1, tokens, projection_dim]`` and its merged grid (rows,

@@ -75,6 +75,38 @@ class VisionConfig:
                    longest)
 
 
+class TowerTensors:
+    """An mmproj file's tensors as a tower loads them for `ops`: `need` (the raw tensor; a missing one is named),
+    `dense` (float32 on the ops' device: norms, biases, embeddings) and `weight` (a matrix through
+    `ops.prepare_weight`; several names: their rows stacked into one matrix, in their own blocks when their types
+    agree)."""
+
+    def __init__(self, model, ops, path: str):
+        self.tensors, self.ops, self.path = model.tensors, ops, path
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def need(self, name: str):
+        if name not in self.tensors:
+            raise ModelFileError(f"{self.path}: the mmproj file has no tensor {name!r}")
+        return self.tensors[name]
+
+    def dense(self, name: str) -> torch.Tensor:
+        return self.need(name).dequantize(torch.float32).to(self.ops.device)
+
+    def weight(self, *names: str):
+        parts = [self.need(n) for n in names]
+        if len(parts) == 1:
+            return self.ops.prepare_weight(parts[0])
+        if len({p.qtype for p in parts}) == 1:
+            from gpullama.quants import QTensor
+
+            rows = torch.cat([p.data for p in parts])
+            return self.ops.prepare_weight(QTensor(rows, parts[0].qtype, (rows.shape[0], parts[0].shape[1]), names[0]))
+        return self.ops.prepare_weight(_f32(torch.cat([p.dequantize(torch.float32) for p in parts]), names[0]))
+
+
 @dataclass
 class _Block:
     ln1: tuple[torch.Tensor, torch.Tensor]
@@ -93,11 +125,11 @@ class Gemma3Head:
     """Gemma 3's projector: the patch grid average-pooled KxK, an RMSNorm (``mm.soft_emb_norm``), then
     ``mm.input_projection`` (stored as ``x @ W``)."""
 
-    def __init__(self, c: VisionConfig, need, dense, ops, path: str):
-        self.soft_emb_norm = dense("mm.soft_emb_norm.weight")
-        proj = need("mm.input_projection.weight")  # [D, text hidden] as torch reads it: x @ W
+    def __init__(self, c: VisionConfig, t: TowerTensors, ops):
+        self.soft_emb_norm = t.dense("mm.soft_emb_norm.weight")
+        proj = t.need("mm.input_projection.weight")  # [D, text hidden] as torch reads it: x @ W
         if c.projection_dim != proj.shape[1]:
-            raise ModelFileError(f"{path}: mm.input_projection has {proj.shape[1]} columns, projection_dim is "
+            raise ModelFileError(f"{t.path}: mm.input_projection has {proj.shape[1]} columns, projection_dim is "
                                  f"{c.projection_dim}")
         self.projection = ops.prepare_weight(_f32(proj.dequantize(torch.float32).t().contiguous(),
                                                   "mm.input_projection.weight"))
@@ -114,10 +146,10 @@ class Idefics3Head:
     """Idefics3's (SmolVLM's) connector: transformers' pixel shuffle (each KxK block of patches becomes one token of
     K*K times the width), then ``mm.model.fc`` (no bias)."""
 
-    def __init__(self, c: VisionConfig, need, dense, ops, path: str):
-        fc = need("mm.model.fc.weight")  # [text hidden, D * K * K] as torch reads it
+    def __init__(self, c: VisionConfig, t: TowerTensors, ops):
+        fc = t.need("mm.model.fc.weight")  # [text hidden, D * K * K] as torch reads it
         if tuple(fc.shape) != (c.projection_dim, c.hidden * c.pool * c.pool):
-            raise ModelFileError(f"{path}: mm.model.fc is {tuple(fc.shape)}, expected "
+            raise ModelFileError(f"{t.path}: mm.model.fc is {tuple(fc.shape)}, expected "
                                  f"({c.projection_dim}, {c.hidden * c.pool * c.pool})")
         self.fc = ops.prepare_weight(fc)
 
@@ -144,45 +176,24 @@ class VisionTower:
         self.path = path
         self.config = c = VisionConfig.from_metadata(model.metadata, path)
         self.ops = ops
-        t = model.tensors
-        device = ops.device
-
-        def need(name: str):
-            if name not in t:
-                raise ModelFileError(f"{path}: the mmproj file has no tensor {name!r}")
-            return t[name]
-
-        def dense(name: str) -> torch.Tensor:
-            return need(name).dequantize(torch.float32).to(device)
-
-        def weight(*names: str):
-            parts = [need(n) for n in names]
-            if len(parts) == 1:
-                return ops.prepare_weight(parts[0])
-            if len({p.qtype for p in parts}) == 1:
-                from gpullama.quants import QTensor
-
-                rows = torch.cat([p.data for p in parts])
-                return ops.prepare_weight(QTensor(rows, parts[0].qtype, (rows.shape[0], parts[0].shape[1]), names[0]))
-            return ops.prepare_weight(_f32(torch.cat([p.dequantize(torch.float32) for p in parts]), names[0]))
-
-        self.patch_w = dense("v.patch_embd.weight").reshape(c.hidden, -1)  # [D, 3 * p * p] (conv as a matmul)
-        self.patch_b = dense("v.patch_embd.bias") if "v.patch_embd.bias" in t else None
-        self.position = dense("v.position_embd.weight")  # [patches, D]
+        t = TowerTensors(model, ops, path)
+        self.patch_w = t.dense("v.patch_embd.weight").reshape(c.hidden, -1)  # [D, 3 * p * p] (conv as a matmul)
+        self.patch_b = t.dense("v.patch_embd.bias") if t.has("v.patch_embd.bias") else None
+        self.position = t.dense("v.position_embd.weight")  # [patches, D]
         self.blocks = []
         for i in range(c.layers):
             b = f"v.blk.{i}."
             self.blocks.append(_Block(
-                (dense(b + "ln1.weight"), dense(b + "ln1.bias")),
-                weight(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
-                torch.cat([dense(b + "attn_q.bias"), dense(b + "attn_k.bias"), dense(b + "attn_v.bias")]),
-                weight(b + "attn_out.weight"), dense(b + "attn_out.bias"),
-                (dense(b + "ln2.weight"), dense(b + "ln2.bias")),
-                weight(b + "ffn_up.weight"), dense(b + "ffn_up.bias"),
-                weight(b + "ffn_down.weight"), dense(b + "ffn_down.bias"),
+                (t.dense(b + "ln1.weight"), t.dense(b + "ln1.bias")),
+                t.weight(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+                torch.cat([t.dense(b + "attn_q.bias"), t.dense(b + "attn_k.bias"), t.dense(b + "attn_v.bias")]),
+                t.weight(b + "attn_out.weight"), t.dense(b + "attn_out.bias"),
+                (t.dense(b + "ln2.weight"), t.dense(b + "ln2.bias")),
+                t.weight(b + "ffn_up.weight"), t.dense(b + "ffn_up.bias"),
+                t.weight(b + "ffn_down.weight"), t.dense(b + "ffn_down.bias"),
             ))
-        self.post_ln = (dense("v.post_ln.weight"), dense("v.post_ln.bias"))
-        self.head = HEADS[c.projector](c, need, dense, ops, path)
+        self.post_ln = (t.dense("v.post_ln.weight"), t.dense("v.post_ln.bias"))
+        self.head = HEADS[c.projector](c, t, ops)
 
     @property
     def tokens_per_tile(self) -> int:
