@@ -10,7 +10,8 @@ from gpullama.pooling_params import POOLING_TYPES
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "smollm3",
-    "glm4moe", "deepseek2", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "granitehybrid", "qwen2vl", "gemma4",
+    "glm4moe", "deepseek2", "lfm2", "lfm2moe", "qwen35", "qwen35moe", "granitehybrid", "qwen2vl", "gemma4", "qwen3vl",
+    "qwen3vlmoe",
 )
 
 _MOE_SUPPORTED = ("the mixture-of-experts families supported are qwen2moe, qwen3moe, qwen35moe, gpt-oss, glm4moe, "
@@ -53,6 +54,8 @@ class ModelConfig:
     # rotary embedding
     rotary_dim: int = 0  # dims of each head that rotate (phi3 partial rotary); 0: all of head_dim
     rope_sections: tuple[int, ...] = ()  # qwen2vl's M-RoPE: frequencies of time, rows, columns (images' tokens)
+    mrope_interleaved: bool = False  # qwen3vl: the sections' frequencies interleaved (t h w t h w ...), not in runs
+    deepstack_layers: int = 0  # qwen3vl: an image token's embedding carries this many more, added after layers 0..
     rope_scale: float = 1.0  # linear rope scaling factor (positions divided by it) of the full-attention layers
     rope_attn_factor: float = 1.0  # LongRoPE's attention factor: cos and sin are multiplied by it (phi3)
     rope_original_context: int = 0  # LongRoPE: the long factors are used when the context exceeds this (phi3)
@@ -170,6 +173,12 @@ class ModelConfig:
     def layer_kv_heads(self, layer: int) -> int:
         """KV heads of `layer` (Gemma 4's sliding layers have their own count)."""
         return self.num_kv_heads_swa if self.num_kv_heads_swa and self.is_sliding(layer) else self.num_kv_heads
+
+    @property
+    def input_embedding_size(self) -> int:
+        """The width of an embedding given in place of a token's (an image's): the hidden size, times one more for
+        each deepstack layer (llama.cpp's n_embd_inp)."""
+        return self.hidden_size * (1 + self.deepstack_layers)
 
     @property
     def kv_values_per_token(self) -> int:
@@ -296,7 +305,7 @@ class ModelConfig:
             rope_base=float(get("rope.freq_base", 10000.0)),
             rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss", "qwen2vl"),
-            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "qwen3vl", "qwen3vlmoe"),
             permuted_qk=arch in ("llama", "granite", "smollm3", "granitehybrid"),
             rotary_dim=int(opt("rope.dimension_count") or head_dim),
             nextn_layers=nextn,
@@ -365,7 +374,7 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     """`{arch}.expert_count` and the keys that shape routing, as llama.cpp's converter writes them; the expert
     sizes themselves come from the tensors (`gguf_file`)."""
     count = int(opt("expert_count") or 0)
-    if arch in ("qwen2moe", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "lfm2moe") and count <= 0:
+    if arch in ("qwen2moe", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "lfm2moe", "qwen3vlmoe") and count <= 0:
         raise ValueError(f"{path}: missing metadata key '{arch}.expert_count' (a {arch} model routes to experts)")
     if count <= 0:
         return
@@ -403,7 +412,8 @@ def _read_experts(config: ModelConfig, arch: str, opt, path: str) -> None:
     config.expert_gating = _GATING[gating]
     norm = opt("expert_weights_norm")
     config.expert_weights_norm = bool(norm) if norm is not None else arch in ("llama", "qwen3moe", "qwen35moe",
-                                                                              "granitehybrid", "lfm2moe", "gemma4")
+                                                                              "granitehybrid", "lfm2moe", "gemma4",
+                                                                              "qwen3vlmoe")
     config.expert_weights_scale = float(opt("expert_weights_scale") or 1.0)
 
 
@@ -563,6 +573,21 @@ def _qwen2vl(config: ModelConfig, get, opt, path: str) -> None:
     config.rope_sections = tuple(sections)
 
 
+def _qwen3vl(config: ModelConfig, get, opt, path: str) -> None:
+    """Qwen3-VL's text model (`qwen3vl`; `qwen3vlmoe`: qwen3moe's experts): qwen3 (q/k norms, no biases) with
+    interleaved M-RoPE (llama.cpp's IMROPE: frequency i turns by the row position when i % 3 == 1 and i < 3 x the
+    rows' section, by the column position when i % 3 == 2 and i < 3 x the columns' section, else by the time
+    position, as transformers' `apply_interleaved_mrope`) and deepstack: an image token's embedding from the mmproj
+    is `n_deepstack_layers` + 1 embeddings side by side, the first its input, the k-th added to its hidden state
+    after layer k - 1 (`gpullama.vision.qwen3_tower`)."""
+    _qwen2vl(config, get, opt, path)
+    config.mrope_interleaved = True
+    config.deepstack_layers = int(opt("n_deepstack_layers") or 0)
+    if not 0 <= config.deepstack_layers <= config.num_layers:
+        raise ValueError(f"{path}: '{config.architecture}.n_deepstack_layers' = {config.deepstack_layers} must be "
+                         f"between 0 and the {config.num_layers} layers")
+
+
 def _lfm2(config: ModelConfig, get, opt, path: str) -> None:
     """LFM2 (`lfm2`): short-convolution layers (those with 0 in `attention.head_count_kv`) beside attention layers
     with q/k norms; a conv layer maps x to B, C and x' (`shortconv.in_proj`), convolves B * x' over the last
@@ -714,4 +739,5 @@ _FAMILIES = {
     "phi3": _phi3, "granite": _granite, "gemma2": _gemma2, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "smollm3": _smollm3,
     "glm4moe": _glm4moe, "deepseek2": _deepseek2, "lfm2": _lfm2, "lfm2moe": _lfm2, "qwen35": _qwen35,
     "qwen35moe": _qwen35, "granitehybrid": _granitehybrid, "qwen2vl": _qwen2vl, "gemma4": _gemma4,
+    "qwen3vl": _qwen3vl, "qwen3vlmoe": _qwen3vl,
 }

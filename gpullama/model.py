@@ -519,18 +519,22 @@ class Decoder:
         hidden = self._embed(token_ids)
         if meta.lora:  # before the images: their rows take the image's embeddings, not the token's
             self._lora_embedding(hidden, token_ids, meta)
+        deepstack = None
         if meta.input_embeds is not None:  # image embeddings in place of their tokens' (no embedding scale)
             rows, values = meta.input_embeds
-            hidden[rows] = values.to(hidden.dtype)
+            hidden[rows] = values[:, : c.hidden_size].to(hidden.dtype)
+            if c.deepstack_layers:  # Qwen3-VL: the rest of each row is added after the first layers
+                deepstack = (rows, values[:, c.hidden_size :].reshape(rows.shape[0], c.deepstack_layers, -1)
+                             .to(hidden.dtype))
         # the one-call stack attends causally only and reads one position a row: a step with an image that attends
-        # both ways, or with M-RoPE rows, runs the layer loop
+        # both ways, with M-RoPE rows or with deepstack rows, runs the layer loop
         stack = self._layer_stack(k_caches, v_caches) if self.native_stack and meta.image_attention is None and \
-            meta.rope_table is None else None
+            meta.rope_table is None and deepstack is None else None
         if stack is not None:
             hidden, residual = stack(hidden, meta)
         else:
             hidden, residual = self._layers(hidden, meta, k_caches, v_caches, states, self._per_layer_inputs(
-                token_ids, hidden) if c.per_layer_input_size else None)
+                token_ids, hidden) if c.per_layer_input_size else None, deepstack)
         rows = meta.logits_indices
         pooled = None
         if meta.pool_indices is not None:  # the embedding rows share the output norm with the sampling rows
@@ -555,9 +559,11 @@ class Decoder:
     def _layers(
         self, hidden: torch.Tensor, meta: BatchMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         states: list[torch.Tensor] = (), per_layer: torch.Tensor | None = None,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers over the embeddings `hidden`, one op at a time: (the last layer's output, the residual
-        stream before it); `per_layer`: Gemma 4's per-layer inputs ``[T, layers, P]``."""
+        stream before it); `per_layer`: Gemma 4's per-layer inputs ``[T, layers, P]``; `deepstack`: Qwen3-VL's
+        image rows and what is added to their stream after each of the first layers, ``[rows, k, H]``."""
         c, ops, tp = self.config, self.ops, self.tp
         t = hidden.shape[0]
         rs = c.residual_scale
@@ -579,6 +585,7 @@ class Decoder:
                     hidden = self._delta_net(x, layer.delta, states[layer.cache], states[layer.cache + 1], meta)
                 x, residual = ops.rms_norm(hidden, layer.ffn_norm, c.rms_eps, residual, rs)
                 hidden = self._mlp(x, layer, act, lora and (lora, i))
+                _add_deepstack(hidden, deepstack, i)
                 continue
             d, hk = layer.head_dim, layer.kv_heads  # Gemma 4's sliding and full layers differ
             q_size, kv_size = self.num_heads * d, hk * d
@@ -622,6 +629,7 @@ class Decoder:
             if layer.per_layer is not None or layer.out_scale != 1.0:  # Gemma 4: on the whole stream
                 hidden = self._gemma4_layer_end(hidden + residual, layer, per_layer[:, i] if layer.per_layer else None)
                 residual = None
+            _add_deepstack(hidden, deepstack, i)
         if residual is None:  # the last layer ended the stream itself
             residual = torch.zeros_like(hidden)
         return hidden, residual
@@ -793,6 +801,14 @@ def _add_pair(y: torch.Tensor, x: torch.Tensor, pair, rows: torch.Tensor, scales
     """``y[rows, offset : offset + N] += scales * B (A x[rows])`` for one adapter's pair (float32 products)."""
     delta = ((x.index_select(0, rows).float() @ pair.a.T) * scales[:, None]) @ pair.b.T
     y[:, pair.offset : pair.offset + pair.b.shape[0]].index_add_(0, rows, delta.to(y.dtype))
+
+
+def _add_deepstack(hidden: torch.Tensor, deepstack: tuple[torch.Tensor, torch.Tensor] | None, layer: int) -> None:
+    """Qwen3-VL's deepstack: after `layer` (one of the first k), its image rows' features added to their stream
+    (`hidden` is the layer's output; the residual it joins is added by the next norm)."""
+    if deepstack is not None and layer < deepstack[1].shape[1]:
+        rows, features = deepstack
+        hidden[rows] += features[:, layer]
 
 
 def _add_lora(y: torch.Tensor, x: torch.Tensor, groups: list, layer: int, site: str) -> None:

@@ -30,6 +30,7 @@ class AdmissionLimits:
     hidden_size: int = 0  # the embedding size (0: unknown)
     pooling_type: str = "last"  # the model's pooling (ModelConfig.pooling_type)
     reranker: bool = False  # pooling_type rank and a classification head (`gpullama.model.RankHead`): it scores
+    image_embedding_size: int = 0  # an image token's embedding width (ModelConfig.input_embedding_size; 0: hidden_size)
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
@@ -132,9 +133,9 @@ def check_images(images: list, prompt_len: int, limits: AdmissionLimits, max_num
     previous_end = 0
     for i, span in enumerate(images):
         shape = tuple(span.embeds.shape)
-        if len(shape) != 2 or (limits.hidden_size and shape[1] != limits.hidden_size):
-            raise RequestError(f"image {i}: embeddings of shape {shape}, expected [tokens, {limits.hidden_size}]",
-                               "images")
+        width = limits.image_embedding_size or limits.hidden_size
+        if len(shape) != 2 or (width and shape[1] != width):
+            raise RequestError(f"image {i}: embeddings of shape {shape}, expected [tokens, {width}]", "images")
         if span.start < previous_end or span.end > prompt_len:
             raise RequestError(f"image {i}: tokens {span.start}..{span.end} are not inside the prompt of "
                                f"{prompt_len} tokens after the image before it", "images")

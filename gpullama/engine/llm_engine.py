@@ -50,7 +50,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.limits = AdmissionLimits(model.config.vocab_size, config.max_model_len, self.kv_capacity_tokens,
                                       model.config.hidden_size, model.config.pooling_type,
-                                      model.config.pooling_type == RANK and model.rank_head is not None)
+                                      model.config.pooling_type == RANK and model.rank_head is not None,
+                                      model.config.input_embedding_size)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[StreamDelta] = []  # last deltas of aborted requests, delivered by the next step
         self.eos_token_ids = set(tokenizer.eos_token_ids)

@@ -27,6 +27,7 @@ from gpullama.engine.step_inputs import StepBroadcast, StepInputs, step_buffer_s
 from gpullama.model import Decoder
 from gpullama.ops import BatchMetadata, TorchOps
 from gpullama.ops.metadata import LoraGroup
+from gpullama.ops.rope import mrope_axes, mrope_rows
 
 log = logging.getLogger("gpullama")
 
@@ -374,13 +375,11 @@ class ModelRunner:
 
     def _mrope_table(self, step: StepInputs) -> torch.Tensor:
         """Each row's cos|sin row ``[T, R]`` for a step's M-RoPE positions: each frequency of the head turns by the
-        position on its axis (`rope_sections`: how many frequencies time, rows and columns take)."""
-        table = self.model.cos_sin  # [max_pos, R]: cos of each frequency | sin of each
+        position on its axis (`rope_sections`: how many frequencies time, rows and columns take; in runs, or
+        interleaved for Qwen3-VL)."""
+        c, table = self.model.config, self.model.cos_sin  # [max_pos, R]: cos of each frequency | sin of each
         positions = torch.tensor(step.rope_positions, dtype=torch.long, device=table.device)  # [3, T]
-        sections = torch.tensor(self.model.config.rope_sections[:3], device=table.device)
-        axis = torch.repeat_interleave(torch.arange(3, device=table.device), sections).repeat(2)  # [R]
-        rows = table[positions]  # [3, T, R]
-        return rows.gather(0, axis.view(1, 1, -1).expand(1, rows.shape[1], -1))[0].contiguous()
+        return mrope_rows(table, positions, mrope_axes(c.rope_sections, c.mrope_interleaved))
 
     def _image_attention(self, step: StepInputs, positions: list[int], slots: list[int],
                          tables: list[list[int]]) -> tuple[torch.Tensor, BatchMetadata]:

@@ -64,3 +64,28 @@ def rope_cos_sin(
         inv_freq = inv_freq / scale
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return (torch.cat((angles.cos(), angles.sin()), dim=-1) * attn_factor).float()
+
+
+def mrope_axes(sections: tuple[int, ...], interleaved: bool = False) -> torch.Tensor:
+    """Which position (0 time, 1 row, 2 column) turns each frequency of an M-RoPE head: ``[sum(sections[:3])]``
+    int64. In runs (Qwen2-VL: the first `sections[0]` frequencies by time, the next `sections[1]` by row, ...), or
+    interleaved (Qwen3-VL, transformers' `apply_interleaved_mrope`: frequency i by row when i % 3 == 1 and
+    i < 3 * sections[1], by column when i % 3 == 2 and i < 3 * sections[2], else by time; llama.cpp's IMROPE agrees
+    but for the frequencies past 3 * sections[0] that fall to neither, which it turns by a fourth position, 0 for
+    text, where transformers turns them by time)."""
+    n = sum(sections[:3])
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(sections[:3]))
+    i = torch.arange(n)
+    axes = torch.zeros(n, dtype=torch.long)
+    axes[(i % 3 == 1) & (i < 3 * sections[1])] = 1
+    axes[(i % 3 == 2) & (i < 3 * sections[2])] = 2
+    return axes
+
+
+def mrope_rows(table: torch.Tensor, positions: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+    """Each row's cos|sin row ``[T, R]`` of a ``[max_pos, R]`` table (cos of each frequency | sin of each) for its
+    (time, row, column) `positions` ``[3, T]``: each frequency at the position of its axis (`mrope_axes`)."""
+    axis = axes.to(table.device).repeat(2)  # [R]: the cos half, then the sin half
+    rows = table[positions]  # [3, T, R]
+    return rows.gather(0, axis.view(1, 1, -1).expand(1, rows.shape[1], -1))[0].contiguous()

@@ -10,14 +10,15 @@ from typing import Any
 
 @dataclass
 class ImageSpan:
-    """One image (or one tile of it) in a prompt: its embeddings ``[length, hidden]`` take the place of the prompt's
+    """One image (or one tile of it) in a prompt: its embeddings ``[length, hidden]`` (Qwen3-VL: ``[length, hidden *
+    (1 + deepstack layers)]``, the deepstack features after the embedding) take the place of the prompt's
     tokens ``start .. start + length`` (each the model's image token), attend to each other both ways (Gemma 3) or
     causally as text does (`causal`: Idefics3, Qwen2-VL), and key the prefix cache by `key` (a hash of the image's
     pixels). `rope`: the M-RoPE positions (time, row, column) of its tokens, ``[3, length]`` (Qwen2-VL); the text
     after it goes on from one past their largest (`rope_positions`)."""
 
     start: int
-    embeds: Any  # torch.Tensor [length, hidden] float32
+    embeds: Any  # torch.Tensor [length, ModelConfig.input_embedding_size] float32
     key: bytes
     causal: bool = False
     rope: Any = None  # torch.Tensor [3, length] int64, or None

@@ -8,7 +8,8 @@ from pathlib import Path
 
 log = logging.getLogger("gpullama")
 
-ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",), "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger")}
+ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",), "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"),
+                 "qwen3vl": ("qwen3vl_merger",), "qwen3vlmoe": ("qwen3vl_merger",)}
 """Text architecture -> the projector types it takes (SmolVLM's and Idefics3's text models are llama's)."""
 EXPECTS_MMPROJ = ("gemma3",)
 """Architectures whose models mostly come with an mmproj (`gpullama info` says when none lies beside one)."""
@@ -32,15 +33,18 @@ def find_mmproj(model_path: str) -> str | None:
 
 
 def load_tower(path: str | os.PathLike, ops):
-    """The tower of an mmproj file for its projector type: `VisionTower` (SigLIP: gemma3, idefics3) or
-    `QwenVLTower` (qwen2vl_merger, qwen2.5vl_merger)."""
+    """The tower of an mmproj file for its projector type: `VisionTower` (SigLIP: gemma3, idefics3), `QwenVLTower`
+    (qwen2vl_merger, qwen2.5vl_merger) or `Qwen3VLTower` (qwen3vl_merger)."""
     from gpullama.gguf_file import read_gguf
     from gpullama.vision.projectors import QWEN_PROJECTORS
+    from gpullama.vision.qwen3_tower import Qwen3VLTower
     from gpullama.vision.qwen_tower import QwenVLTower
     from gpullama.vision.tower import VisionTower
 
     model = read_gguf(os.fspath(path), text_model=False)
-    kind = QwenVLTower if model.metadata.get("clip.projector_type") in QWEN_PROJECTORS else VisionTower
+    projector = model.metadata.get("clip.projector_type")
+    kind = Qwen3VLTower if projector == "qwen3vl_merger" else QwenVLTower if projector in QWEN_PROJECTORS else \
+        VisionTower
     return kind(path, ops, model)
 
 
@@ -70,6 +74,11 @@ def load_vision(args, model_path: str, model, tokenizer, tp_size: int = 1):
         if tower.config.projector not in ARCHITECTURES[arch]:
             raise ValueError(f"{path}: projector type {tower.config.projector} does not fit a {arch} model "
                              f"(it takes {', '.join(ARCHITECTURES[arch])})")
+        deepstack = len(tower.config.deepstack_layers)
+        if deepstack != model.config.deepstack_layers:  # how the model splits each image embedding (llama.cpp's)
+            raise ValueError(f"{path}: its tower writes {deepstack} deepstack features an image token, the model "
+                             f"takes {model.config.deepstack_layers} ({arch}.n_deepstack_layers): not this model's "
+                             "mmproj")
         vision = VisionModel(tower, tokenizer)
     except (ValueError, ModelFileError) as exc:
         if explicit:

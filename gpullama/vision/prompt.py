@@ -1,7 +1,7 @@
 """A chat with images as a prompt: the image parts of the messages (`gpullama.chat.messages` reads every API's
 shape of them into ``{"type": "image", "image": ImageRef}``) go to the chat template as ``{"type": "image"}``, which
 the model's template writes as its marker (Gemma 3: ``<start_of_image>``; SmolVLM / Idefics3: ``<image>``;
-Qwen2-VL: ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``); each
+Qwen2-VL, Qwen3-VL: ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``); each
 marker becomes what the model's HF processor makes of it (its `ImageFormat`), and the runs of image tokens in it
 take the image's embeddings (`ImageSpan`, one per tile)."""
 
@@ -83,8 +83,15 @@ class Qwen2VLFormat(ImageFormat):
         return "<|image_pad|>" * tokens_per_tile
 
 
+class Qwen3VLFormat(Qwen2VLFormat):
+    """Qwen3-VL's processor: Qwen2-VL's."""
+
+    model = "Qwen3-VL"
+
+
 FORMATS: dict[str, type[ImageFormat]] = {"gemma3": Gemma3Format, "idefics3": Idefics3Format,
-                                         "qwen2vl_merger": Qwen2VLFormat, "qwen2.5vl_merger": Qwen2VLFormat}
+                                         "qwen2vl_merger": Qwen2VLFormat, "qwen2.5vl_merger": Qwen2VLFormat,
+                                         "qwen3vl_merger": Qwen3VLFormat}
 """Projector type -> its images' place in the prompt."""
 
 

@@ -42,6 +42,7 @@ class VisionConfig:
     pool: int  # gemma3's average pool (4: 896/14 = 64 patches a side -> 16 -> 256 tokens), idefics3's pixel shuffle
     projection_dim: int  # the text model's embedding length
     longest_edge: int = 0  # idefics3: the image's longest side before it is cut into tiles
+    deepstack_layers: tuple[int, ...] = ()  # qwen3vl: the blocks whose outputs feed a deepstack merger
 
     @classmethod
     def from_metadata(cls, meta: dict, path: str) -> VisionConfig:
@@ -68,11 +69,14 @@ class VisionConfig:
         longest = int(meta.get("clip.vision.preproc_image_size", image)) if projector == "idefics3" else 0
         if projector == "idefics3" and longest < image:
             raise ModelFileError(f"{path}: clip.vision.preproc_image_size {longest} is smaller than a tile ({image})")
-        return cls(projector, image, patch, int(key("embedding_length")), int(key("feed_forward_length")),
-                   int(key("block_count")), int(key("attention.head_count")),
-                   float(key("attention.layer_norm_epsilon")), [float(x) for x in key("image_mean")],
-                   [float(x) for x in key("image_std")], (side // pool) ** 2, pool, int(key("projection_dim")),
-                   longest)
+        layers = int(key("block_count"))
+        deepstack = tuple(i for i, on in enumerate(meta.get("clip.vision.is_deepstack_layers") or ()) if on)
+        if any(i >= layers for i in deepstack):
+            raise ModelFileError(f"{path}: clip.vision.is_deepstack_layers names blocks past the {layers} the tower has")
+        return cls(projector, image, patch, int(key("embedding_length")), int(key("feed_forward_length")), layers,
+                   int(key("attention.head_count")), float(key("attention.layer_norm_epsilon")),
+                   [float(x) for x in key("image_mean")], [float(x) for x in key("image_std")], (side // pool) ** 2,
+                   pool, int(key("projection_dim")), longest, deepstack)
 
 
 class TowerTensors:

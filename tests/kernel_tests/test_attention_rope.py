@@ -7,6 +7,7 @@ import torch
 
 from gpullama.kernels.attention import paged_attention
 from gpullama.ops import TorchOps, rope_cos_sin
+from gpullama.ops.rope import mrope_axes, mrope_rows
 from gpullama.ops.triton_ops import TritonOps
 from tests.kernel_tests.batches import make_batch, meta_to
 
@@ -65,17 +66,18 @@ def test_rope_and_cache_partial_rotary_longrope(device):
         assert rel_err(got, want) < 1e-6
 
 
-def test_rope_and_cache_reads_mrope_rows(device):
-    """M-RoPE (Qwen2-VL's images): each row's own cos|sin row (`BatchMetadata.rope_table`, its frequencies from
-    three positions by section) in place of the table at its position, as TorchOps and the C kernels read it."""
+@pytest.mark.parametrize("interleaved", [False, True], ids=["runs", "interleaved"])
+def test_rope_and_cache_reads_mrope_rows(interleaved, device):
+    """M-RoPE (Qwen2-VL's images, in runs; Qwen3-VL's, interleaved): each row's own cos|sin row
+    (`BatchMetadata.rope_table`, its frequencies from three positions by section) in place of the table at its
+    position, as TorchOps and the C kernels read it."""
     hq, hk, d, block_size = 4, 2, 16, 4
     meta = make_batch([7, 3], [3, 3], block_size, num_blocks=6)
     t = meta.positions.shape[0]
     table = rope_cos_sin(d, 32, 10000.0)
     g = torch.Generator().manual_seed(7)
-    axes = torch.randint(0, 32, (3, t), generator=g)  # time, row, column positions of each row
-    axis = torch.repeat_interleave(torch.arange(3), torch.tensor([2, 3, 3])).repeat(2)
-    meta.rope_table = table[axes].gather(0, axis.view(1, 1, -1).expand(1, t, -1))[0].contiguous()
+    positions = torch.randint(0, 32, (3, t), generator=g)  # time, row, column positions of each row
+    meta.rope_table = mrope_rows(table, positions, mrope_axes((3, 3, 2) if interleaved else (2, 3, 3), interleaved))
     meta.rope_index = torch.arange(t)
     q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hk, d, generator=g), torch.randn(t, hk, d, generator=g)
     pools = [torch.randn(6, block_size, hk, d, generator=g) for _ in range(2)]

@@ -69,6 +69,42 @@ def test_moe_decoder_logits_match_torch_ops(device):
         assert float((g - w).abs().max() / w.abs().max()) < 1e-4
 
 
+def test_image_rows_with_deepstack_and_interleaved_mrope_match_torch_ops(device):
+    """Qwen3-VL's image rows (qwen3vl: q/k norms): embeddings in place of the tokens', each with two deepstack
+    features added after layers 0 and 1, and each row's own interleaved M-RoPE cos|sin row, through TritonOps equal
+    TorchOps; the deepstack features change the logits."""
+    import dataclasses
+
+    from gpullama.ops import rope_cos_sin
+    from gpullama.ops.rope import mrope_axes, mrope_rows
+
+    config = dataclasses.replace(tiny_config(num_layers=3), architecture="qwen3vl", qk_norm=True,
+                                 rope_sections=(12, 10, 10), mrope_interleaved=True, deepstack_layers=2)
+    tensors = random_tensors(config, Q.Q8_0, torch.device("cpu"), seed=4)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, config.vocab_size, (8,), generator=g)
+    rows = torch.tensor([1, 2, 3, 5])
+    embeds = torch.randn(4, config.input_embedding_size, generator=g)
+    positions = torch.randint(0, 30, (3, 8), generator=g)
+    table = mrope_rows(rope_cos_sin(config.head_dim, 64, config.rope_base), positions,
+                       mrope_axes(config.rope_sections, True))
+
+    def logits(ops, values):
+        decoder = Decoder(config, {k: v.to(ops.device) for k, v in tensors.items()}, ops, max_positions=64)
+        pools = [torch.zeros(4, 8, config.num_kv_heads, config.head_dim, device=ops.device) for _ in range(6)]
+        meta = batch_metadata([5, 3], [5, 3], 8, ops.device)
+        meta.input_embeds = (rows.to(ops.device), values.to(ops.device))
+        meta.rope_table, meta.rope_index = table.to(ops.device), torch.arange(8, device=ops.device)
+        return decoder.forward(prompt.to(ops.device), meta, pools[:3], pools[3:]).cpu()
+
+    want = logits(TorchOps(torch.device("cpu")), embeds)
+    got = logits(TritonOps(device), embeds)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    plain = embeds.clone()
+    plain[:, config.hidden_size :] = 0
+    assert float((logits(TorchOps(torch.device("cpu")), plain) - want).abs().max() / want.abs().max()) > 1e-2
+
+
 def test_prepare_weight_keeps_gguf_blocks(device):
     """Kernel-readable quantized weights stay raw blocks of their GGUF size on the device."""
     tensors = random_tensors(tiny_config(num_layers=1), Q.Q4_K, torch.device("cpu"))

@@ -204,17 +204,18 @@ def test_an_image_to_a_text_only_model_names_mmproj(http, model_name: str) -> No
 
 
 
-@pytest.mark.parametrize("projector", ["idefics3", "qwen2vl", "qwen25vl"])
+@pytest.mark.parametrize("projector", ["idefics3", "qwen2vl", "qwen25vl", "qwen3vl"])
 def test_other_projectors_through_openai_and_ollama(default_model_path: Path, tmp_path: Path, projector: str) -> None:
     """SmolVLM's projector (the image cut into tiles plus the whole image) and Qwen2-VL's (the image at its own
-    size, M-RoPE positions; Qwen2.5-VL's window attention), `tests/fixtures/tiny_vlm`: through the OpenAI and Ollama clients, transformers' greedy
-    answer."""
+    size, M-RoPE positions; Qwen2.5-VL's window attention; Qwen3-VL's deepstack), `tests/fixtures/tiny_vlm`: through
+    the OpenAI and Ollama clients, transformers' greedy answer."""
     from PIL import Image
     from transformers import (
         AutoProcessor,
         Idefics3ForConditionalGeneration,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
     )
 
     from tests.fixtures.tiny_vlm import qwen2vl_processor, tiny_vlm_folder
@@ -225,8 +226,9 @@ def test_other_projectors_through_openai_and_ollama(default_model_path: Path, tm
         model = Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
         end = "<end_of_utterance>"
     else:
-        processor = qwen2vl_processor(folder)
-        kind = Qwen2VLForConditionalGeneration if projector == "qwen2vl" else Qwen2_5_VLForConditionalGeneration
+        processor = qwen2vl_processor(folder, "Qwen3VLProcessor" if projector == "qwen3vl" else "Qwen2VLProcessor")
+        kind = {"qwen2vl": Qwen2VLForConditionalGeneration, "qwen25vl": Qwen2_5_VLForConditionalGeneration,
+                "qwen3vl": Qwen3VLForConditionalGeneration}[projector]
         model = kind.from_pretrained(folder, dtype=torch.float32).eval()
         end = "<|im_end|>"
     image = Image.open(io.BytesIO(encoded(picture(20))))
