@@ -153,7 +153,7 @@ class BlockManager:
             if block.hash is None:
                 block.hash = chain_hash(previous.hash if previous else (None if salt is None else hash(salt)), ids)
                 block.token_ids = ids
-                block.parent = previous.key if previous else salt
+                block.parent = self._findable(previous).key if previous else salt
                 findable = self.cached.setdefault(block.hash, block.block_id) == block.block_id
             if self.event_sink is not None:
                 if findable:
@@ -168,6 +168,17 @@ class BlockManager:
             previous = block
         if stored is not None:
             self.event_sink(stored)
+
+    def _findable(self, block: Block) -> Block:
+        """The block a prefix hit finds for `block`'s contents: itself, or the cached block with its hash, tokens and
+        parent (the same k/v computed before, by a sequence whose hit ended earlier). A block's parent is that one,
+        so the blocks after a recomputed copy stay findable behind the cached chain."""
+        found = self.cached.get(block.hash)
+        if found is not None and found != block.block_id:
+            other = self.blocks[found]
+            if other.token_ids == block.token_ids and other.parent == block.parent:
+                return other
+        return block
 
     def free_sequence(self, seq: Sequence) -> None:
         """Release a sequence's blocks; full blocks stay cached until their slot is reused."""

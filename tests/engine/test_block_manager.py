@@ -100,3 +100,25 @@ def test_prefix_caching_off_never_shares() -> None:
     b = seq("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert bm.allocate(b, 9)
     assert b.num_computed_tokens == 0 and not set(a.block_table) & set(b.block_table) and not bm.cached
+
+
+def test_blocks_after_a_recomputed_copy_stay_findable() -> None:
+    """Two sequences compute the same leading blocks at once (neither could hit the other's): the second's copies
+    are not findable, but the block after them is, behind the first's chain (a hybrid model's hit cut back to a
+    state checkpoint recomputes such copies every time)."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    shared = list(range(1, 13))  # three full blocks
+    a, b = seq("a", shared + [50]), seq("b", shared + [60, 61, 62, 63, 64])
+    assert bm.allocate(a, a.num_tokens) and bm.allocate(b, b.num_tokens)
+    assert b.num_computed_tokens == 0
+    compute_all(bm, a)
+    compute_all(bm, b)
+    c = seq("c", shared + [60, 61, 62, 63, 70])
+    assert bm.allocate(c, c.num_tokens)
+    assert c.num_computed_tokens == 16
+    assert c.block_table[:4] == a.block_table[:3] + [b.block_table[3]]
+    d = seq("d", list(range(1, 9)) + [99, 98, 97, 96, 60, 61, 62, 63, 70])  # b's fourth block after other tokens
+    assert bm.allocate(d, d.num_tokens) and d.num_computed_tokens == 8
+    for s in (a, b, c, d):
+        bm.free_sequence(s)
+    assert_pool_idle(bm)
