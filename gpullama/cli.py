@@ -349,6 +349,18 @@ def state_per_sequence(c) -> int:
     return 4 * sum(math.prod(shape) for i in range(c.num_layers) for shape in c.state_shapes(i))
 
 
+def checkpoints_line(c) -> str:
+    """What prefix caching's recurrent-state checkpoints cost for this model, in words."""
+    from gpullama.engine.state_checkpoints import CHECKPOINT_MEMORY_SHARE, CHECKPOINTS_PER_SEQ
+
+    seqs = EngineArgs.max_num_seqs
+    count = CHECKPOINTS_PER_SEQ * seqs
+    return (f"prefix caching keeps copies of a sequence's state at block boundaries, {state_per_sequence(c) / 1024:.1f}"
+            f" KiB each, taken from the KV cache's memory: --state-checkpoints N (default {CHECKPOINTS_PER_SEQ} per "
+            f"--max-num-seqs, {count} = {count * state_per_sequence(c) / 2**20:.1f} MiB at {seqs}, within "
+            f"{CHECKPOINT_MEMORY_SHARE:.0%} of the KV cache's memory; 0: no prefix caching)")
+
+
 def state_contents(c) -> str:
     """What a sequence's recurrent state holds, in words."""
     parts = []
@@ -424,8 +436,8 @@ def cmd_info(args) -> int:
             f"; the last {c.kv_shared_layers} reuse earlier layers' K/V" if c.kv_shared_layers else "") + ")"
             if len(c.kv_layers) < c.num_layers else "")),
         *([("recurrent state", f"{state_per_sequence(c) / 1024:.1f} KiB a sequence, float32 (in "
-                               f"{c.recurrent_layers_named}: {state_contents(c)}; no prefix caching)")]
-          if c.has_recurrent_state else []),
+                               f"{c.recurrent_layers_named}: {state_contents(c)})"),
+           ("state checkpoints", checkpoints_line(c))] if c.has_recurrent_state else []),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
         ("chat template", "yes" if meta.get("tokenizer.chat_template") else "no (ChatML fallback)"),
         ("modalities", modalities(h.path, c, args.mmproj)),

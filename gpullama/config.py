@@ -191,6 +191,11 @@ class ModelConfig:
         gated delta-nets, Granite 4.0's Mamba2 layers)."""
         return any(self.conv_layers) or any(self.delta_layers) or any(self.mamba_layers)
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent states (float32, `state_shapes` of every layer; 0 without such layers)."""
+        return 4 * sum(math.prod(shape) for i in range(self.num_layers) for shape in self.state_shapes(i))
+
     def is_conv(self, layer: int) -> bool:
         """Whether `layer` is a short convolution (no KV pool; a per-sequence state)."""
         return bool(self.conv_layers) and self.conv_layers[layer]

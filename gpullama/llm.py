@@ -194,6 +194,12 @@ class LLM:
             runner.kv_cache_format, runner.kv_pool_limit,
             "; resident only as requests fill it" if self.device.type == "cpu" else "",
         )
+        if runner.states:
+            log.info(
+                "recurrent states: %.1f KiB a sequence; prefix caching %s", runner.state_bytes / 1024,
+                f"keeps {runner.num_checkpoints} state checkpoints ({runner.checkpoint_bytes / 2**20:.1f} MiB, in the "
+                f"KV cache's memory)" if runner.num_checkpoints else "is off (no state checkpoints)",
+            )
 
     # -- LoRA adapters ---------------------------------------------------------------------------------
     def load_lora(self, path: str | os.PathLike, name: str | None = None) -> int:
@@ -456,7 +462,8 @@ class LLM:
     @property
     def memory_bytes(self) -> int:
         """Bytes this model holds in this process: its weights as its ops keep them (LoRA adapters and the vision
-        tower included), the KV pool as reserved, the recurrent states and the step buffers."""
+        tower included), the KV pool as reserved, the recurrent states (and prefix caching's checkpoints of them)
+        and the step buffers."""
         return held_bytes(self.model, self.engine.runner, self.vision)
 
     # -- lifetime --------------------------------------------------------------------------------------

@@ -31,13 +31,14 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from gpullama import LLM, SamplingParams
 from gpullama.config import ModelConfig
+from gpullama.engine.llm_engine import LLMEngine
 from gpullama.gguf_file import read_header
 from gpullama.kernels import cpu_native
 from gpullama.ops import CpuOps
-from tests.engine.helpers import make_engine, run_requests, solo_runs
-from tests.engine.test_batching import LogitsRecorder, assert_as_solo, assert_logits_match_solo
+from tests.engine.helpers import make_engine, random_prompt, run_requests, solo_runs
+from tests.engine.test_batching import LOGITS_TOLERANCE, LogitsRecorder, assert_as_solo, assert_logits_match_solo
 from tests.fixtures.llamacpp_source import cache_root, convert_hf_to_gguf, llamacpp_source, tokenizer_folder
-from tests.test_cpu_fast_path import assert_close_and_same_top1
+from tests.test_cpu_fast_path import FAST_TOLERANCE, assert_close_and_same_top1
 from tests.test_families import family_prompts
 from tests.test_model_parity import assert_close, hf_logits, token_ids
 from tests.test_moe import hf_greedy
@@ -288,7 +289,8 @@ def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     """Chunked prefill, a cached prefix, requests joining as others leave: each request gets its solo greedy
     tokens; on the exact path every sampled logits row also equals the sequence's scored alone. DeepSeek's, LFM2's,
     Qwen3.5's and Gemma 4's decode steps run on the static decode buffers (what CUDA graphs capture), over the latent pool and
-    the state slots; a recurrent state leaves the prefix cache off (no cached tokens)."""
+    the state slots; a model with a recurrent state hits only where a state checkpoint was saved
+    (`test_hybrid_prefix_hit_equals_prefix_caching_off`)."""
     llm = loaded(arch, fast)
     prompts = family_prompts(llm.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -299,7 +301,7 @@ def test_batch_equals_solo(loaded, arch: str, fast: bool) -> None:
     recorder = None if fast else LogitsRecorder(engine)
     seqs = run_requests(engine, prompts, params)
     assert_as_solo(seqs, solo, [params] * len(prompts), llm.tokenizer.eos_token_ids)
-    assert (sum(s.num_cached_tokens for s in seqs) > 0) == (not c.has_recurrent_state)
+    assert sum(s.num_cached_tokens for s in seqs) > 0 or c.has_recurrent_state
     if recorder is not None:
         assert_logits_match_solo(llm, recorder)
 
@@ -364,9 +366,10 @@ Granite 4.0-H's 3 Mamba2 layers (kernel 4: three inputs of the 192 x|B|C channel
 def test_recurrent_state_through_preemption_and_failures(loaded, arch: str, fast: bool) -> None:
     """A recurrent layer's state (LFM2's short convolutions, Qwen3.5's delta-nets, Granite 4.0-H's Mamba2 layers and
     their convolutions) lives in a slot per running sequence: with a KV pool too small for the batch,
-    sequences are preempted (their slot given back) and recomputed from their first token, and a step whose
-    sampling fails for one request runs its other rows again from the states they had before it; every request
-    still gets its solo greedy tokens, and every slot is free at the end."""
+    sequences are preempted (their slot given back) and recomputed, from their first token or from a state
+    checkpoint of the prefix cache (the preempted 150-token prompt resumes at its last block boundary), and a step
+    whose sampling fails for one request runs its other rows again from the states they had before it; every
+    request still gets its solo greedy tokens, and every slot is free at the end."""
     import gpullama.engine.llm_engine as llm_engine
 
     llm = loaded(arch, fast)
@@ -384,6 +387,7 @@ def test_recurrent_state_through_preemption_and_failures(loaded, arch: str, fast
 
     with mock.patch.object(llm_engine, "sample_batch", failing_sample_batch):
         seqs = run_requests(engine, prompts, params)
+    assert seqs[5].num_cached_tokens == 144  # preempted before its first token, resumed from its prompt's checkpoint
     assert engine.scheduler.num_preemptions > 0
     assert seqs[3].finish_reason == "error"
     keep = [i for i in range(len(prompts)) if i != 3]
@@ -391,6 +395,53 @@ def test_recurrent_state_through_preemption_and_failures(loaded, arch: str, fast
                    llm.tokenizer.eos_token_ids)
     assert sorted(engine.scheduler.free_state_slots) == [0, 1, 2, 3]
     assert engine.runner.state_bytes == STATE_BYTES[arch]
+
+
+def run_one_at_a_time(engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Each prompt run to its end before the next is queued (so a later one can hit what an earlier one saved)."""
+    return [run_requests(engine, [prompt], params)[0] for prompt in prompts]
+
+
+def logits_by_request(recorder: LogitsRecorder, seqs: list) -> list[dict[int, torch.Tensor]]:
+    """The recorded sampled logits rows of each sequence, by position."""
+    rows: list[dict[int, torch.Tensor]] = [{} for _ in seqs]
+    index = {id(seq): i for i, seq in enumerate(seqs)}
+    for seq, pos, row in recorder.rows:
+        rows[index[id(seq)]][pos] = row
+    return rows
+
+
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "granitehybrid"])
+def test_hybrid_prefix_hit_equals_prefix_caching_off(loaded, arch: str, fast: bool) -> None:
+    """Prefix caching on a hybrid model restores the recurrent states from a checkpoint at a block boundary: a
+    prompt sharing 40 tokens with an earlier one hits the checkpoint at the earlier prompt's last block boundary
+    (32 tokens), and a chat's next turn (the first turn's prompt and answer, then more) hits the one its answer's
+    decode reached (64); each request's greedy tokens and every sampled logits row equal a run with prefix caching
+    off (the reference; float32 rounding on the exact path, the fast path's tolerance on it)."""
+    llm = loaded(arch, fast)
+    vocab = llm.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    prefix = random_prompt(gen, 40, vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine = make_engine(llm, max_num_seqs=4, max_num_batched_tokens=48, static_decode=True)
+    recorder = LogitsRecorder(engine)
+    first, second = run_one_at_a_time(engine, [prefix + random_prompt(gen, 5, vocab),
+                                                 prefix + random_prompt(gen, 30, vocab)], params)
+    turn2 = run_one_at_a_time(engine, [first.token_ids + random_prompt(gen, 7, vocab)], params)[0]
+    seqs = [first, second, turn2]
+    assert [s.num_cached_tokens for s in seqs] == [0, 32, 64]
+    reference = make_engine(llm, max_num_seqs=1, enable_prefix_caching=False, max_num_batched_tokens=4096)
+    ref_recorder = LogitsRecorder(reference)
+    want = run_one_at_a_time(reference, [s.prompt_token_ids for s in seqs], params)
+    assert [s.output_token_ids for s in seqs] == [w.output_token_ids for w in want]
+    tolerance = FAST_TOLERANCE if fast else LOGITS_TOLERANCE
+    for i, (got, ref) in enumerate(zip(logits_by_request(recorder, seqs), logits_by_request(ref_recorder, want))):
+        assert sorted(got) == sorted(ref) and len(got) == params.max_tokens
+        for pos, row in got.items():
+            err = (row - ref[pos]).abs().max().item() / ref[pos].abs().max().item()
+            assert err < tolerance, f"request {i} position {pos}: logits differ by {err:.2g} (rel)"
+    assert 0 < len(engine.state_checkpoints) <= engine.runner.num_checkpoints
 
 
 @pytest.mark.parametrize(("arch", "kv_layers", "states", "info"), [
@@ -417,10 +468,36 @@ def test_recurrent_state_is_reported_and_refuses_what_it_cannot_follow(converted
     assert main(["info", path]) == 0
     out = capsys.readouterr().out
     assert all(part in out for part in info), out
+    assert f"state at block boundaries, {STATE_BYTES[arch] / 1024:.1f} KiB each" in out, out
+    assert f"192 = {192 * STATE_BYTES[arch] / 2**20:.1f} MiB at 64" in out, out
     with pytest.raises(ValueError, match=rf"recurrent layers of {arch} \(3 .* layers\).*tensor_parallel_size 1"):
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=f"speculative decoding is not supported for {arch}"):
         make_engine(llm, speculative=SpeculativeConfig(num_speculative_tokens=3))
+
+
+def test_state_checkpoints_come_out_of_the_kv_budget(loaded) -> None:
+    """The checkpoints' bytes (a sequence's state each) are taken from kv_cache_memory before the KV pool is sized;
+    too many for the budget is refused naming the option; the default is 3 per max_num_seqs within a quarter of the
+    budget; 0 turns the prefix cache off for a hybrid model."""
+    from gpullama.engine.args import EngineConfig
+    from gpullama.engine.model_runner import kv_block_bytes, kv_pool_size
+
+    llm = loaded("qwen35")
+    c, state = llm.config, STATE_BYTES["qwen35"]
+    per_block = kv_block_bytes(c, 16, torch.float32)
+    cpu = torch.device("cpu")
+    memory = 64 * per_block + 10 * state
+    assert kv_pool_size(c, EngineConfig(256, kv_cache_memory=memory, state_checkpoints=10), torch.float32, cpu)[::2] \
+        == (64, 10)
+    default = EngineConfig(256, kv_cache_memory=memory, max_num_seqs=2)
+    assert kv_pool_size(c, default, torch.float32, cpu)[2] == min(6, memory // 4 // state)
+    with pytest.raises(ValueError, match="fewer state_checkpoints"):
+        kv_pool_size(c, EngineConfig(256, kv_cache_memory=memory, state_checkpoints=200), torch.float32, cpu)
+    engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig(256, num_blocks=64, state_checkpoints=7))
+    assert engine.runner.checkpoint_bytes == 7 * state and engine.state_checkpoints.capacity == 7
+    off = LLMEngine(llm.model, llm.tokenizer, EngineConfig(256, num_blocks=64, state_checkpoints=0))
+    assert off.state_checkpoints is None and not off.block_manager.enable_prefix_caching
 
 
 def test_hybrid_model_serves_16_concurrent_streams_as_alone(converted, tmp_path) -> None:

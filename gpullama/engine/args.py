@@ -34,6 +34,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def byte_size(text: str) -> int:
     """An argparse type: a byte count such as 1073741824, 512M or 4G."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -176,6 +187,12 @@ class EngineArgs:
         type=positive_int)
     block_size: int = _arg(16, "tokens per KV cache block (default: %(default)s)", type=positive_int)
     enable_prefix_caching: bool = _arg(True, "do not reuse KV blocks of shared prefixes", flag="--no-prefix-caching")
+    state_checkpoints: int | None = _arg(
+        None, "models with recurrent layers (LFM2, Qwen3.5, Granite 4.0-H): how many copies of one sequence's "
+        "recurrent state prefix caching keeps, at block boundaries (the last one inside each prompt, and the latest "
+        "two each sequence reaches after it), least recently used overwritten; each costs a sequence's state "
+        "(`gpullama info`), taken from the KV cache's memory; 0: no prefix caching for these models (default: 3 "
+        "per max_num_seqs, within a quarter of the KV cache's memory)", type=non_negative_int)
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode steps")
     tensor_parallel_size: int = _arg(
         1, "ranks the model is split across (tensor parallelism over torch.distributed: one process per rank and "
@@ -227,6 +244,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if self.state_checkpoints is not None and (not _is_int(self.state_checkpoints) or self.state_checkpoints < 0):
+            raise ValueError(f"state_checkpoints must be an integer >= 0, got {self.state_checkpoints!r}")
         if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "nnodes",
@@ -278,6 +297,7 @@ class EngineConfig:
     max_num_seqs: int = EngineArgs.max_num_seqs
     max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    state_checkpoints: int | None = EngineArgs.state_checkpoints  # None: sized by `model_runner.checkpoint_count`
     use_cuda_graphs: bool = not EngineArgs.enforce_eager  # capture decode steps (when the ops support it)
     static_decode: bool = False  # run decode on the padded static buffers even without graphs (tests)
     speculative: SpeculativeConfig | None = None  # n-gram drafting (off when None)
@@ -288,7 +308,8 @@ class EngineConfig:
         return cls(max_model_len=max_model_len, kv_cache_memory=args.kv_cache_memory,
                    kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=args.enable_prefix_caching, use_cuda_graphs=not args.enforce_eager,
+                   enable_prefix_caching=args.enable_prefix_caching, state_checkpoints=args.state_checkpoints,
+                   use_cuda_graphs=not args.enforce_eager,
                    speculative=args.speculative_config)
 
 

@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 from gpullama.engine.kv_events import BlockRemoved, BlockStored, EventSink, external_hash
 from gpullama.engine.sequence import Sequence
+from gpullama.engine.state_checkpoints import StateCheckpoints
 
 
 class Block:
@@ -36,11 +37,15 @@ def chain_hash(parent: int | None, token_ids: tuple) -> int:
 
 
 class BlockManager:
-    """Hands out pool blocks to sequences; keeps full blocks findable by content until they are reused (LRU)."""
+    """Hands out pool blocks to sequences; keeps full blocks findable by content until they are reused (LRU). With
+    `state_checkpoints` (a model with recurrent layers), a prefix hit ends at the last hit block after which the
+    recurrent states were saved too."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state_checkpoints: StateCheckpoints | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_checkpoints = state_checkpoints
         self.blocks = [Block(i) for i in range(num_blocks)]
         # unreferenced blocks, least recently freed first; cached ones stay findable until taken
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -74,7 +79,8 @@ class BlockManager:
         return block
 
     def _prefix_hits(self, seq: Sequence) -> list[Block]:
-        """Cached blocks that hold the leading full blocks of the sequence (the last token is always recomputed).
+        """Cached blocks that hold the leading full blocks of the sequence (the last token is always recomputed;
+        with state checkpoints, up to the last one whose recurrent states were saved).
         A hit needs the same hash, the same token ids and the same block before it, so a hash collision can never
         serve another prefix's k/v."""
         if not self.enable_prefix_caching:
@@ -92,6 +98,9 @@ class BlockManager:
             if block.token_ids != ids or block.parent != (hits[-1].key if hits else salt):
                 break
             hits.append(block)
+        if self.state_checkpoints is not None:  # cut back to a boundary with the recurrent states saved
+            while hits and hits[-1].hash not in self.state_checkpoints:
+                hits.pop()
         return hits
 
     def allocate(self, seq: Sequence, num_new_tokens: int, use_prefix_cache: bool = True) -> bool:

@@ -17,6 +17,7 @@ from gpullama.engine.ngram_proposer import NgramProposer, TokenBuffer
 from gpullama.engine.sampler import needs_penalties, sample_batch, verify_drafts
 from gpullama.engine.scheduler import ScheduledBatch, Scheduler
 from gpullama.engine.sequence import Sequence
+from gpullama.engine.state_checkpoints import LATEST_KEPT, StateCheckpoints, last_prompt_boundary
 from gpullama.engine.stats import EngineStats
 from gpullama.engine.structured_output import StructuredOutputManager
 from gpullama.model import Decoder
@@ -41,12 +42,19 @@ class LLMEngine:
                              f"layers' state cannot be rolled back past rejected draft tokens")
         self.runner = ModelRunner(model, config)
         self.detokenizer = Detokenizer(tokenizer)
-        # a prefix hit would skip the tokens a recurrent layer's state is made of: no reuse for those models
-        prefix_caching = config.enable_prefix_caching and not model.config.has_recurrent_state
-        if config.enable_prefix_caching and not prefix_caching:
-            log.info("prefix caching is off: %s keeps a recurrent state a prefix hit could not restore",
-                     model.config.architecture)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, prefix_caching)
+        # a prefix hit skips the tokens a recurrent layer's state is made of: it is restored from a checkpoint
+        # saved at a block boundary (`state_checkpoints`), and without any the prefix cache is off
+        prefix_caching = config.enable_prefix_caching
+        self.state_checkpoints = None
+        if prefix_caching and model.config.has_recurrent_state:
+            if self.runner.num_checkpoints:
+                self.state_checkpoints = StateCheckpoints(self.runner.num_checkpoints)
+            else:
+                prefix_caching = False
+                log.info("prefix caching is off: %s keeps a recurrent state and state_checkpoints is 0",
+                         model.config.architecture)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, prefix_caching,
+                                          self.state_checkpoints)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.limits = AdmissionLimits(model.config.vocab_size, config.max_model_len, self.kv_capacity_tokens,
                                       model.config.hidden_size, model.config.pooling_type,
@@ -165,6 +173,7 @@ class LLMEngine:
         """
         deltas, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
+        self.runner.load_checkpoints(batch.state_loads)  # the states of this step's prefix hits, before any save
         if not batch:
             if self.scheduler.running or self.scheduler.waiting:  # only grammars being compiled hold them back
                 self.structured_output.wait(self.scheduler.running + list(self.scheduler.waiting), GRAMMAR_WAIT_S)
@@ -180,6 +189,7 @@ class LLMEngine:
                 seq.num_computed_tokens += n - len(drafts)  # accepted drafts count once they are appended
                 if seq.pooling is None:  # an embedding's blocks are not kept for the prefix cache
                     self.block_manager.commit_full_blocks(seq, old)
+        self._save_checkpoints(batch, failed)
         deltas += [self._progress(seq) for seq in prefilling if seq not in failed]
         for seq in batch.pooling:
             if seq in failed:
@@ -210,6 +220,31 @@ class LLMEngine:
         for seq, exc in failed.items():
             deltas.append(self._fail(seq, exc))
         return deltas
+
+    def _save_checkpoints(self, batch: ScheduledBatch, failed: dict) -> None:
+        """Save the recurrent states of the sequences whose computed tokens just reached a block boundary (after
+        the step's blocks are committed): the last one inside the prompt (kept), or one past it (each sequence
+        keeps only its latest `LATEST_KEPT` such checkpoints, from which a chat's next turn continues)."""
+        checkpoints = self.state_checkpoints
+        if checkpoints is None:
+            return
+        bs = self.config.block_size
+        sources: dict[int, int] = {}  # checkpoint -> state slot; a checkpoint taken again in this loop: the last one
+        for seq in batch.seqs:
+            done = seq.num_computed_tokens
+            prompt_boundary = last_prompt_boundary(seq.num_prompt_tokens, bs)
+            if seq in failed or seq.pooling is not None or not done or done % bs or done < prompt_boundary:
+                continue
+            block_hash = self.block_manager.blocks[seq.block_table[done // bs - 1]].hash
+            assert block_hash is not None  # a full block the step committed
+            if done > prompt_boundary and block_hash not in seq.state_checkpoints:
+                seq.state_checkpoints.append(block_hash)
+                if len(seq.state_checkpoints) > LATEST_KEPT:
+                    checkpoints.drop(seq.state_checkpoints.pop(0))
+            slot = checkpoints.reserve(block_hash)
+            if slot is not None:
+                sources[slot] = seq.state_slot
+        self.runner.save_checkpoints([(state_slot, slot) for slot, state_slot in sources.items()])
 
     def _forward_and_sample(self, batch: ScheduledBatch):
         """One forward over `batch`, then the next tokens (and log-probabilities when asked) of each sampling

@@ -23,6 +23,7 @@ from gpullama.engine.args import EngineConfig
 from gpullama.engine.decode_graphs import DecodeGraphs
 from gpullama.engine.scheduler import ScheduledBatch
 from gpullama.engine.sequence import Sequence
+from gpullama.engine.state_checkpoints import CHECKPOINT_MEMORY_SHARE, CHECKPOINTS_PER_SEQ
 from gpullama.engine.step_inputs import StepBroadcast, StepInputs, step_buffer_size
 from gpullama.model import Decoder
 from gpullama.ops import BatchMetadata, TorchOps
@@ -65,15 +66,30 @@ def kv_pool_blocks(
     model_config: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device
 ) -> int:
     """How many blocks the KV pool gets: `config.kv_cache_memory` bytes when given, else the device default
-    (1 GiB on the CPU, 85% of free GPU memory) capped at what `max_num_seqs` full-length sequences can use.
-    Raises ValueError when the pool cannot hold one sequence of `max_model_len` tokens."""
+    (1 GiB on the CPU, 85% of free GPU memory) capped at what `max_num_seqs` full-length sequences can use; less
+    the recurrent-state checkpoints (`checkpoint_count`). Raises ValueError when the pool cannot hold one sequence
+    of `max_model_len` tokens."""
     return kv_pool_size(model_config, config, kv_dtype, device)[0]
+
+
+def checkpoint_count(model_config: ModelConfig, config: EngineConfig, memory: int | None) -> int:
+    """How many recurrent-state checkpoints prefix caching keeps (`state_checkpoints`): none for a model without
+    recurrent layers or with prefix caching off; `config.state_checkpoints` when given; else 3 per `max_num_seqs`,
+    as many as a quarter of the KV cache's `memory` holds (None: no limit)."""
+    per = model_config.state_bytes
+    if not per or not config.enable_prefix_caching:
+        return 0
+    if config.state_checkpoints is not None:
+        return config.state_checkpoints
+    count = CHECKPOINTS_PER_SEQ * config.max_num_seqs
+    return count if memory is None else min(count, int(memory * CHECKPOINT_MEMORY_SHARE) // per)
 
 
 def kv_pool_size(
     model_config: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device
-) -> tuple[int, str]:
-    """`kv_pool_blocks` with the limit that decided it, in words for the load log."""
+) -> tuple[int, str, int]:
+    """`kv_pool_blocks` with the limit that decided it, in words for the load log, and the number of recurrent-state
+    checkpoints whose memory the budget holds too (`checkpoint_count`)."""
     per_block = kv_block_bytes(model_config, config.block_size, kv_dtype)
     per_seq = -(-config.max_model_len // config.block_size)
     memory = config.kv_cache_memory
@@ -85,21 +101,26 @@ def kv_pool_size(
         else:
             memory = CPU_KV_CACHE_BYTES
             why = f"the CPU default of {CPU_KV_CACHE_BYTES / 2**30:g} GiB"
-        usable = config.max_num_seqs * per_seq  # more can never be used
-        if usable <= memory // per_block:
-            num_blocks = usable
-            why = f"max_num_seqs {config.max_num_seqs} x max_model_len {config.max_model_len}"
-        else:
-            num_blocks = memory // per_block
     else:
-        num_blocks = memory // per_block
         why = "kv_cache_memory"
+    checkpoints = checkpoint_count(model_config, config, memory)
+    checkpoint_bytes = checkpoints * model_config.state_bytes
+    num_blocks = max(0, memory - checkpoint_bytes) // per_block
+    if checkpoints:
+        why += f", less {checkpoints} state checkpoints of {checkpoint_bytes / 2**20:.1f} MiB"
+    usable = config.max_num_seqs * per_seq  # more can never be used
+    if config.kv_cache_memory is None and usable <= num_blocks:
+        num_blocks = usable
+        why = f"max_num_seqs {config.max_num_seqs} x max_model_len {config.max_model_len}"
     if num_blocks < per_seq:
+        taken = f" after {checkpoint_bytes} bytes of {checkpoints} state checkpoints (state_checkpoints)" \
+            if checkpoints else ""
         raise ValueError(
-            f"KV cache of {memory} bytes holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
-            f"{config.max_model_len}: give more kv_cache_memory or a smaller max_model_len"
+            f"KV cache of {memory} bytes holds {num_blocks * config.block_size} tokens{taken}, fewer than "
+            f"max_model_len {config.max_model_len}: give more kv_cache_memory or a smaller max_model_len"
+            + (" or fewer state_checkpoints" if checkpoints else "")
         )
-    return int(num_blocks), why
+    return int(num_blocks), why, checkpoints
 
 
 def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -144,8 +165,10 @@ class ModelRunner:
         local = dataclasses.replace(mc, num_kv_heads=model.num_kv_heads)  # this rank's share of each block
         if config.num_blocks:
             self.num_blocks, self.kv_pool_limit = config.num_blocks, "num_blocks"
+            self.num_checkpoints = checkpoint_count(mc, config, config.kv_cache_memory)
         else:
-            self.num_blocks, self.kv_pool_limit = kv_pool_size(local, config, self.kv_dtype, self.device)
+            self.num_blocks, self.kv_pool_limit, self.num_checkpoints = kv_pool_size(local, config, self.kv_dtype,
+                                                                                     self.device)
         # every rank's pool holds the same block ids: the smallest any rank's memory allows
         agreed = self.tp.agree_min(self.num_blocks)
         if agreed < self.num_blocks:
@@ -167,6 +190,10 @@ class ModelRunner:
                          for i in (mc.kv_layers if mc.separate_values else ())]
         self.scratch_state_slot = config.max_num_seqs
         self.states = model.new_states(config.max_num_seqs + 1)
+        # prefix caching's copies of one sequence's states at block boundaries (`state_checkpoints`), a tensor per
+        # state as `states`; on the CPU resident only once written, as the KV pool
+        self.checkpoint_states = [kv_cache_tensor((self.num_checkpoints, *s.shape[1:]), s.dtype, self.device)
+                                  for s in self.states] if self.num_checkpoints else []
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and ops.supports_cuda_graphs
         self.decode_graphs = None
         if use_graphs or config.static_decode:
@@ -193,10 +220,31 @@ class ModelRunner:
             for state, row in zip(self.states, saved.get(seq.state_slot, ())):
                 state[seq.state_slot].copy_(row)
 
+    def save_checkpoints(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy sequences' states into checkpoints: (state slot, checkpoint) pairs."""
+        self._copy_states(self.states, self.checkpoint_states, pairs)
+
+    def load_checkpoints(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy checkpoints into sequences' state slots: (checkpoint, state slot) pairs (a prefix hit's states)."""
+        self._copy_states(self.checkpoint_states, self.states, pairs)
+
+    def _copy_states(self, source: list[torch.Tensor], target: list[torch.Tensor], pairs: list[tuple[int, int]]):
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+        for s, t in zip(source, target, strict=True):
+            t.index_copy_(0, dst, s.index_select(0, src))
+
     @property
     def state_bytes(self) -> int:
         """Bytes of one sequence's slot of the recurrent layers' states (0 without such layers)."""
         return sum(s[0].nbytes for s in self.states)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the recurrent-state checkpoints prefix caching keeps (0 without such layers or checkpoints)."""
+        return sum(c.nbytes for c in self.checkpoint_states)
 
     @property
     def kv_cache_bytes(self) -> int:

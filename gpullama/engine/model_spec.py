@@ -12,7 +12,7 @@ import torch
 
 from gpullama.distributed import TensorParallel
 from gpullama.engine.args import EngineArgs, EngineConfig
-from gpullama.engine.model_runner import kv_block_bytes, kv_pool_dtype, kv_pool_size
+from gpullama.engine.model_runner import checkpoint_count, kv_block_bytes, kv_pool_dtype, kv_pool_size
 from gpullama.gguf_file import GGUFModel, model_size, read_gguf, read_header
 from gpullama.model import Decoder
 from gpullama.ops import select_ops
@@ -107,7 +107,8 @@ class ModelSpec:
 def estimate_memory_bytes(args: EngineArgs, path: str) -> int:
     """Bytes the model in the file `path` will hold once loaded as `args` say, from the file's header alone (no
     weight is read): the weights as its ops keep them (quantized as stored on the CPU fast path, else every tensor
-    in the compute dtype) and the KV pool as the engine will reserve it (its scratch block included). Rope tables,
+    in the compute dtype), the KV pool as the engine will reserve it (its scratch block included) and a hybrid
+    model's recurrent-state checkpoints (`model_runner.checkpoint_count`). Rope tables,
     step buffers and a vision tower are left out; `LLM.memory_bytes` measures a loaded model."""
     header = read_header(path)
     config = header.config
@@ -120,8 +121,12 @@ def estimate_memory_bytes(args: EngineArgs, path: str) -> int:
     engine = EngineConfig.from_args(args, args.max_model_len or config.context_length)
     ops = select_ops(device, dtype, quantized)
     kv_dtype = kv_pool_dtype(ops, engine.kv_cache_dtype, config, engine.block_size)
-    blocks = engine.num_blocks or kv_pool_size(config, engine, kv_dtype, device)[0]
-    return weights + (blocks + 1) * kv_block_bytes(config, engine.block_size, kv_dtype)
+    if engine.num_blocks:
+        blocks, checkpoints = engine.num_blocks, checkpoint_count(config, engine, engine.kv_cache_memory)
+    else:
+        blocks, _, checkpoints = kv_pool_size(config, engine, kv_dtype, device)
+    return weights + (blocks + 1) * kv_block_bytes(config, engine.block_size, kv_dtype) + \
+        checkpoints * config.state_bytes
 
 
 def build_model(spec: ModelSpec, tp: TensorParallel | None = None, device: torch.device | None = None,

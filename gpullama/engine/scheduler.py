@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gpullama.engine.block_manager import BlockManager
 from gpullama.engine.sequence import Sequence, SequenceStatus
+from gpullama.engine.state_checkpoints import last_prompt_boundary
 
 
 @dataclass
@@ -21,7 +22,9 @@ class ScheduledBatch:
     embedding requests in `pooling` never sample: the hidden states of the rows `pool_rows` names (per entry: the
     sequence's place in `seqs` and which of its new rows: "all" for mean pooling, "last" (also a reranker's: its
     last row, as llama.cpp pools a causal reranker), "first", or "each" for pooling none) come back pooled, one row
-    per entry (one per row for "each": `pool_counts`).
+    per entry (one per row for "each": `pool_counts`). `state_loads` are the (checkpoint, state slot) pairs of the
+    sequences that joined with a prefix hit on a model with recurrent layers: their states at the hit's end, to copy
+    into their slots before the step (`ModelRunner.load_checkpoints`; such a sequence may have no rows in it).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -30,6 +33,7 @@ class ScheduledBatch:
     sampling: list[Sequence] = field(default_factory=list)
     pooling: list[Sequence] = field(default_factory=list)
     pool_rows: list[tuple[int, str]] = field(default_factory=list)
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
         """Schedule `n` new tokens of `seq`, then its `drafts` (only when those `n` reach its last token)."""
@@ -75,7 +79,10 @@ class Scheduler:
 
     A running sequence also holds one of `max_num_seqs` state slots (`Sequence.state_slot`: where the recurrent
     layers keep its state), taken when it joins the batch and given back when it finishes, is aborted or
-    preempted; a preempted sequence recomputes from its first token, so its state starts again from zero."""
+    preempted. With prefix caching of recurrent states (the block manager's `state_checkpoints`), a sequence that
+    joins with a prefix hit has its states loaded from the checkpoint at the hit's end (`ScheduledBatch.state_loads`),
+    and a prefill chunk ends at the last block boundary inside the prompt, where the engine saves them; otherwise (a
+    miss, a preempted sequence) its state starts again from zero at its first token."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -141,6 +148,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.state_slot = self.free_state_slots.pop()  # running sequences never outnumber the slots
             self.running.append(seq)
+            checkpoints = self.block_manager.state_checkpoints
+            if checkpoints is not None and seq.num_computed_tokens:  # a hit: the states saved at its end
+                end = self.block_manager.blocks[seq.block_table[seq.num_computed_tokens // self.block_size - 1]]
+                batch.state_loads.append((checkpoints.lookup(end.hash), seq.state_slot))
             n = self._num_new_tokens(seq, budget)
             if n:
                 batch.add(seq, n)
@@ -153,17 +164,26 @@ class Scheduler:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = -1
 
-    @staticmethod
-    def _num_new_tokens(seq: Sequence, budget: int) -> int:
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.block_manager.block_size
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute now: the rest of it within the budget, but never its sampling token while
         its grammar compiles (the prompt prefills meanwhile; the step thread never waits for a compilation), and
         never part of an image (the chunk ends before it, or the sequence waits for a step with room for all of it;
-        admission keeps each image within `max_num_batched_tokens`)."""
+        admission keeps each image within `max_num_batched_tokens`). With recurrent-state checkpoints, a chunk
+        that would pass the last block boundary inside the prompt ends there (not inside an image)."""
         left = seq.num_tokens - seq.num_computed_tokens
         if seq.waits_for_grammar:
             left -= 1
         n = max(0, min(left, budget))
         first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        if self.block_manager.state_checkpoints is not None and seq.pooling is None:
+            boundary = last_prompt_boundary(seq.num_prompt_tokens, self.block_size)
+            if first < boundary < end and not any(not s.causal and s.start < boundary < s.end for s in seq.images):
+                n, end = boundary - first, boundary
         for span in seq.images:  # a chunk never splits an image whose tokens attend to each other both ways
             if not span.causal and span.start < end < span.end:
                 n = max(0, span.start - first)  # up to the image, or (the chunk starts at or in it) wait for room

@@ -41,6 +41,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose k/v sit in the pool
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.state_slot = -1  # its slot of the recurrent layers' states while it runs (-1: none)
+        # the block hashes of the latest state checkpoints it saved past its prompt's, oldest first (the engine keeps
+        # `state_checkpoints.LATEST_KEPT` of them)
+        self.state_checkpoints: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
