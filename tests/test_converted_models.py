@@ -32,6 +32,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 from gpullama import LLM, SamplingParams
 from gpullama.config import ModelConfig
 from gpullama.engine.llm_engine import LLMEngine
+from gpullama.engine.state_checkpoints import last_prompt_boundary
 from gpullama.gguf_file import read_header
 from gpullama.kernels import cpu_native
 from gpullama.ops import CpuOps
@@ -418,7 +419,8 @@ def test_hybrid_prefix_hit_equals_prefix_caching_off(loaded, arch: str, fast: bo
     prompt sharing 40 tokens with an earlier one hits the checkpoint at the earlier prompt's last block boundary
     (32 tokens), and a chat's next turn (the first turn's prompt and answer, then more) hits the one its answer's
     decode reached (64); each request's greedy tokens and every sampled logits row equal a run with prefix caching
-    off (the reference; float32 rounding on the exact path, the fast path's tolerance on it)."""
+    off (the reference; float32 rounding on the exact path, the fast path's tolerance on it). A chat's second turn
+    through the chat template hits too, with the reference's tokens."""
     llm = loaded(arch, fast)
     vocab = llm.config.vocab_size
     gen = torch.Generator().manual_seed(5)
@@ -442,6 +444,13 @@ def test_hybrid_prefix_hit_equals_prefix_caching_off(loaded, arch: str, fast: bo
             err = (row - ref[pos]).abs().max().item() / ref[pos].abs().max().item()
             assert err < tolerance, f"request {i} position {pos}: logits differ by {err:.2g} (rel)"
     assert 0 < len(engine.state_checkpoints) <= engine.runner.num_checkpoints
+    if not fast:  # a chat through the model's template: the next turn hits at least the first prompt's boundary
+        chat = [{"role": "user", "content": "Tell me about the old lighthouse and its keepers."}]
+        one = llm.chat(chat, params)[0]
+        chat += [{"role": "assistant", "content": one.text}, {"role": "user", "content": "And the sea?"}]
+        two = llm.chat(chat, params)[0]
+        assert two.num_cached_tokens >= last_prompt_boundary(len(one.prompt_token_ids), 16) > 0
+        assert two.token_ids == run_one_at_a_time(reference, [two.prompt_token_ids], params)[0].output_token_ids
 
 
 @pytest.mark.parametrize(("arch", "kv_layers", "states", "info"), [
