@@ -286,9 +286,11 @@ class LLMEngine:
     def _run_isolated(self, batch: ScheduledBatch):
         """`_forward_and_sample` over the batch; when it raises, over halves of it, down to the rows at fault.
         Returns (sampled rows, {failed sequence: exception}, pooled rows). A re-run starts from the same state: the
-        same generators, and the recurrent layers' states of its rows as they were before the step."""
+        same generators, and the recurrent layers' states of its rows as they were before the step (copied only for
+        a step of several requests: a step of one is never run again, and a hybrid model's states are megabytes a
+        sequence, as much memory traffic a step as a fifth of a 350M model's weights)."""
         rng = {seq: seq.generator.get_state() for seq in batch.sampling if seq.generator is not None}
-        states = self.runner.save_states(batch.seqs)
+        states = self.runner.save_states(batch.seqs) if len(batch) > 1 else {}
         try:
             return self._forward_and_sample(batch)
         except Exception as exc:  # noqa: BLE001 - isolated below
