@@ -528,7 +528,7 @@ class Decoder:
                              .to(hidden.dtype))
         # the one-call stack attends causally only and reads one position a row: a step with an image that attends
         # both ways, with M-RoPE rows or with deepstack rows, runs the layer loop
-        stack = self._layer_stack(k_caches, v_caches) if self.native_stack and meta.image_attention is None and \
+        stack = self._layer_stack(k_caches, v_caches, states) if self.native_stack and meta.image_attention is None and \
             meta.rope_table is None and deepstack is None else None
         if stack is not None:
             hidden, residual = stack(hidden, meta)
@@ -710,18 +710,9 @@ class Decoder:
         """A Mamba2 layer of the normalized ``x [T, H]`` (see `MambaWeights`); the convolution and the scan read and
         update each sequence's states (`meta.state_slots`)."""
         c, ops = self.config, self.ops
-        t, channels, inner, heads = x.shape[0], c.delta_conv_channels, c.ssm_inner_size, c.ssm_heads
-        groups, n = c.ssm_groups, c.ssm_state_size
-        zxbcdt = ops.linear(x, mw.in_proj)
-        xbc = F.silu(ops.short_conv(zxbcdt[:, inner : inner + channels], mw.kernel, conv_state, meta) + mw.conv_bias)
-        xs = xbc[:, :inner].view(t, heads, inner // heads)
-        dt = F.softplus(zxbcdt[:, inner + channels :] + mw.dt_bias)
-        y = ops.ssm_scan(xs, dt, mw.a, xbc[:, inner : inner + groups * n].view(t, groups, n),
-                         xbc[:, inner + groups * n :].view(t, groups, n), state, meta)
-        y = (y + xs * mw.d[:, None]) * F.silu(zxbcdt[:, :inner].view(t, heads, inner // heads))
-        y = y.reshape(t, groups, inner // groups)  # RMSNorm per group
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + c.rms_eps) * mw.norm
-        return ops.linear(y.reshape(t, inner), mw.out)
+        y = ops.mamba2(ops.linear(x, mw.in_proj), (c.ssm_inner_size, c.ssm_heads, c.ssm_groups, c.ssm_state_size),
+                       mw.kernel, mw.conv_bias, mw.dt_bias, mw.a, mw.d, mw.norm, c.rms_eps, conv_state, state, meta)
+        return ops.linear(y, mw.out)
 
     def _latent_attention(self, x: torch.Tensor, layer: LayerWeights, cache: torch.Tensor,
                           meta: BatchMetadata) -> torch.Tensor:
@@ -743,12 +734,14 @@ class Decoder:
         attn = ops.latent_attention(queries, cache, meta, self.scale, r)  # [T, Hq, kv_lora_rank]
         return ops.linear(ops.heads_matmul(attn, mla.v_b).reshape(t, hq * c.v_head_dim), layer.o, layer.o_bias)
 
-    def _layer_stack(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
-        """`ops.layer_stack` over this pool (None: the backend has none, or it does not take this model), built
+    def _layer_stack(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                     states: list[torch.Tensor] = ()):
+        """`ops.layer_stack` over these pools (None: the backend has none, or it does not take this model), built
         once per pool."""
-        key = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (k_caches[0], *v_caches[:1])) + (len(k_caches),)
+        key = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (k_caches[0], *v_caches[:1], *states[:1])) + (
+            len(k_caches), len(states))
         if self._stack is None or self._stack[0] != key:
-            self._stack = (key, self.ops.layer_stack(self, k_caches, v_caches))
+            self._stack = (key, self.ops.layer_stack(self, k_caches, v_caches, states))
         return self._stack[1]
 
     def _moe(self, x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:

@@ -57,7 +57,7 @@ QWEN35_MOE = {k: v for k, v in COMMON.items() if k != "intermediate_size"} | dic
     linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
     num_experts_per_tok=2)
 GRANITE_HYBRID = {k: v for k, v in COMMON.items() if k != "intermediate_size"} | dict(
-    intermediate_size=32, shared_intermediate_size=48, num_experts_per_tok=2, mamba_n_heads=4, mamba_n_groups=2,
+    intermediate_size=32, shared_intermediate_size=64, num_experts_per_tok=2, mamba_n_heads=4, mamba_n_groups=2,
     mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=1.5, residual_multiplier=0.7,
     attention_multiplier=0.2, logits_scaling=2.0,
     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
@@ -127,7 +127,7 @@ CONVERTER_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attenti
 SUPPORTED = ("llama", "smollm3", "glm4moe", "deepseek2", "deepseek3", "lfm2", "lfm2moe", "qwen35", "qwen35moe",
              "granitehybrid", "granitehybrid-dense", "gemma4", "gemma4-moe")
 """Those gpullama loads (the families it refuses are named in tests/test_families.py and tests/test_moe.py)."""
-NATIVE_STACK = ("llama", "smollm3", "glm4moe")
+NATIVE_STACK = ("llama", "smollm3", "glm4moe", "granitehybrid", "granitehybrid-dense")
 """Those whose layers the fast path runs in one C call a step (`NativeStack`; the others run the layer loop)."""
 FAST_KV_CACHE = {"gemma4": "float32", "gemma4-moe": "float32"}
 """The fast path's KV pool where it is not the default float16: Gemma 4's unscaled q.k of normalized heads moves the
@@ -278,7 +278,7 @@ def test_converter_written_file_matches_transformers(converted, loaded, arch: st
     if cpu_native.library() is not None:
         fast = loaded(arch, fast=True)
         runner = fast.engine.runner
-        stack = fast.model.ops.layer_stack(fast.model, runner.k_caches, runner.v_caches)
+        stack = fast.model.ops.layer_stack(fast.model, runner.k_caches, runner.v_caches, runner.states)
         assert (stack is not None) == (arch in NATIVE_STACK)
         assert_close_and_same_top1(fast.logits(ids), want, f"{arch} fast path")
         assert fast.generate([ids], params)[0].token_ids == greedy

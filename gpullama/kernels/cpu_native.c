@@ -250,7 +250,8 @@ static inline vf vf_tanh(vf x) {
 /* a buffer of at least `bytes` for this thread, kept between calls (NULL when out of memory); each kernel keeps to
    its own slots: the matmul's two (its quantized x, its unpacked weights), the attention's 4 (attn_scratch), the MoE block's 8 (moe_scratch), the
    decoder stack's 6 (stack_scratch) */
-enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_STACK = 13, SCRATCH_UNPACK = 19, SCRATCH_SLOTS = 20 };
+enum { SCRATCH_MATMUL = 0, SCRATCH_ATTN = 1, SCRATCH_MOE = 5, SCRATCH_STACK = 13, SCRATCH_UNPACK = 19, SCRATCH_MAMBA = 20,
+       SCRATCH_SLOTS = 22 };
 static void *scratch(int which, size_t bytes) {
     static _Thread_local void *buf[SCRATCH_SLOTS];
     static _Thread_local size_t size[SCRATCH_SLOTS];
@@ -1115,9 +1116,11 @@ float gl_read_sum(const float *x, int64_t n, int threads) {
    RMSNorm (with the residual add), rotary + KV write, SwiGLU
    ------------------------------------------------------------------------------------------------------------ */
 
-/* h [T, H] += residual (when not NULL), in place; out [T, H] = h * rsqrt(mean(h^2) + eps) * weight */
-void gl_rms_norm(float *h, const float *residual, const float *weight, float eps, int64_t T, int64_t H, float *out,
-                 int threads) {
+/* h [T, H] = h h_scale + residual (when not NULL; Granite's residual multiplier: h_scale), in place; out [T, H] = h *
+   rsqrt(mean(h^2) + eps) * weight */
+void gl_rms_norm(float *h, const float *residual, float h_scale, const float *weight, float eps, int64_t T, int64_t H,
+                 float *out, int threads) {
+    vf hs = vf_set1(h_scale);
     (void)threads; /* read by GL_OMP only */
     GL_OMP(parallel for num_threads(threads) if (T * H >= 32768))
     for (int64_t t = 0; t < T; t++) {
@@ -1127,13 +1130,13 @@ void gl_rms_norm(float *h, const float *residual, const float *weight, float eps
         int64_t k = 0;
         for (; k + 16 <= H; k += 16) {
             vf v = vf_load(row + k);
-            if (res) v = vf_add(v, vf_load(res + k)), vf_store(row + k, v);
+            if (res) v = vf_add(h_scale != 1.0f ? vf_mul(v, hs) : v, vf_load(res + k)), vf_store(row + k, v);
             ss = vf_fma(v, v, ss);
         }
         if (k < H) {
             int n = (int)(H - k);
             vf v = vf_load_n(row + k, n);
-            if (res) v = vf_add(v, vf_load_n(res + k, n)), vf_store_n(row + k, v, n);
+            if (res) v = vf_add(h_scale != 1.0f ? vf_mul(v, hs) : v, vf_load_n(res + k, n)), vf_store_n(row + k, v, n);
             ss = vf_fma(v, v, ss);
         }
         vf scale = vf_set1(1.0f / sqrtf(vf_hsum(ss) / (float)H + eps));
@@ -1419,6 +1422,64 @@ void gl_ssm_scan(const float *x, int64_t ldx, const float *dt, const float *a, c
         }
         for (int64_t i = 0; i < N; i++) vf_store_n(state + i * P, S[i], (int)w);
     }
+}
+
+/* Mamba2's mixer between its two matrices (Granite 4.0-H), as gpullama.ops.TorchOps.mamba2 composes it, in one
+   call: each row of zxbcdt [T, ld] is z [inner] | x B C [C = inner + 2 G N] | dt [H]. x B C goes through the causal
+   convolution (gl_short_conv: kernel [L, C], conv_states [slots, L - 1, C]), plus conv_bias and SiLU; the scan
+   (gl_ssm_scan; ssm_states [slots, H, N, P], P = inner / H) takes x, B, C and softplus(dt + dt_bias) (torch's
+   threshold: above 20, the input itself); then y += d x, y *= silu(z), and each group of inner / G values of a row
+   through an RMSNorm (times norm [inner]). out [T, inner]. Returns 0, -1 when out of memory. */
+int gl_mamba2(const float *zxbcdt, int64_t ld, int64_t T, int64_t inner, int64_t H, int64_t G, int64_t N, int64_t L,
+              const float *kernel, const float *conv_bias, const float *dt_bias, const float *a, const float *d,
+              const float *norm, float eps, float *conv_states, float *ssm_states, const int64_t *slots,
+              const int64_t *positions, const int32_t *query_start, int64_t B, float *out, int threads) {
+    int64_t C = inner + 2 * G * N, P = inner / H, width = inner / G;
+    float *xbc = scratch(SCRATCH_MAMBA, sizeof(float) * T * C), *dt = scratch(SCRATCH_MAMBA + 1, sizeof(float) * T * H);
+    if (!xbc || !dt) return -1;
+    gl_short_conv(zxbcdt + inner, ld, C, L, kernel, conv_states, slots, positions, query_start, B, xbc, threads);
+    GL_OMP(parallel for num_threads(threads) schedule(static) if (T * C >= 65536))
+    for (int64_t t = 0; t < T; t++) {
+        float *r = xbc + t * C;
+        for (int64_t j = 0; j < C; j += 16) {
+            int n = C - j < 16 ? (int)(C - j) : 16;
+            vf v = vf_add(vf_load_n(r + j, n), vf_load_n(conv_bias + j, n));
+            vf_store_n(r + j, vf_div(v, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), v)))), n);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float v = zxbcdt[t * ld + inner + C + h] + dt_bias[h];
+            dt[t * H + h] = v > 20.0f ? v : log1pf(expf(v));
+        }
+    }
+    gl_ssm_scan(xbc, C, dt, a, xbc + inner, C, xbc + inner + G * N, C, H, G, P, N, ssm_states, slots, positions,
+                query_start, B, out, threads);
+    GL_OMP(parallel for num_threads(threads) schedule(static) if (T * G >= 16 && T * inner >= 65536))
+    for (int64_t u = 0; u < T * G; u++) {
+        int64_t t = u / G, g0 = (u % G) * width;
+        float *y = out + t * inner + g0;
+        const float *z = zxbcdt + t * ld + g0, *x = xbc + t * C + g0;
+        vf ss = vf_zero();
+        for (int64_t i = 0; i < width; i += 16) {
+            int n = width - i < 16 ? (int)(width - i) : 16;
+            vf zv = vf_load_n(z + i, n), gate = vf_div(zv, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), zv)))), dv;
+            if (P % 16 == 0) { /* the vector within one head */
+                dv = vf_set1(d[(g0 + i) / P]);
+            } else {
+                float each[16] = {0};
+                for (int j = 0; j < n; j++) each[j] = d[(g0 + i + j) / P];
+                dv = vf_load(each);
+            }
+            vf v = vf_mul(vf_fma(vf_load_n(x + i, n), dv, vf_load_n(y + i, n)), gate);
+            vf_store_n(y + i, v, n);
+            ss = vf_fma(v, v, ss);
+        }
+        vf r = vf_set1(1.0f / sqrtf(vf_hsum(ss) / (float)width + eps));
+        for (int64_t i = 0; i < width; i += 16) {
+            int n = width - i < 16 ? (int)(width - i) : 16;
+            vf_store_n(y + i, vf_mul(vf_mul(vf_load_n(y + i, n), r), vf_load_n(norm + g0 + i, n)), n);
+        }
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -2002,9 +2063,15 @@ typedef struct {
     const float *b1, *b2;
     int64_t shared_inter, n_shared_gate_up;
     gl_mat_t shared_gate_up[2], shared_down;
+    /* a Mamba2 layer (mamba 1: no attention; gl_mamba2's weights and this layer's state pools, [slots, ...]) */
+    int64_t mamba;
+    gl_mat_t ssm_in, ssm_out;
+    const float *conv_kernel, *conv_bias, *dt_bias, *ssm_a, *ssm_d, *ssm_norm;
+    float *conv_states, *ssm_states;
 } gl_layer_t;
 
-/* What every layer shares: widths (H hidden, Hq and Hk heads of D), the pool's format and block size, the MLP activation (0 SwiGLU, 1 GeGLU), the experts' (E of them, top_k
+/* What every layer shares: widths (H hidden, Hq and Hk heads of D), the pool's format and block size, the MLP
+   activation (0 SwiGLU, 1 GeGLU), the experts' (E of them, top_k
    a token, gating 0: top k of the softmax, 2: of the sigmoids, renormalized when norm_topk; 1: softmax of the top k
    logits; their weights times expert_scale; expert_act ACT_* with alpha, limit), eps, the attention scale and soft
    cap. */
@@ -2013,6 +2080,8 @@ typedef struct {
     int64_t E, top_k, gating, norm_topk, expert_act;
     float eps, scale, softcap, expert_scale, alpha, limit;
     int64_t bits; /* the matmuls' activations: 16 or 8 bits (quantize_rows) */
+    float residual_scale; /* each layer's output times this before the residual add (Granite) */
+    int64_t ssm_inner, ssm_heads, ssm_groups, ssm_n, conv_L; /* the Mamba2 layers' shapes (gl_mamba2) */
 } gl_model_t;
 
 static void *stack_scratch(int which, size_t bytes) { return scratch(SCRATCH_STACK + which, bytes); }
@@ -2146,8 +2215,9 @@ static float *free_buffer(float *const bufs[3], const float *a, const float *b) 
 int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *hidden, float *residual,
                const int64_t *positions, const int64_t *slots, int64_t B, const int32_t *query_start,
                const int32_t *seq_lens, const int32_t *block_tables, int64_t ldb, const gl_lora_group_t *lora,
-               int64_t n_lora, int threads) {
+               int64_t n_lora, const int64_t *state_slots, int threads) {
     int64_t H = m->H, D = m->D, qs = m->Hq * D, kvs = m->Hk * D, W = 0, G = 0;
+    int64_t O = qs > m->ssm_inner ? qs : m->ssm_inner; /* the attention's output, or the Mamba2 mixer's */
     int bits = (int)m->bits;
     size_t A = 0;
     for (int64_t i = 0; i < m->n_layers; i++) {
@@ -2159,10 +2229,11 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
             a = sizeof(float) * T * l->shared_inter > a ? sizeof(float) * T * l->shared_inter : a;
         }
         for (int64_t p = 0; p < l->n_qkv; p++) w += l->qkv[p].n;
+        if (l->mamba) w = l->ssm_in.n;
         W = w > W ? w : W, G = g > G ? g : G, A = a > A ? a : A;
     }
     float *hbuf = stack_scratch(0, sizeof(float) * 3 * T * H), *x = stack_scratch(1, sizeof(float) * T * H);
-    float *qkv = stack_scratch(2, sizeof(float) * T * W), *attn = stack_scratch(3, sizeof(float) * T * qs);
+    float *qkv = stack_scratch(2, sizeof(float) * T * W), *attn = stack_scratch(3, sizeof(float) * T * O);
     float *gu = stack_scratch(4, sizeof(float) * T * G);
     float *act = stack_scratch(5, A);
     if (!hbuf || !x || !qkv || !attn || !gu || !act) return -1;
@@ -2171,8 +2242,21 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
     memcpy(hid, hidden, sizeof(float) * T * H);
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gl_layer_t *l = layers + i;
-        gl_rms_norm(hid, res, l->attn_norm, m->eps, T, H, x, threads);
+        gl_rms_norm(hid, res, m->residual_scale, l->attn_norm, m->eps, T, H, x, threads);
         res = hid;
+        if (l->mamba) { /* in_proj, the mixer (convolution, scan, gate, norm), out_proj */
+            int64_t n_in = l->ssm_in.n;
+            if (gl_matmul((int)l->ssm_in.fmt, x, T, H, H, l->ssm_in.data, n_in, qkv, n_in, bits, threads) ||
+                gl_mamba2(qkv, n_in, T, m->ssm_inner, m->ssm_heads, m->ssm_groups, m->ssm_n, m->conv_L, l->conv_kernel,
+                          l->conv_bias, l->dt_bias, l->ssm_a, l->ssm_d, l->ssm_norm, m->eps, l->conv_states,
+                          l->ssm_states, state_slots, positions, query_start, B, attn, threads))
+                return -1;
+            hid = free_buffer(bufs, res, NULL);
+            if (gl_matmul((int)l->ssm_out.fmt, attn, T, m->ssm_inner, m->ssm_inner, l->ssm_out.data, l->ssm_out.n, hid,
+                          H, bits, threads))
+                return -1;
+            goto ffn;
+        }
         int64_t w = 0;
         for (int64_t p = 0; p < l->n_qkv; p++) w += l->qkv[p].n;
         if (mat_parts(l->qkv, l->n_qkv, x, T, H, qkv, w, bits, threads)) return -1;
@@ -2180,8 +2264,8 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         if (l->qkv_bias) add_bias(qkv, T, qs + 2 * kvs, w, l->qkv_bias);
         if (l->q_norm)
             for (int64_t t = 0; t < T; t++) {
-                gl_rms_norm(qkv + t * w, NULL, l->q_norm, m->eps, m->Hq, D, qkv + t * w, 1);
-                gl_rms_norm(qkv + t * w + qs, NULL, l->k_norm, m->eps, m->Hk, D, qkv + t * w + qs, 1);
+                gl_rms_norm(qkv + t * w, NULL, 1.0f, l->q_norm, m->eps, m->Hq, D, qkv + t * w, 1);
+                gl_rms_norm(qkv + t * w + qs, NULL, 1.0f, l->k_norm, m->eps, m->Hk, D, qkv + t * w + qs, 1);
             }
         gl_rope_and_cache(qkv, w, qkv + qs, w, qkv + qs + kvs, w, T, m->Hq, m->Hk, D, l->rot_dim, l->cos_sin,
                           positions, slots, m->block_size, (int)m->kvt, l->k_cache, l->v_cache, threads);
@@ -2195,10 +2279,11 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         if (l->o_bias) add_bias(hid, T, H, H, l->o_bias);
         if (l->post_attn_norm) {
             float *y = free_buffer(bufs, res, hid);
-            gl_rms_norm(hid, NULL, l->post_attn_norm, m->eps, T, H, y, threads);
+            gl_rms_norm(hid, NULL, 1.0f, l->post_attn_norm, m->eps, T, H, y, threads);
             hid = y;
         }
-        gl_rms_norm(hid, res, l->ffn_norm, m->eps, T, H, x, threads);
+    ffn:
+        gl_rms_norm(hid, res, m->residual_scale, l->ffn_norm, m->eps, T, H, x, threads);
         res = hid;
         hid = free_buffer(bufs, res, NULL);
         if (l->n_gate_up) {
@@ -2235,7 +2320,7 @@ int gl_decoder(const gl_model_t *m, const gl_layer_t *layers, int64_t T, float *
         }
         if (l->post_ffn_norm) {
             float *y = free_buffer(bufs, res, hid);
-            gl_rms_norm(hid, NULL, l->post_ffn_norm, m->eps, T, H, y, threads);
+            gl_rms_norm(hid, NULL, 1.0f, l->post_ffn_norm, m->eps, T, H, y, threads);
             hid = y;
         }
     }

@@ -52,7 +52,7 @@ KV_DTYPES = {torch.float32: KV_F32, torch.float16: KV_F16, torch.uint8: KV_Q8}
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "gl_matmul": [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32],
-    "gl_rms_norm": [_P, _P, _P, _F32, _I64, _I64, _P, _I32],
+    "gl_rms_norm": [_P, _P, _F32, _P, _F32, _I64, _I64, _P, _I32],
     "gl_rope_and_cache": [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32, _P, _P,
                           _I32],
     "gl_silu_mul": [_P, _I64, _I64, _P, _I32],
@@ -62,6 +62,8 @@ _SIGNATURES = {
     "gl_gated_delta_rule": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P,
                             _I32],
     "gl_ssm_scan": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I32],
+    "gl_mamba2": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _F32, _P, _P, _P, _P, _P, _I64,
+                  _P, _I32],
     "gl_attention": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32, _P,
                      _I32],
     "gl_attention_sinks": [_I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _F32, _I64, _F32,
@@ -73,10 +75,10 @@ _SIGNATURES = {
     "gl_unit_bytes": [_I32],
     "gl_moe": [_I32, _P, _I64, _I64, _P, _I32, _P, _I64, _I64, _P,
                _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _F32, _P, _I32, _I32],
-    "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32],
+    "gl_decoder": [_P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I32],
 }
-_RETURNS_STATUS = ("gl_matmul", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe", "gl_decoder",
-                   "gl_repack")
+_RETURNS_STATUS = ("gl_matmul", "gl_mamba2", "gl_attention", "gl_attention_sinks", "gl_embedding", "gl_moe",
+                   "gl_decoder", "gl_repack")
 ACT_SILU, ACT_SWIGLU_OAI, ACT_GELU_TANH = 0, 1, 2
 """Expert activations of `moe`: SwiGLU, and gpt-oss's clamped SwiGLU."""
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
@@ -104,7 +106,9 @@ class Layer(ctypes.Structure):
         ("n_gate_up", _I64), ("gate_up", Mat * 2), ("down", Mat), ("router", Mat), ("router_bias", _P),
         ("choice_bias", _P), *[(name, _I64) for name in ("fmt1", "stride1", "n1", "fmt2", "stride2", "n2")],
         ("w1", _P), ("w2", _P), ("b1", _P), ("b2", _P), ("shared_inter", _I64), ("n_shared_gate_up", _I64),
-        ("shared_gate_up", Mat * 2), ("shared_down", Mat),
+        ("shared_gate_up", Mat * 2), ("shared_down", Mat), ("mamba", _I64), ("ssm_in", Mat), ("ssm_out", Mat),
+        *[(name, _P) for name in ("conv_kernel", "conv_bias", "dt_bias", "ssm_a", "ssm_d", "ssm_norm", "conv_states",
+                                  "ssm_states")],
     ]
 
 
@@ -138,22 +142,24 @@ class ModelParams(ctypes.Structure):
         *[(name, _I64) for name in ("n_layers", "H", "Hq", "Hk", "D", "kvt", "block_size", "act", "E", "top_k",
                                     "gating", "norm_topk", "expert_act")],
         *[(name, _F32) for name in ("eps", "scale", "softcap", "expert_scale", "alpha", "limit")],
-        ("bits", _I64),
+        ("bits", _I64), ("residual_scale", _F32),
+        *[(name, _I64) for name in ("ssm_inner", "ssm_heads", "ssm_groups", "ssm_n", "conv_L")],
     ]
 
 
 def decoder(
     model: ModelParams, layers: ctypes.Array, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
     slots: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    lora: ctypes.Array | None = None,
+    lora: ctypes.Array | None = None, state_slots: torch.Tensor | None = None,
 ) -> None:
     """Every layer of a step in one call: `hidden` ``[T, H]`` (the embeddings) in; the last layer's output in
     `hidden`, the residual stream in `residual` out. The metadata as `rope_and_cache` and `attention` take it;
-    `lora` the step's `LoraGroup`s (None: no adapter)."""
+    `lora` the step's `LoraGroup`s (None: no adapter); `state_slots` ``[B]`` int64 each sequence's slot of the
+    Mamba2 layers' state pools (None without such layers)."""
     if _lib.gl_decoder(ctypes.byref(model), layers, hidden.shape[0], hidden.data_ptr(), residual.data_ptr(),
                        positions.data_ptr(), slots.data_ptr(), seq_lens.shape[0], query_start.data_ptr(),
                        seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), lora,
-                       len(lora) if lora is not None else 0, torch.get_num_threads()):
+                       len(lora) if lora is not None else 0, _ptr(state_slots), torch.get_num_threads()):
         raise MemoryError(f"no memory for a decoder step of {hidden.shape[0]} tokens")
 
 
@@ -294,10 +300,11 @@ def matmul_bytes_read() -> int:
 
 
 def rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-             out: torch.Tensor) -> torch.Tensor:
-    """``h += residual`` in place (when given), then ``out = h * rsqrt(mean(h^2) + eps) * weight``; rows ``[T, H]``."""
-    _lib.gl_rms_norm(h.data_ptr(), _ptr(residual), weight.data_ptr(), eps, h.shape[0], h.shape[1], out.data_ptr(),
-                     torch.get_num_threads())
+             out: torch.Tensor, h_scale: float = 1.0) -> torch.Tensor:
+    """``h = h * h_scale + residual`` in place (when `residual` is given), then ``out = h * rsqrt(mean(h^2) + eps) *
+    weight``; rows ``[T, H]``."""
+    _lib.gl_rms_norm(h.data_ptr(), _ptr(residual), h_scale, weight.data_ptr(), eps, h.shape[0], h.shape[1],
+                     out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -376,6 +383,24 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     _lib.gl_ssm_scan(x.data_ptr(), x.stride(0), dt.data_ptr(), a.data_ptr(), b.data_ptr(), b.stride(0), c.data_ptr(),
                      c.stride(0), heads, groups, p, n, states.data_ptr(), slots.data_ptr(), positions.data_ptr(),
                      query_start.data_ptr(), slots.shape[0], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def mamba2(zxbcdt: torch.Tensor, inner: int, heads: int, groups: int, n: int, kernel: torch.Tensor,
+           conv_bias: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor, d: torch.Tensor, norm: torch.Tensor,
+           eps: float, conv_states: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+           query_start: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Mamba2's mixer between its matrices (`TorchOps.mamba2`'s arithmetic, in one call): zxbcdt ``[T, inner + C +
+    heads]`` (unit column stride; C = inner + 2 groups n) as in_proj writes it, the convolution's ``kernel [L, C]``
+    and ``conv_states [slots, L - 1, C]``, the scan's ``ssm_states [slots, heads, n, inner / heads]`` at ``slots
+    [B]``, updated in place (zeros where a sequence's first row is at position 0); every vector float32 contiguous
+    (`norm` ``[inner]``); `out` ``[T, inner]`` float32 contiguous: the input of out_proj."""
+    if _lib.gl_mamba2(zxbcdt.data_ptr(), zxbcdt.stride(0), zxbcdt.shape[0], inner, heads, groups, n, kernel.shape[0],
+                      kernel.data_ptr(), conv_bias.data_ptr(), dt_bias.data_ptr(), a.data_ptr(), d.data_ptr(),
+                      norm.data_ptr(), eps, conv_states.data_ptr(), ssm_states.data_ptr(), slots.data_ptr(),
+                      positions.data_ptr(), query_start.data_ptr(), slots.shape[0], out.data_ptr(),
+                      torch.get_num_threads()):
+        raise MemoryError(f"no memory for a Mamba2 mixer's buffers ({zxbcdt.shape[0]} rows)")
     return out
 
 

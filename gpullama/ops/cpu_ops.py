@@ -145,9 +145,27 @@ class CpuOps(TorchOps):
         return cpu_native.ssm_scan(x, dt.float().contiguous(), a.float().contiguous(), b, c, states, meta.state_slots,
                                    meta.positions, meta.query_start_loc, x.new_empty(x.shape, dtype=torch.float32))
 
-    def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> Any:
+    def mamba2(
+        self, zxbcdt: torch.Tensor, dims: tuple[int, int, int, int], kernel: torch.Tensor, conv_bias: torch.Tensor,
+        dt_bias: torch.Tensor, a: torch.Tensor, d: torch.Tensor, norm: torch.Tensor, eps: float,
+        conv_states: torch.Tensor, ssm_states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """Mamba2's mixer in one C call (`TorchOps.mamba2`'s steps, the convolution and the scan as `short_conv`'s
+        and `ssm_scan`'s C kernels compute them; the elementwise steps in C); torch's composition where those
+        kernels do not take the shapes."""
+        inner, heads, groups, n = dims
+        if (kernel.shape[0] > cpu_native.MAX_CONV_KERNEL or n > cpu_native.MAX_SSM_STATE
+                or zxbcdt.dtype != torch.float32 or zxbcdt.stride(-1) != 1):
+            return super().mamba2(zxbcdt, dims, kernel, conv_bias, dt_bias, a, d, norm, eps, conv_states, ssm_states,
+                                  meta)
+        return cpu_native.mamba2(zxbcdt, inner, heads, groups, n, kernel, conv_bias, dt_bias, a, d, norm.contiguous(),
+                                 eps, conv_states, ssm_states, meta.state_slots, meta.positions, meta.query_start_loc,
+                                 zxbcdt.new_empty(zxbcdt.shape[0], inner))
+
+    def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                    states: list[torch.Tensor] = ()) -> Any:
         """The decoder's layers as one C call a step (`NativeStack`), or None where it does not take them."""
-        return NativeStack.build(decoder, k_caches, v_caches)
+        return NativeStack.build(decoder, k_caches, v_caches, states)
 
     def prepare_embedding(self, weight: QTensor) -> QTensor | torch.Tensor | CpuWeight:
         """The table in its CPU weight format (rows are dequantized exactly)."""
@@ -193,9 +211,7 @@ class CpuOps(TorchOps):
         Granite); the sum is written over `x` (a step's fresh activations)."""
         if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
             return super().rms_norm(x, weight, eps, residual, x_scale)
-        if residual is not None and x_scale != 1.0:
-            x.mul_(x_scale)  # rounds as TorchOps' x * x_scale does, before the add
-        return cpu_native.rms_norm(x, residual, weight, eps, torch.empty_like(x)), x
+        return cpu_native.rms_norm(x, residual, weight, eps, torch.empty_like(x), x_scale), x
 
     def post_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of a block's output ``[T, H]`` before it joins the residual stream (Gemma), float32."""

@@ -7,10 +7,11 @@ pool, as C structs) and each step passes only the step's metadata: the C loop ca
 order as `Decoder.forward_pooled`'s loop, so a dense layer's results are the same bits. A MoE layer routes in C
 (softmax and top k in float32, as `gpullama.ops.experts.route` computes them, though not in its summation order).
 
-`NativeStack.build` returns None for what the loop handles and the stack does not: tensor parallelism, Granite's
-residual scale, qwen2moe's sigmoid-gated shared expert (GLM-4.5's ungated one runs here), grouped expert routing,
-multi-head latent attention (DeepSeek: its latent pool is read by torch), recurrent layers (LFM2's short
-convolutions, Qwen3.5's gated delta-nets: their states live in the runner's slots), Gemma 4's layers, a weight or
+Granite 4.0-H's Mamba2 layers run here too (`gl_mamba2` between their two matrices, over the runner's state
+pools at the step's `state_slots`), as does Granite's residual scale. `NativeStack.build` returns None for what the
+loop handles and the stack does not: tensor parallelism, qwen2moe's sigmoid-gated shared expert (GLM-4.5's ungated
+one runs here), grouped expert routing, multi-head latent attention (DeepSeek: its latent pool is read by torch),
+the other recurrent layers (LFM2's short convolutions, Qwen3.5's gated delta-nets), Gemma 4's layers, a weight or
 shape the kernels do not take.
 """
 
@@ -45,26 +46,31 @@ class NativeStack:
         self._keep = keep  # tensors the structs point into that the decoder does not hold itself
 
     @classmethod
-    def build(cls, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> NativeStack | None:
-        """The stack of `decoder` (a `gpullama.model.Decoder` on `CpuOps`) over its pool, or None (and why, in the
-        debug log) where the layer loop must run."""
+    def build(cls, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+              states: list[torch.Tensor] = ()) -> NativeStack | None:
+        """The stack of `decoder` (a `gpullama.model.Decoder` on `CpuOps`) over its pools (`states`: the recurrent
+        layers' state pools, as `Decoder.new_states` makes them), or None (and why, in the debug log) where the
+        layer loop must run."""
         try:
-            return cls._build(decoder, k_caches, v_caches)
+            return cls._build(decoder, k_caches, v_caches, states)
         except Unsupported as e:
             log.debug("layers run one kernel call at a time: %s", e)
             return None
 
     @classmethod
-    def _build(cls, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> NativeStack:
+    def _build(cls, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+               states: list[torch.Tensor]) -> NativeStack:
         c = decoder.config
         if decoder.tp.world_size != 1:
             raise Unsupported("tensor parallelism")
-        if c.residual_scale != 1.0:
-            raise Unsupported("a residual scale")
         if c.is_mla:
             raise Unsupported("multi-head latent attention")
-        if c.has_recurrent_state:
+        if any(c.is_conv(i) or c.is_delta(i) for i in range(c.num_layers)):
             raise Unsupported(c.recurrent_layers_named)
+        mamba = any(c.is_mamba(i) for i in range(c.num_layers))
+        if mamba and (c.conv_kernel > cpu_native.MAX_CONV_KERNEL or c.ssm_state_size > cpu_native.MAX_SSM_STATE
+                      or len(states) == 0):
+            raise Unsupported("Mamba2 layers the C kernels do not take")
         if c.per_layer_input_size or c.kv_shared_layers or c.head_dim_swa or c.value_norm:
             raise Unsupported("Gemma 4's layers (two head sizes, shared K/V, per-layer inputs)")
         if c.activation not in _ACTIVATIONS:
@@ -87,19 +93,27 @@ class NativeStack:
 
         layers = (cpu_native.Layer * len(decoder.layers))()
         moe_layer = None
-        for i, (src, dst) in enumerate(zip(decoder.layers, layers, strict=True)):
-            if k_caches[i].dtype != cache.dtype or v_caches[i].shape[1] != cache.shape[1]:
-                raise Unsupported("KV pools of different formats")
+        for src, dst in zip(decoder.layers, layers, strict=True):
             dst.attn_norm, dst.ffn_norm = vec(src.attn_norm), vec(src.ffn_norm)
             dst.post_attn_norm, dst.post_ffn_norm = vec(src.post_attn_norm), vec(src.post_ffn_norm)
-            dst.q_norm, dst.k_norm = vec(src.q_norm), vec(src.k_norm)
-            _parts(dst.qkv, src.qkv, hidden, "q|k|v")
-            dst.n_qkv, dst.qkv_bias = len(src.qkv), vec(src.qkv_bias)
-            dst.o, dst.o_bias = _mat(src.o, hq * d, exact_rows=hidden), vec(src.o_bias)
-            table = decoder.rope_tables[src.rope]
-            dst.cos_sin, dst.rot_dim = vec(table), table.shape[1]
-            dst.k_cache, dst.v_cache = k_caches[i].data_ptr(), v_caches[i].data_ptr()
-            dst.window, dst.sinks = src.window, vec(src.sinks)
+            if src.mamba is not None:  # its state pools: the convolution's, then the scan's (`Decoder._layers`)
+                mw, inner = src.mamba, c.ssm_inner_size
+                dst.mamba, dst.ssm_in, dst.ssm_out = 1, _mat(mw.in_proj, hidden), _mat(mw.out, inner, hidden)
+                dst.conv_kernel, dst.conv_bias, dst.dt_bias = vec(mw.kernel), vec(mw.conv_bias), vec(mw.dt_bias)
+                dst.ssm_a, dst.ssm_d, dst.ssm_norm = vec(mw.a), vec(mw.d), vec(mw.norm)
+                dst.conv_states, dst.ssm_states = vec(states[src.cache]), vec(states[src.cache + 1])
+            else:
+                k_cache, v_cache = k_caches[src.cache], v_caches[src.cache]
+                if k_cache.dtype != cache.dtype or v_cache.shape[1] != cache.shape[1]:
+                    raise Unsupported("KV pools of different formats")
+                dst.q_norm, dst.k_norm = vec(src.q_norm), vec(src.k_norm)
+                _parts(dst.qkv, src.qkv, hidden, "q|k|v")
+                dst.n_qkv, dst.qkv_bias = len(src.qkv), vec(src.qkv_bias)
+                dst.o, dst.o_bias = _mat(src.o, hq * d, exact_rows=hidden), vec(src.o_bias)
+                table = decoder.rope_tables[src.rope]
+                dst.cos_sin, dst.rot_dim = vec(table), table.shape[1]
+                dst.k_cache, dst.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+                dst.window, dst.sinks = src.window, vec(src.sinks)
             if src.moe is None:
                 if not isinstance(src.down, CpuWeight):
                     raise Unsupported("a down matrix without a CPU format")
@@ -135,8 +149,11 @@ class NativeStack:
         model = cpu_native.ModelParams(
             n_layers=len(layers), H=hidden, Hq=hq, Hk=hk, D=d, kvt=cpu_native.KV_DTYPES[cache.dtype],
             block_size=cache.shape[1], act=_ACTIVATIONS[c.activation], eps=c.rms_eps, scale=decoder.scale,
-            softcap=c.attn_softcap, bits=decoder.ops.activation_bits,
+            softcap=c.attn_softcap, bits=decoder.ops.activation_bits, residual_scale=c.residual_scale,
         )
+        if mamba:
+            model.ssm_inner, model.ssm_heads, model.ssm_groups = c.ssm_inner_size, c.ssm_heads, c.ssm_groups
+            model.ssm_n, model.conv_L = c.ssm_state_size, c.conv_kernel
         if moe_layer is not None:
             if c.expert_gating not in _GATINGS:
                 raise Unsupported(f"expert gating {c.expert_gating}")
@@ -160,7 +177,8 @@ class NativeStack:
                 dst.layers, dst.R = ctypes.addressof(g.adapter.native()), g.rows.numel()
                 dst.rows, dst.scales = g.rows.data_ptr(), g.scales.data_ptr()
         cpu_native.decoder(self.model, self.layers, hidden, residual, meta.positions, meta.slot_mapping,
-                           meta.query_start_loc, meta.seq_lens, meta.block_tables, lora)
+                           meta.query_start_loc, meta.seq_lens, meta.block_tables, lora,
+                           meta.state_slots if self.model.ssm_heads else None)
         return hidden, residual
 
 

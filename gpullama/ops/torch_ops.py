@@ -110,9 +110,11 @@ class TorchOps:
         """`meta` with the rotary rows of another rope table (Gemma 3's sliding layers), once per step."""
         return dataclasses.replace(meta, **dict(zip(("rope_cos", "rope_sin"), rope_rows(cos_sin, meta.positions))))
 
-    def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> Any:
+    def layer_stack(self, decoder: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                    states: list[torch.Tensor] = ()) -> Any:
         """A callable that runs all of `decoder`'s layers over a step's embeddings in one go, ``(hidden, meta) ->
-        (last layer's output, residual stream)``, or None: the decoder's layer loop runs the ops one at a time."""
+        (last layer's output, residual stream)``, over these KV and recurrent-state pools, or None: the decoder's
+        layer loop runs the ops one at a time."""
         return None
 
     # -- ops -------------------------------------------------------------------------------------
@@ -250,6 +252,28 @@ class TorchOps:
         return _scan_sequences((x, dt, b, c), states, meta,
                                lambda x, dt, b, c, state: recurrent_ssm_scan(x, dt, a, b, c, state),
                                lambda x, dt, b, c, state: chunked_ssm_scan(x, dt, a, b, c, state), out_like=x)
+
+    def mamba2(
+        self, zxbcdt: torch.Tensor, dims: tuple[int, int, int, int], kernel: torch.Tensor, conv_bias: torch.Tensor,
+        dt_bias: torch.Tensor, a: torch.Tensor, d: torch.Tensor, norm: torch.Tensor, eps: float,
+        conv_states: torch.Tensor, ssm_states: torch.Tensor, meta: BatchMetadata,
+    ) -> torch.Tensor:
+        """Mamba2's mixer between its two matrices: each row of ``zxbcdt`` (in_proj's output) is z [inner] | x B C
+        [inner + 2 G N] | dt [heads] (``dims = (inner, heads, G, N)``). x B C through the causal convolution
+        (`short_conv`, ``conv_states``) plus ``conv_bias`` and SiLU; the selective scan (`ssm_scan`, ``ssm_states``)
+        of x, B, C with ``softplus(dt + dt_bias)``; ``y + d x`` (d a head), times ``silu(z)``, each group of inner / G
+        values through an RMSNorm times ``norm [G, inner / G]``. Float32 ``[T, inner]``: out_proj's input."""
+        inner, heads, groups, n = dims
+        t, channels = zxbcdt.shape[0], inner + 2 * groups * n
+        xbc = F.silu(self.short_conv(zxbcdt[:, inner : inner + channels], kernel, conv_states, meta) + conv_bias)
+        xs = xbc[:, :inner].view(t, heads, inner // heads)
+        dt = F.softplus(zxbcdt[:, inner + channels :] + dt_bias)
+        y = self.ssm_scan(xs, dt, a, xbc[:, inner : inner + groups * n].view(t, groups, n),
+                          xbc[:, inner + groups * n :].view(t, groups, n), ssm_states, meta)
+        y = (y + xs * d[:, None]) * F.silu(zxbcdt[:, :inner].view(t, heads, inner // heads))
+        y = y.reshape(t, groups, inner // groups)  # RMSNorm per group
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * norm
+        return y.reshape(t, inner)
 
     def heads_matmul(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each head's own matrix: ``x [T, heads, K]`` times ``weights [heads, N, K]`` (transposed) is ``[T, heads,

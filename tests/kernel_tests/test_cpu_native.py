@@ -244,6 +244,38 @@ def test_ssm_scan_matches_torch_and_updates_the_states(seq_lens, q_lens) -> None
     assert torch.equal(got_states[[1, 2]], states[[1, 2]])  # slots no sequence holds are untouched
 
 
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [([70, 1, 9], [70, 1, 2]), ([7, 1, 3], [1, 1, 1])],
+                         ids=["prefill", "decode"])
+def test_mamba2_mixer_matches_torch_and_updates_the_states(seq_lens, q_lens) -> None:
+    """Mamba2's whole mixer in one C call (4 heads of 24 in 2 groups, state 16, kernel 4) against TorchOps' own
+    composition of the same steps (convolution plus bias and SiLU, softplus of dt plus its bias with some inputs past
+    torch's threshold of 20, the scan, the D skip, the SiLU gate, an RMSNorm a group): outputs and both kinds of
+    state, over a ragged batch as the scan's test runs it."""
+    heads, groups, p, n, lk, num_slots = 4, 2, 24, 16, 4, 5
+    inner, channels = heads * p, heads * p + 2 * groups * n
+    meta = make_meta(seq_lens, q_lens, slots=[3, 0, 4])
+    t = meta.positions.shape[0]
+    zxbcdt = torch.randn(t, inner + channels + heads, generator=gen(1))
+    zxbcdt[::5, -1] = 25.0  # softplus' linear branch
+    kernel, conv_bias = torch.randn(lk, channels, generator=gen(2)), torch.randn(channels, generator=gen(3))
+    dt_bias, d = torch.randn(heads, generator=gen(4)), torch.randn(heads, generator=gen(5))
+    a = -torch.exp(torch.randn(heads, generator=gen(6)))
+    norm = torch.rand(groups, inner // groups, generator=gen(7)) + 0.5
+    conv_states = torch.randn(num_slots, lk - 1, channels, generator=gen(8))
+    ssm_states = torch.randn(num_slots, heads, n, p, generator=gen(9)) * 0.3
+    args = ((inner, heads, groups, n), kernel, conv_bias, dt_bias, a, d, norm, 1e-5)
+    want_conv, want_ssm = conv_states.clone(), ssm_states.clone()
+    want = TorchOps(torch.device("cpu")).mamba2(zxbcdt, *args, want_conv, want_ssm, meta)
+    got_conv, got_ssm = conv_states.clone(), ssm_states.clone()
+    got = cpu_native.mamba2(zxbcdt, inner, heads, groups, n, kernel, conv_bias, dt_bias, a, d, norm.flatten(), 1e-5,
+                            got_conv, got_ssm, meta.state_slots, meta.positions, meta.query_start_loc,
+                            torch.empty(t, inner))
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    assert torch.equal(got_conv, want_conv)
+    assert (got_ssm - want_ssm).abs().max() < 1e-5 * want_ssm.abs().max()
+    assert torch.equal(got_ssm[[1, 2]], ssm_states[[1, 2]])  # slots no sequence holds are untouched
+
+
 def make_meta(seq_lens: list[int], q_lens: list[int], slots: list[int]) -> BatchMetadata:
     """Metadata of sequences whose last `q_lens[i]` of `seq_lens[i]` rows are new, in state slots `slots` (no KV
     pool: for the recurrent layers' scans)."""
