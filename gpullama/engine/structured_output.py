@@ -41,15 +41,17 @@ class StructuredOutputManager:
         # On the CPU the model's threads hold every core during a step: extra fill threads only contend with them.
         self.fill_threads = 1 if torch.device(device).type == "cpu" else None
         self._backend: GrammarBackend | None = None
-        self._reasoning_ids: tuple[int, int] | None = None
+        self._reasoning_ids: dict[tuple[str, str], tuple[int, int] | None] = {}  # by (open tag, close tag)
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
 
     # -- any thread -------------------------------------------------------------------------------------
     def submit(self, spec: StructuredOutput) -> SequenceGrammar:
-        """Start compiling `spec` off the calling thread (a cache hit is ready at once); never blocks."""
+        """Start compiling `spec` off the calling thread (a cache hit is ready at once); never blocks. Reasoning
+        tags not seen before are looked up in the vocabulary on the compile pool too."""
         backend = self._backend
-        if backend is not None:
+        tags = spec.reasoning_tags if spec.reasoning else None
+        if backend is not None and (tags is None or tags in self._reasoning_ids):
             return SequenceGrammar(spec, backend.compile_async(spec))
         outer: Future = Future()
         outer.set_running_or_notify_cancel()
@@ -57,6 +59,8 @@ class StructuredOutputManager:
         def build() -> None:  # on the pool: build the backend (imports llguidance), then compile without waiting
             try:
                 inner = self._get_backend().compile_async(spec)
+                if tags is not None:
+                    self.reasoning_ids(tags)
             except BaseException as e:  # noqa: BLE001 - handed to the sequence
                 outer.set_exception(e)
                 return
@@ -69,9 +73,19 @@ class StructuredOutputManager:
         with self._lock:
             if self._backend is None:
                 backend = get_backend(self.tokenizer, self.vocab_size)
-                self._reasoning_ids = reasoning_token_ids(self.tokenizer)
+                self._reasoning_ids[("<think>", "</think>")] = reasoning_token_ids(self.tokenizer)
                 self._backend = backend
             return self._backend
+
+    def reasoning_ids(self, tags: tuple[str, str]) -> tuple[int, int] | None:
+        """The token ids of reasoning tags `tags` (`reasoning_token_ids`), looked up once per pair."""
+        with self._lock:
+            if tags in self._reasoning_ids:
+                return self._reasoning_ids[tags]
+        ids = reasoning_token_ids(self.tokenizer, *tags)
+        with self._lock:
+            self._reasoning_ids[tags] = ids
+        return ids
 
     # -- the step thread ---------------------------------------------------------------------------------
     def wait(self, seqs: list[Sequence], timeout: float) -> None:
@@ -121,23 +135,28 @@ class StructuredOutputManager:
             compiled = grammar.future.result(timeout=0)  # ready: the scheduler held the sequence back until then
             backend = self._backend
             matcher = backend.matcher(compiled)
-            ids = self._reasoning_ids
-            if grammar.spec.reasoning and ids is not None:
-                opened = prompt_opens_reasoning(seq.prompt_token_ids, *ids, self.tokenizer)
+            tags = grammar.spec.reasoning_tags
+            ids = self.reasoning_ids(tags) if grammar.spec.reasoning else None
+            if ids is not None:
+                rest = tags[0][len(self.tokenizer.token_bytes(ids[0]).decode("utf-8", "replace")):]
+                opened = prompt_opens_reasoning(seq.prompt_token_ids, *ids, self.tokenizer, rest)
                 matcher = ReasoningGatedMatcher(matcher, *ids, backend.stop_token_ids, start_in_reasoning=opened)
             grammar.matcher = matcher
         return grammar.matcher
 
 
-def prompt_opens_reasoning(prompt_ids: list[int], open_id: int, close_id: int, tokenizer: Tokenizer) -> bool:
+def prompt_opens_reasoning(prompt_ids: list[int], open_id: int, close_id: int, tokenizer: Tokenizer,
+                           rest: str = "") -> bool:
     """Whether the prompt ends inside a reasoning block: its last open-tag token is not closed and only
-    whitespace follows it (as DeepSeek-R1 distill templates render the generation prompt)."""
+    whitespace follows it (as DeepSeek-R1 distill templates render the generation prompt), or `rest`, the text
+    of an open tag longer than its token (Gemma 4's ``thought`` after ``<|channel>``), and whitespace."""
     try:
         last_open = len(prompt_ids) - 1 - prompt_ids[::-1].index(open_id)
     except ValueError:
         return False
     tail = prompt_ids[last_open + 1:]
-    return close_id not in tail and not tokenizer.decode(tail).strip()
+    text = tokenizer.decode(tail).strip()
+    return close_id not in tail and (not text or (bool(rest) and text == rest.strip()))
 
 
 def _copy_result(source: Future, target: Future) -> None:

@@ -190,7 +190,7 @@ def _tagged_call_rules(fmt: TaggedToolCallFormat, index: int, name: str, schema:
     rules, parts = [], []
     for j, (key, sub, required) in enumerate(schema_properties(schema)):
         rule = f"call_{index}_arg_{j}"
-        head = lark_string(fmt.arg_prefix(key))
+        head = lark_string(fmt.arg_prefix(key, may_be_string(sub)))
         if may_be_string(sub):
             rules += _raw_value(fmt, sub, f"{rule}_value")
             rules.append(f"{rule}: {head} {rule}_value")

@@ -1,4 +1,5 @@
-"""A matcher that lets a reasoning block (``<think>...</think>``) through unconstrained, then applies its grammar."""
+"""A matcher that lets a reasoning block (``<think>...</think>``, or a chat format's own tags) through unconstrained,
+then applies its grammar."""
 
 from __future__ import annotations
 
@@ -18,14 +19,27 @@ _MAYBE, _THINK, _ANSWER, _DONE = "maybe", "think", "answer", "done"
 
 def reasoning_token_ids(tokenizer: Tokenizer, open_tag: str = "<think>",
                         close_tag: str = "</think>") -> tuple[int, int] | None:
-    """(open id, close id) when both reasoning tags are single tokens of the vocabulary, else None."""
-    ids = []
-    for tag in (open_tag, close_tag):
-        found = [i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) == tag.encode()]
-        if len(found) != 1:
-            return None
-        ids.append(found[0])
-    return ids[0], ids[1]
+    """(open id, close id) of a reasoning block's tags, else None: the closing tag must be a single token of the
+    vocabulary; the opening one a single token too or, where it is longer, begin with a special token that then
+    opens the block (Gemma 4's ``<|channel>thought`` opens with ``<|channel>``, which the model writes only there)."""
+    prefixes = {open_tag[:k].encode(): k for k in range(1, len(open_tag) + 1)}
+    found: dict[bytes, list[int]] = {}
+    for i in range(tokenizer.vocab_size):
+        spelled = tokenizer.token_bytes(i)
+        if spelled in prefixes or spelled == close_tag.encode():
+            found.setdefault(spelled, []).append(i)
+    close = found.get(close_tag.encode(), [])
+    if len(close) != 1:
+        return None
+    whole = found.get(open_tag.encode(), [])
+    if len(whole) == 1:
+        return whole[0], close[0]
+    special = tokenizer.special_token_ids
+    for k in range(len(open_tag) - 1, 0, -1):
+        opener = [i for i in found.get(open_tag[:k].encode(), ()) if i in special]
+        if len(opener) == 1:
+            return opener[0], close[0]
+    return None
 
 
 class ReasoningGatedMatcher(GrammarMatcher):

@@ -104,9 +104,12 @@ class StructuredOutput:
     - ``structural_tag``: a structural tag in xgrammar's JSON format (the subset in docs/usage.md).
     - ``tool_calls``: tool calls (build it with ``gpullama.structured.tool_call_grammar``).
 
-    ``reasoning`` (default True) lets a reasoning model think first: when the vocabulary has ``<think>`` and
-    ``</think>`` as single tokens, a reasoning block may open the output (or the prompt may have opened it) and
-    runs free until ``</think>``; the constraint applies to the answer after it. It is not part of the key.
+    ``reasoning`` (default True) lets a reasoning model think first: when the vocabulary spells the reasoning
+    tags ``reasoning_tags`` (default ``<think>`` and ``</think>``; a chat format's own, such as Gemma 4's
+    ``<|channel>thought`` and ``<channel|>``) with single tokens (see
+    `gpullama.structured.reasoning_gate.reasoning_token_ids`), a reasoning block may open the output (or the
+    prompt may have opened it) and runs free until the closing tag; the constraint applies to the answer after it.
+    Neither is part of the key.
     """
 
     json_schema: dict | str | None = None
@@ -117,6 +120,7 @@ class StructuredOutput:
     structural_tag: dict | str | None = None
     tool_calls: ToolCallGrammar | None = None
     reasoning: bool = field(default=True, compare=False)
+    reasoning_tags: tuple[str, str] = field(default=("<think>", "</think>"), compare=False)
     param: str | None = field(default=None, compare=False)  # request field it came from, for error messages
     _key: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -130,6 +134,11 @@ class StructuredOutput:
         if not isinstance(self.reasoning, bool):
             raise StructuredOutputError(f"StructuredOutput.reasoning must be True or False, got {self.reasoning!r}",
                                         self.param)
+        tags = self.reasoning_tags
+        if not (isinstance(tags, (tuple, list)) and len(tags) == 2 and all(isinstance(t, str) and t for t in tags)):
+            raise StructuredOutputError("StructuredOutput.reasoning_tags must be two non-empty strings (open, close), "
+                                        f"got {tags!r}", self.param)
+        object.__setattr__(self, "reasoning_tags", tuple(tags))
         if kind == "json_schema":
             schema = check_json_schema(self.json_schema, param)
             object.__setattr__(self, "json_schema", schema)

@@ -138,10 +138,10 @@ class GemmaToolCallFormat(NamedToolCallFormat):
 @dataclass(frozen=True)
 class TaggedToolCallFormat(ToolCallFormat):
     """Calls written as tags, one per argument (Qwen3-Coder's XML, GLM-4.5's ``<arg_key>``/``<arg_value>``):
-    `call_open` with the function's name for ``{name}``, then each argument as `arg_open` (its key for ``{key}``),
-    the value, `arg_close`; then `call_close`. A string value is written raw, any other as JSON (llama.cpp's
-    typing). The grammar writes the required arguments in the schema's order, then any of the
-    optional ones in theirs."""
+    `call_open` with the function's name for ``{name}``, then each argument as `arg_open` (its key for ``{key}``,
+    and for ``{string}`` whether the value is written raw: ``true`` or ``false``, DeepSeek's DSML), the value,
+    `arg_close`; then `call_close`. A string value is written raw, any other as JSON (llama.cpp's typing). The
+    grammar writes the required arguments in the schema's order, then any of the optional ones in theirs."""
 
     arg_open: str = ""
     arg_close: str = ""
@@ -154,9 +154,9 @@ class TaggedToolCallFormat(ToolCallFormat):
         """Text of a call after its last argument."""
         return self.call_close
 
-    def arg_prefix(self, key: str) -> str:
-        """Text of an argument up to its value."""
-        return self.arg_open.replace("{key}", key)
+    def arg_prefix(self, key: str, raw: bool = True) -> str:
+        """Text of an argument up to its value (`raw`: the value is written as text, not JSON)."""
+        return self.arg_open.replace("{key}", key).replace("{string}", "true" if raw else "false")
 
     def render(self, calls: Sequence[tuple[str, Any]], parallel: bool | None = None) -> str:
         """The text of `calls` ((name, arguments object) pairs) in this format, as the grammar writes it."""
@@ -164,8 +164,9 @@ class TaggedToolCallFormat(ToolCallFormat):
         for name, args in calls:
             text = [self.call_prefix(name)]
             for key, value in args.items():
-                value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-                text += [self.arg_prefix(key), value, self.arg_close]
+                raw = isinstance(value, str)
+                text += [self.arg_prefix(key, raw), value if raw else json.dumps(value, ensure_ascii=False),
+                         self.arg_close]
             body.append("".join(text) + self.call_suffix())
         return self.open + self.sep.join(body) + self.close
 
@@ -194,6 +195,13 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "qwen3_coder": TaggedToolCallFormat("qwen3_coder", "", call_open="<tool_call>\n<function={name}>\n",
                                         call_close="</function>\n</tool_call>", sep="\n",
                                         arg_open="<parameter={key}>\n", arg_close="\n</parameter>\n"),
+    # DeepSeek V3.2 (<｜DSML｜function_calls>) and V4 (<｜DSML｜tool_calls>): DSML invokes and typed parameters
+    **{name: TaggedToolCallFormat(name, "", call_open='<｜DSML｜invoke name="{name}">\n',
+                                  call_close="</｜DSML｜invoke>\n", open=f"<｜DSML｜{block}>\n",
+                                  close=f"</｜DSML｜{block}>",
+                                  arg_open='<｜DSML｜parameter name="{key}" string="{string}">',
+                                  arg_close="</｜DSML｜parameter>\n")
+       for name, block in (("deepseek_v3_2", "function_calls"), ("deepseek_v4", "tool_calls"))},
 }
 
 

@@ -46,6 +46,8 @@ TEMPLATES = {  # format -> llama.cpp's real templates that write it
     # (llama.cpp's own llama-cpp-deepseek-r1.jinja pipes a generator to tojson, which transformers cannot render)
     "deepseek": ["deepseek-ai-DeepSeek-V3.1.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"],
     "gemma4": ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"],
+    "deepseek_v3_2": ["deepseek-ai-DeepSeek-V3.2.jinja"],
+    "deepseek_v4": ["deepseek-ai-DeepSeek-V4.jinja", "deepseek-ai-DeepSeek-V4-Flash-0731.jinja"],
 }
 TEMPLATE_CASES = [(fmt, name) for fmt, names in TEMPLATES.items() for name in names]
 
@@ -98,7 +100,9 @@ def test_calls_the_template_writes_parse_back(fmt, name):
     turn = whole[whole.index(opening) + len(opening):]  # the first assistant turn
     turn = turn[:turn.index(end)] if end in turn else turn[:turn.index("<turn|>")]  # Gemma 4's interleaved
     tags = FORMAT_BY_NAME[fmt].think_tags
-    opened = prompt_opens_reasoning(head, *tags) and tags[1] in turn  # R1's past turns drop their reasoning block
+    # R1's past turns drop their reasoning block; DeepSeek V3.2 / V4's open with the bare closing tag of a block
+    # their prompt opened
+    opened = (prompt_opens_reasoning(head, *tags) or turn.startswith(tags[1])) and tags[1] in turn
     out = FORMAT_BY_NAME[fmt].output_parser(SCHEMAS, ReasoningParser(opened, *tags)).parse(turn)
     assert _calls(out) == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                            for c in CONVERSATION[2]["tool_calls"]]
@@ -106,7 +110,9 @@ def test_calls_the_template_writes_parse_back(fmt, name):
 
 
 TURN = {"qwen3_coder": ("<|im_start|>assistant\n", "<|im_end|>"), "glm45": ("<|assistant|>", "<|observation|>"),
-        "deepseek": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"), "gemma4": ("<|turn>model\n", "<|tool_response>")}  # an assistant turn's opening and end
+        "deepseek": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"), "gemma4": ("<|turn>model\n", "<|tool_response>"),
+        "deepseek_v3_2": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+        "deepseek_v4": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>")}  # an assistant turn's opening and end
 
 # model-like outputs and what llama.cpp's parser reads from them: (reasoning, content, calls)
 QWEN3_CODER_CASES = [
@@ -199,7 +205,37 @@ GEMMA4_CASES = [  # llama.cpp's gemma4 parser: Gemma's object syntax to compact 
     (f"<|tool_call>call:rm_rf{{path:{Q}/{Q}}}<tool_call|>", (None, f"<|tool_call>call:rm_rf{{path:{Q}/{Q}}}<tool_call|>", [])),
     (f"<|tool_call>call:get_weather{{city:{Q}Pa", (None, None, [("get_weather", "{}")])),
 ]
-OUTPUT_CASES = ([("gemma4", False, text, want) for text, want in GEMMA4_CASES]
+D = "｜DSML｜"
+DSML_CASES = [  # V3.2's block (V4 writes tool_calls); typed by each parameter's string attribute, compact JSON
+    (f'<{D}function_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" string="true">Paris'
+     f'</{D}parameter>\n<{D}parameter name="days" string="false">3</{D}parameter>\n</{D}invoke>\n'
+     f'</{D}function_calls>', (None, None, [("get_weather", '{"city":"Paris","days":3}')])),
+    # a string stays one even when it reads as a number; a non-string that is not JSON becomes a string; JSON stays
+    # as written; values keep their newlines; two calls
+    (f'Let me check.\n\n<{D}function_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" '
+     f'string="true">123</{D}parameter>\n<{D}parameter name="when" string="false">soon</{D}parameter>\n'
+     f'</{D}invoke>\n<{D}invoke name="add">\n<{D}parameter name="a" string="false">1.5</{D}parameter>\n'
+     f'<{D}parameter name="b" string="false">-2</{D}parameter>\n<{D}parameter name="opts" string="false">'
+     f'{{"x": [1, 2], "y": true}}</{D}parameter>\n<{D}parameter name="tags" string="true">a\nb</{D}parameter>\n'
+     f'</{D}invoke>\n</{D}function_calls>',
+     (None, "Let me check.", [("get_weather", '{"city":"123","when":"soon"}'),
+                              ("add", '{"a":1.5,"b":-2,"opts":{"x": [1, 2], "y": true},"tags":"a\\nb"}')])),
+    (f'<{D}function_calls>\n<{D}invoke name="now">\n\n</{D}invoke>\n</{D}function_calls>',
+     (None, None, [("now", "{}")])),
+    # not calls: an unknown function, no invoke after the block's tag
+    (f'<{D}function_calls>\n<{D}invoke name="rm_rf">\n</{D}invoke>\n</{D}function_calls>',
+     (None, f'<{D}function_calls>\n<{D}invoke name="rm_rf">\n</{D}invoke>\n</{D}function_calls>', [])),
+    (f"I write <{D}function_calls> tags.", (None, f"I write <{D}function_calls> tags.", [])),
+    # cut off inside a parameter: the call with the parameters read so far
+    (f'<{D}function_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" string="true">Paris'
+     f'</{D}parameter>\n<{D}parameter name="days" string="false">3',
+     (None, None, [("get_weather", '{"city":"Paris"}')])),
+]
+DSML_V4_CASES = [(text.replace("function_calls", "tool_calls"),
+                  (r, c and c.replace("function_calls", "tool_calls"), calls)) for text, (r, c, calls) in DSML_CASES]
+OUTPUT_CASES = ([("deepseek_v3_2", False, text, want) for text, want in DSML_CASES]
+                + [("deepseek_v4", False, text, want) for text, want in DSML_V4_CASES]
+                + [("gemma4", False, text, want) for text, want in GEMMA4_CASES]
                 + [("deepseek", False, text, want) for text, want in DEEPSEEK_CASES]
                 + [("deepseek", True, text, want) for text, want in DEEPSEEK_OPEN_CASES]
                 + [("glm45", False, text, want) for text, want in GLM_CASES]
@@ -227,7 +263,7 @@ def test_model_outputs_parse_as_llamacpp_parses_them_in_any_split(fmt, opened, t
 def test_calls_stream_with_the_openai_shape(fmt):
     """Each call's id and name come once, in its first piece; its arguments follow as they are read."""
     text, (_, _, calls) = {"qwen3_coder": QWEN3_CODER_CASES, "glm45": GLM_CASES, "deepseek": DEEPSEEK_CASES,
-                             "gemma4": GEMMA4_CASES}[fmt][1]
+                             "gemma4": GEMMA4_CASES, "deepseek_v3_2": DSML_CASES, "deepseek_v4": DSML_V4_CASES}[fmt][1]
     parser = PARSERS[fmt](SCHEMAS, id_factory=_ids())
     deltas = [parser.feed(c) for c in text] + [parser.finish()]
     firsts = {}

@@ -262,3 +262,30 @@ def test_the_engine_imports_no_grammar_engine_until_a_request_needs_one(tiny_mod
             f"LLM({str(path)!r}, device='cpu').generate('hi', SamplingParams(max_tokens=2)); "
             "assert 'llguidance' not in sys.modules, 'llguidance imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_the_gate_follows_the_specs_reasoning_tags(tmp_path_factory) -> None:
+    """On a vocabulary with Gemma 4's ``<|channel>`` and ``<channel|>`` as single tokens (a tiny qwen2), a spec
+    with Gemma's tags lets the output open its block (``<|channel>``, pushed by a logit bias) and close it before
+    the grammar; with the default ``<think>`` tags the grammar applies from the first token. A prompt that ends
+    with the whole open tag (``<|channel>thought``) starts inside the block."""
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    path = build_tiny_model("qwen2", tmp_path_factory.mktemp("markers"), vocab="qwen2-markers").path
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    tok = llm.tokenizer
+    open_id, close_id = reasoning_token_ids(tok, "<|channel>thought", "<channel|>")
+    assert (open_id, close_id) == (tok._tokens.index("<|channel>"), tok._tokens.index("<channel|>"))
+    prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    bias = {open_id: 50.0, close_id: 100.0}  # open when allowed, then close at once
+    gemma = StructuredOutput(regex=r"(yes|no)", reasoning_tags=("<|channel>thought", "<channel|>"))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias,
+                                                structured_output=gemma))[0]
+    assert out.token_ids[:2] == [open_id, close_id] and out.finish_reason == "stop", out.token_ids
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias,
+                                                structured_output=StructuredOutput(regex=r"(yes|no)")))[0]
+    assert open_id not in out.token_ids and close_id not in out.token_ids and out.finish_reason == "stop"
+    opened = prompt + tok.encode("<|channel>thought\n")
+    out = llm.generate([opened], SamplingParams(temperature=0.0, max_tokens=10, logit_bias={close_id: 100.0},
+                                                structured_output=gemma))[0]
+    assert out.token_ids[0] == close_id and out.finish_reason == "stop", out.token_ids

@@ -89,3 +89,15 @@ def test_two_assistant_messages_at_the_end_are_a_400_naming_the_rule() -> None:
     assert info.value.status == 400 and info.value.param == "messages"
     assert "Cannot have 2 or more assistant messages at the end of the list" in info.value.message
     assert llama.render(messages=messages, prefill=False).endswith("four<|eot_id|>" + ASSISTANT)
+
+
+@pytest.mark.parametrize("fmt, tags", [("gemma4", ("<|channel>thought", "<channel|>")),
+                                       ("deepseek_v3_2", ("<think>", "</think>")), ("qwen3_coder", ("<think>", "</think>"))])
+@pytest.mark.parametrize("body", [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {
+    "name": "now"}}}, {"response_format": {"type": "json_object"}}])
+def test_the_grammar_gates_on_the_formats_own_reasoning_tags(fmt, tags, body) -> None:
+    """A forced call's or a response_format's grammar lets the format's reasoning block through first (its
+    ``think_tags``: Gemma 4's channel, ``<think>`` elsewhere)."""
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    plan = plan_chat({"tools": tools, **body}, USER, ChatFormat(fmt, template_tools=True, reasoning=True))
+    assert plan.spec is not None and plan.spec.reasoning and plan.spec.reasoning_tags == tags

@@ -1,4 +1,5 @@
-"""The reasoning gate: free tokens inside <think>...</think>, the grammar after it (Qwen2-style vocabulary)."""
+"""The reasoning gate: free tokens inside <think>...</think> (or a chat format's own tags), the grammar after it
+(Qwen2-style vocabularies)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import jsonschema
 import pytest
 import torch
 
-from gpullama.structured import ReasoningGatedMatcher, StructuredOutput, get_backend, reasoning_token_ids
+from gpullama.structured import (
+    ReasoningGatedMatcher,
+    StructuredOutput,
+    get_backend,
+    reasoning_token_ids,
+    tool_call_grammar,
+)
 from gpullama.structured.vocab import grammar_vocab
 from tests.structured.helpers import allowed_ids, greedy_tokens
 
@@ -121,3 +128,69 @@ def test_gated_rows_fill_with_the_batch(qwen):
     logits = torch.zeros(3, backend.vocab_size)
     backend.apply_bitmask(logits, bitmask, rows=[0, 2])
     assert torch.isfinite(logits[1]).all()
+
+
+# ---- a chat format's own reasoning tags (Gemma 4's, DeepSeek V3.2 / V4's), its forced calls after them ----
+
+GEMMA_TAGS = ("<|channel>thought", "<channel|>")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}}}]
+SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def markers(vocab_tokenizer):
+    """The Qwen2-style vocabulary with the 2026 formats' markers as single tokens, and its backend."""
+    tok = vocab_tokenizer("qwen2-markers")
+    return tok, get_backend(tok), grammar_vocab(tok)
+
+
+def test_token_ids_of_a_formats_tags(tokenizers, markers):
+    """A tag that is one token is that token; Gemma 4's ``<|channel>thought`` opens with its special token
+    ``<|channel>``; a tag spelled only by plain tokens has no id (SmolLM2's ``<`` is not special)."""
+    tok = markers[0]
+    index = tok._tokens.index
+    assert reasoning_token_ids(tok, *GEMMA_TAGS) == (index("<|channel>"), index("<channel|>"))
+    assert reasoning_token_ids(tok) == (index("<think>"), index("</think>"))
+    assert reasoning_token_ids(tokenizers["qwen2"], *GEMMA_TAGS) is None
+    assert reasoning_token_ids(tokenizers["smollm2"], "<think", "</think>") is None
+
+
+def _walk(gate, backend, steps) -> set[int] | None:
+    """Accept `steps`, checking each against the gate's mask; return the last mask."""
+    mask = None
+    for t in steps:
+        mask = _mask(backend, gate)
+        assert t in mask and gate.accept_token(t), t
+    return mask
+
+
+@pytest.mark.parametrize("fmt, opened", [("gemma4", False), ("deepseek_v3_2", True), ("deepseek_v4", True)])
+def test_a_forced_call_after_the_formats_reasoning(markers, fmt, opened):
+    """With the format's tags, the model thinks first (free text, even text the grammar refuses), then the
+    forced call: the format's output parser reads the reasoning and the call (Gemma 4 opens its block itself;
+    DeepSeek's prompt opened ``<think>`` when thinking is on)."""
+    from gpullama.chat.formats import FORMAT_BY_NAME
+
+    tok, backend, vocab = markers
+    form = FORMAT_BY_NAME[fmt]
+    spec = tool_call_grammar(TOOLS, "required", parallel_tool_calls=False, format=form.grammar.name)
+    ids = reasoning_token_ids(tok, *form.think_tags)
+    gate = ReasoningGatedMatcher(backend.matcher(backend.compile(spec)), *ids, backend.stop_token_ids,
+                                 start_in_reasoning=opened)
+    thought = "The user wants Paris {not a call"
+    steps = ([] if opened else [gate.open_id, *tok.encode("thought\n")]) + tok.encode(thought)
+    assert _walk(gate, backend, steps) == set(range(backend.vocab_size)) and gate.in_reasoning
+    assert gate.accept_token(gate.close_id) and not gate.in_reasoning
+    call = form.grammar.render([("get_weather", {"city": "Paris", "days": 3})])
+    answer = greedy_tokens(vocab, call.encode())
+    assert _mask(backend, gate) == _mask(backend, backend.matcher(backend.compile(spec)))  # the grammar's start
+    _walk(gate, backend, answer)
+    assert gate.accept_token(backend.stop_token_ids[0]) and gate.is_terminated()
+    text = tok.decode(steps + [gate.close_id] + answer)
+    prompt = "" if not opened else "<｜Assistant｜><think>"
+    out = form.output_parser(SCHEMAS, form.reasoning_parser(prompt)).parse(text)
+    assert out.reasoning == thought and not out.content
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris",
+                                                                                           "days": 3})]

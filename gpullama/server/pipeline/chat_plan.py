@@ -201,6 +201,9 @@ def plan_chat(body: dict, messages: list[dict[str, Any]], fmt: ChatFormat,
                 offered, choice, parallel_tool_calls=parallel, format=fmt.tools.grammar.name)
             if forced is not None:  # required or named: the calls' grammar replaces any response_format
                 plan.spec = forced
+        if plan.spec is not None and plan.spec.reasoning_tags != fmt.tools.think_tags:
+            # the grammar's reasoning gate lets the format's own reasoning block through first (Gemma 4's)
+            plan.spec = replace(plan.spec, reasoning_tags=fmt.tools.think_tags)
     except StructuredOutputError as e:
         raise _bad(e) from None
     return plan
