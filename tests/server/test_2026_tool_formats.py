@@ -1,7 +1,9 @@
 """Forced tool calls (tool_choice required and named) in the 2026 families' formats, through the openai SDK against a
 real server: the default model (SmolLM2) with llama.cpp's real template of each format (``--chat-template-file``),
 so the grammar writes the format's text and the server's parser reads it back. The calls' arguments validate
-against the tools' schemas (jsonschema), and a streamed answer accumulates to the whole one."""
+against the tools' schemas (jsonschema), and a streamed answer accumulates to the whole one. With thinking on
+(DeepSeek V3.2 / V4, whose prompt then opens ``<think>``), a tiny model on a vocabulary holding the reasoning tags
+as single tokens closes its block (a logit bias pushes ``</think>``) before the grammar forces the call."""
 
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 TEMPLATES = {  # format -> the llama.cpp template that writes it
     "qwen3_coder": "Qwen3.5-4B.jinja", "glm45": "GLM-4.6.jinja", "deepseek": "deepseek-ai-DeepSeek-V3.1.jinja",
-    "gemma4": "google-gemma-4-31B-it.jinja"}
+    "gemma4": "google-gemma-4-31B-it.jinja", "deepseek_v3_2": "deepseek-ai-DeepSeek-V3.2.jinja",
+    "deepseek_v4": "deepseek-ai-DeepSeek-V4.jinja"}
+# DSML's markup takes SmolLM2 many tokens (each ｜ several)
+MAX_TOKENS = {"deepseek_v3_2": 360, "deepseek_v4": 360}
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
@@ -61,9 +66,10 @@ def test_the_server_renders_the_template(served):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_calls_parse_and_validate(served, choice):
-    _, client, _, model = served
+    fmt, client, _, model = served
     out = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice=choice, n=2,
-                                         temperature=1.0, seed=3, max_tokens=160, extra_body=NO_THINKING)
+                                         temperature=1.0, seed=3, max_tokens=MAX_TOKENS.get(fmt, 160),
+                                         extra_body=NO_THINKING)
     for c in out.choices:
         calls = c.message.tool_calls
         assert calls and not c.message.content, c.message
@@ -80,9 +86,9 @@ def test_forced_calls_parse_and_validate(served, choice):
 
 
 def test_streamed_calls_accumulate_to_the_whole_answer(served):
-    _, client, _, model = served
+    fmt, client, _, model = served
     body = dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                temperature=0, max_tokens=160, extra_body=NO_THINKING)
+                temperature=0, max_tokens=MAX_TOKENS.get(fmt, 160), extra_body=NO_THINKING)
     whole = client.chat.completions.create(**body).choices[0]
     with client.chat.completions.stream(**body) as stream:
         for _ in stream:
@@ -91,3 +97,55 @@ def test_streamed_calls_accumulate_to_the_whole_answer(served):
     assert whole.message.tool_calls and streamed.finish_reason == whole.finish_reason
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+THINKING = ["deepseek_v3_2", "deepseek_v4"]
+WEATHER_ONLY = TOOLS[:1]  # bounded values: a random model's numbers would not end
+
+
+@pytest.fixture(scope="module", params=THINKING)
+def thinking(request, tmp_path_factory):
+    """(openai client, model id, the ids of <think> and </think>) of a server on a tiny qwen2 whose vocabulary
+    holds the reasoning tags and DSML's token as single tokens, with the format's real template."""
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    folder = tmp_path_factory.mktemp(f"thinking-{request.param}")
+    path = build_tiny_model("qwen2", folder, vocab="qwen2-markers", context_length=4096).path
+    template = llamacpp_source() / "models" / "templates" / TEMPLATES[request.param]
+    srv = start_server(path, folder / "server.log", ["--chat-template-file", str(template)])
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    with httpx.Client(base_url=srv.base_url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        prompt = http.post("/apply-template", json={"messages": QUESTION, "tools": WEATHER_ONLY,
+                                                    "chat_template_kwargs": {"enable_thinking": True}}).json()["prompt"]
+        assert prompt.endswith("<｜Assistant｜><think>")  # the prompt opens the reasoning block
+        tags = [http.post("/tokenize", json={"content": tag}).json()["tokens"] for tag in ("<think>", "</think>")]
+        assert [len(ids) for ids in tags] == [1, 1]
+        yield client, model, tags[0][0], tags[1][0]
+    stop_server(srv)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_with_thinking_on_comes_after_the_reasoning(thinking, choice):
+    """The prompt opened ``<think>``: the grammar leaves the block free until ``</think>`` (pushed by a logit
+    bias; the random model's own favourite, ``<think>``, kept off), then forces the call, which is read as a call,
+    not as reasoning; no content, and streamed, the same answer. (Without the gate the grammar would force the
+    call inside the open block, where it is reasoning text.)"""
+    client, model, open_id, close_id = thinking
+    body = dict(model=model, messages=QUESTION, tools=WEATHER_ONLY, tool_choice=choice, parallel_tool_calls=False,
+                temperature=1.0, seed=11, max_tokens=400, logit_bias={str(open_id): -100, str(close_id): 100},
+                extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    whole = client.chat.completions.create(**body).choices[0]
+    message = whole.message
+    assert message.tool_calls and not message.content, message
+    assert not getattr(message, "reasoning_content", None), message  # the block closed at once
+    assert whole.finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), WEATHER)
+    with client.chat.completions.stream(**body) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == whole.finish_reason and not streamed.message.content
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]

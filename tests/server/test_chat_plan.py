@@ -92,7 +92,8 @@ def test_two_assistant_messages_at_the_end_are_a_400_naming_the_rule() -> None:
 
 
 @pytest.mark.parametrize("fmt, tags", [("gemma4", ("<|channel>thought", "<channel|>")),
-                                       ("deepseek_v3_2", ("<think>", "</think>")), ("qwen3_coder", ("<think>", "</think>"))])
+                                       ("deepseek_v3_2", ("<think>", "</think>")),
+                                       ("qwen3_coder", ("<think>", "</think>"))])
 @pytest.mark.parametrize("body", [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {
     "name": "now"}}}, {"response_format": {"type": "json_object"}}])
 def test_the_grammar_gates_on_the_formats_own_reasoning_tags(fmt, tags, body) -> None:
