@@ -162,6 +162,31 @@ class TorchOps:
         x = x.to(weight.dtype)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """LayerNorm with weight and bias over the last dim of ``[T, H]`` (the vision towers' norm), in the weight's
+        dtype (float32)."""
+        return F.layer_norm(x.to(weight.dtype), (x.shape[-1],), weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """GELU of ``[T, N]`` (float32, as `linear` gives it): ``none`` (erf), ``tanh``, or ``quick`` (QuickGELU,
+        ``x * sigmoid(1.702 x)``: Qwen2-VL's tower)."""
+        if approximate == "quick":
+            return x * torch.sigmoid(1.702 * x)
+        return F.gelu(x, approximate=approximate)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` by row t of ``cos_sin [T, R]`` each (cos|sin of each half,
+        NeoX halves, as `rope_and_cache`; the Qwen-VL towers' 2D rotary), nothing written to a pool; float32."""
+        cos, sin = rope_rows(cos_sin, torch.arange(cos_sin.shape[0], device=cos_sin.device))
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def image_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A vision tower's attention: every patch of ``[B, heads, n, D]`` q, k, v attends to every other one (or
+        to those `mask` ``[n, n]`` allows: Qwen2.5-VL's windows), no KV pool, in the inputs' dtype (float32, as
+        `linear` gives them): ``[B, heads, n, D]``."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
     def rope_and_cache(
         self,
         q: torch.Tensor,

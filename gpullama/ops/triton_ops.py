@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpullama.kernels.attention import paged_attention
 from gpullama.kernels.delta_rule import gated_delta_rule as _gated_delta_rule
 from gpullama.kernels.embedding import embedding as _embedding
 from gpullama.kernels.fused_moe import fused_moe
+from gpullama.kernels.gelu import gelu as _gelu
 from gpullama.kernels.gguf_blocks import QUANTIZED_KERNEL_TYPES
+from gpullama.kernels.layer_norm import layer_norm as _layer_norm
 from gpullama.kernels.quant_matmul import quant_linear
 from gpullama.kernels.rms_norm import head_rms_norm as _head_rms_norm
 from gpullama.kernels.rms_norm import rms_norm as _rms_norm
@@ -103,6 +106,31 @@ class TritonOps(TorchOps):
     def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each head of ``[T, heads, D]``."""
         return _head_rms_norm(x, weight, eps)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """LayerNorm with weight and bias (the vision towers'), float32 ``[T, H]``."""
+        return _layer_norm(x, weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """GELU (``none``: erf, ``tanh``, ``quick``) of ``[T, N]``, float32."""
+        return _gelu(x.contiguous(), approximate)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k **in place** by row t of `cos_sin` each: the rotary kernel with row t's own table row and
+        no pool write (every slot negative)."""
+        t, hk, d = k.shape
+        rows = torch.arange(t, device=q.device)
+        skip = torch.full((t,), -1, dtype=torch.int64, device=q.device)
+        pool = torch.empty((1, 1, hk, d), dtype=torch.float32, device=q.device)  # never written
+        return _rope_and_cache(q, k, None, cos_sin, rows, skip, pool, None)
+
+    def image_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """torch's `scaled_dot_product_attention` with q, k, v in the compute dtype (FlashAttention or cuDNN in
+        bfloat16 on CUDA; the memory-efficient kernel with a window mask or in float32), float32 out: no Triton
+        kernel of ours, see docs/kernels.md, "Vision towers"."""
+        q, k, v = (x.to(self.dtype) for x in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).float()
 
     def rope_and_cache(
         self,

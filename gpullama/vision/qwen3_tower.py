@@ -92,8 +92,8 @@ class Qwen3VLTower(QwenVLTower):
         """A deepstack merger over a block's output ``[n, D]`` -> ``[n / 4, projection_dim]``."""
         c, ops = self.config, self.ops
         width = c.hidden * c.pool * c.pool
-        x = F.layer_norm(x.reshape(-1, width), (width,), *merger.norm, c.eps)
-        return ops.linear(F.gelu(ops.linear(x, merger.fc1, merger.fc1_bias)), merger.fc2, merger.fc2_bias)
+        x = ops.layer_norm(x.reshape(-1, width), *merger.norm, c.eps)
+        return ops.linear(ops.gelu(ops.linear(x, merger.fc1, merger.fc1_bias)), merger.fc2, merger.fc2_bias)
 
     @torch.inference_mode()
     def encode_patches(self, patches: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
@@ -102,11 +102,11 @@ class Qwen3VLTower(QwenVLTower):
         ops = self.ops
         device = self.post_ln[0].device
         x = patches.to(device, torch.float32) @ self.patch_w.t() + self.patch_b + self._positions(gh, gw)
-        rope = tuple(t.to(device) for t in self._rotary(gh, gw))
+        rope = self._rotary(gh, gw).to(device)
         deep = []
         for i, blk in enumerate(self.blocks):
             x = x + self._attention(self._norm(x, blk["ln1"]), blk, rope)
-            h = F.gelu(ops.linear(self._norm(x, blk["ln2"]), blk["up"], blk["up_bias"]), approximate="tanh")
+            h = ops.gelu(ops.linear(self._norm(x, blk["ln2"]), blk["up"], blk["up_bias"]), "tanh")
             x = x + ops.linear(h, blk["down"], blk["down_bias"])
             if i in self.deepstack:
                 deep.append(self._deepstack(x, self.deepstack[i]))

@@ -19,7 +19,6 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 
 from gpullama.gguf_file import ModelFileError, read_gguf
 from gpullama.vision.tower import TowerTensors, VisionConfig, _f32
@@ -88,14 +87,14 @@ class QwenVLTower:
         for i in range(c.layers):
             b = f"v.blk.{i}."
             qkv = _f32(torch.cat([t.dense(b + f"attn_{x}.weight") for x in "qkv"]), b + "attn_qkv.weight")
+            # Qwen2.5-VL's SwiGLU: gate|up rows joined into one matrix (one matmul, then `ops.silu_mul`)
+            up = ("ffn_gate", "ffn_up") if self.v25 else ("ffn_up",)
             self.blocks.append(dict(
                 ln1=norm(b + "ln1"), qkv=ops.prepare_weight(qkv),
                 qkv_bias=torch.cat([t.dense(b + f"attn_{x}.bias") for x in "qkv"]),
                 out=t.weight(b + "attn_out.weight"), out_bias=t.dense(b + "attn_out.bias"),
                 ln2=norm(b + "ln2"),
-                up=t.weight(b + "ffn_up.weight"), up_bias=t.dense(b + "ffn_up.bias"),
-                gate=t.weight(b + "ffn_gate.weight") if self.v25 else None,
-                gate_bias=t.dense(b + "ffn_gate.bias") if self.v25 else None,
+                up=t.weight(*(b + f"{x}.weight" for x in up)), up_bias=torch.cat([t.dense(b + f"{x}.bias") for x in up]),
                 down=t.weight(b + "ffn_down.weight"), down_bias=t.dense(b + "ffn_down.bias")))
         self.post_ln = norm("v.post_ln")
 
@@ -124,21 +123,23 @@ class QwenVLTower:
         x = x[:, :, :, :, :, None].expand(*x.shape[:5], 2, p, p)  # two identical frames
         return x.reshape(gh * gw, -1), gh, gw
 
-    def _rotary(self, gh: int, gw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, gh: int, gw: int) -> torch.Tensor:
+        """The 2D rotary's cos|sin table ``[gh * gw, head dims]`` of the patches (in 2x2-block order) for
+        `ops.rotate`: each half's angles, the patch's row times the first half of the frequencies, its column times
+        the second (transformers' axial rope)."""
         m = self.config.pool
         hpos, wpos = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
         shape = (gh // m, m, gw // m, m)
         hpos, wpos = (a.reshape(shape).transpose(1, 2).flatten() for a in (hpos, wpos))
         freqs = torch.cat([hpos[:, None] * self.inv_freq, wpos[:, None] * self.inv_freq], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
     def _norm(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
+        """Qwen2-VL's LayerNorm (weight, bias) or Qwen2.5-VL's RMSNorm (weight), float32."""
         w, b = weights
-        c = self.config
         if b is not None:
-            return F.layer_norm(x, (c.hidden,), w, b, c.eps)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.eps) * w
+            return self.ops.layer_norm(x, w, b, self.config.eps)
+        return self.ops.post_norm(x, w, self.config.eps)
 
     def _window_mask(self, gh: int, gw: int) -> torch.Tensor:
         """``[n, n]`` True where two patches (in 2x2-block order) lie in one attention window (Qwen2.5-VL's windows
@@ -150,20 +151,16 @@ class QwenVLTower:
         window = window.repeat_interleave(m * m)
         return window[:, None] == window[None, :]
 
-    def _attention(self, h: torch.Tensor, blk: dict, rope: tuple, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One block's attention over an image's patches `h` ``[n, D]`` (normed): q|k|v, the 2D rotary (`rope`: cos,
-        sin of `_rotary`), every patch attending to every other one (or within `mask`), then the output matrix."""
+    def _attention(self, h: torch.Tensor, blk: dict, rope: torch.Tensor, mask: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """One block's attention over an image's patches `h` ``[n, D]`` (normed): q|k|v, the 2D rotary (`rope`: the
+        table of `_rotary`), every patch attending to every other one (or within `mask`), then the output matrix."""
         c, ops = self.config, self.ops
         n, hd = h.shape[0], c.hidden // c.heads
-        cos, sin = rope
-
-        def rotate(v):
-            half = v.shape[-1] // 2
-            return v * cos + torch.cat([-v[..., half:], v[..., :half]], dim=-1) * sin
-
         q, k, v = ops.linear(h, blk["qkv"], blk["qkv_bias"]).view(n, 3, c.heads, hd).unbind(1)
-        a = F.scaled_dot_product_attention(rotate(q).transpose(0, 1), rotate(k).transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=1.0 / math.sqrt(hd))
+        q, k = ops.rotate(q, k, rope)
+        a = ops.image_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                1.0 / math.sqrt(hd), mask)[0]
         return ops.linear(a.transpose(0, 1).reshape(n, c.hidden), blk["out"], blk["out_bias"])
 
     def _merge(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +168,7 @@ class QwenVLTower:
         ``mm.0`` -> GELU -> ``mm.2``: ``[n, D]`` -> ``[n / 4, projection_dim]``."""
         c, ops = self.config, self.ops
         x = self._norm(x, self.post_ln).reshape(-1, c.hidden * c.pool * c.pool)
-        x = F.gelu(ops.linear(x.contiguous(), self.mm0, self.mm0_bias))
+        x = ops.gelu(ops.linear(x.contiguous(), self.mm0, self.mm0_bias))
         return ops.linear(x, self.mm2, self.mm2_bias)
 
     @torch.inference_mode()
@@ -181,16 +178,12 @@ class QwenVLTower:
         device = self.post_ln[0].device
         windows = self._window_mask(gh, gw).to(device) if self.v25 else None
         x = patches.to(device, torch.float32) @ self.patch_w.t()
-        rope = tuple(t.to(device) for t in self._rotary(gh, gw))
+        rope = self._rotary(gh, gw).to(device)
         for i, blk in enumerate(self.blocks):
             full = windows is None or (i + 1) % self.window_pattern == 0
             x = x + self._attention(self._norm(x, blk["ln1"]), blk, rope, None if full else windows)
-            h = self._norm(x, blk["ln2"])
-            if blk["gate"] is not None:  # Qwen2.5-VL: SwiGLU
-                h = F.silu(ops.linear(h, blk["gate"], blk["gate_bias"])) * ops.linear(h, blk["up"], blk["up_bias"])
-            else:  # Qwen2-VL: QuickGELU
-                h = ops.linear(h, blk["up"], blk["up_bias"])
-                h = h * torch.sigmoid(1.702 * h)
+            h = ops.linear(self._norm(x, blk["ln2"]), blk["up"], blk["up_bias"])
+            h = ops.silu_mul(h) if self.v25 else ops.gelu(h, "quick")  # Qwen2.5-VL: SwiGLU; Qwen2-VL: QuickGELU
             x = x + ops.linear(h, blk["down"], blk["down_bias"])
         return self._merge(x).float()
 

@@ -7,9 +7,12 @@ patch grid to tokens, ``mm.soft_emb_norm`` (an RMSNorm, its +1 folded in by the 
 into one token of K*K times the width, then ``mm.model.fc``, no bias; the image is cut into tiles of the tower's
 size plus the whole image, `gpullama.vision.images.idefics3_tiles`).
 
-The tower's matrices go through the text model's ops (`ops.prepare_weight` / `ops.linear`: float32 torch on the
-exact path, the C kernels on F32/F16/Q8_0 blocks on the CPU fast path, the Triton matmul on the GPU); the rest
-(the patch embedding, layer norms, the attention, the pooling) is torch on the ops' device."""
+The tower runs through the text model's ops: its matrices (`ops.prepare_weight` / `ops.linear`: float32 torch on
+the exact path, the C kernels on F32/F16/Q8_0 blocks on the CPU fast path, the Triton matmul on the GPU), its
+LayerNorms (`ops.layer_norm`), GELUs (`ops.gelu`), attention (`ops.image_attention`) and the head's RMSNorm
+(`ops.post_norm`), each a Triton kernel under `TritonOps` but the attention (torch's SDPA in the compute dtype);
+the patch embedding (a float32 matmul of the pixels), the position embeddings and the pooling are torch on the ops'
+device."""
 
 from __future__ import annotations
 
@@ -142,8 +145,7 @@ class Gemma3Head:
         """``[b * side * side, D]`` tower outputs -> ``[b * tokens_per_tile, projection_dim]``."""
         grid = x.view(b, side, side, c.hidden).permute(0, 3, 1, 2)
         pooled = F.avg_pool2d(grid, c.pool, c.pool).flatten(2).transpose(1, 2).reshape(-1, c.hidden)
-        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + c.eps) * self.soft_emb_norm
-        return ops.linear(normed.contiguous(), self.projection)
+        return ops.linear(ops.post_norm(pooled.contiguous(), self.soft_emb_norm, c.eps), self.projection)
 
 
 class Idefics3Head:
@@ -247,15 +249,14 @@ class VisionTower:
         hd = c.hidden // c.heads
         n = side * side
         for blk in self.blocks:
-            h = F.layer_norm(x, (c.hidden,), *blk.ln1, c.eps)
+            h = ops.layer_norm(x, *blk.ln1, c.eps)
             qkv = ops.linear(h, blk.qkv, blk.qkv_bias).view(b, n, 3, c.heads, hd).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], scale=1.0 / math.sqrt(hd))
+            a = ops.image_attention(qkv[0], qkv[1], qkv[2], 1.0 / math.sqrt(hd))
             a = a.permute(0, 2, 1, 3).reshape(b * n, c.hidden)
             x = x + ops.linear(a, blk.out, blk.out_bias)
-            h = F.layer_norm(x, (c.hidden,), *blk.ln2, c.eps)
-            h = F.gelu(ops.linear(h, blk.up, blk.up_bias), approximate="tanh")
+            h = ops.gelu(ops.linear(ops.layer_norm(x, *blk.ln2, c.eps), blk.up, blk.up_bias), "tanh")
             x = x + ops.linear(h, blk.down, blk.down_bias)
-        x = F.layer_norm(x, (c.hidden,), *self.post_ln, c.eps)
+        x = ops.layer_norm(x, *self.post_ln, c.eps)
         out = self.head(x, b, side, c, ops)
         return out.float().view(b, c.tokens_per_tile, c.projection_dim)
 
