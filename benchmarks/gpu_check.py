@@ -11,7 +11,10 @@ and a decode step between the Triton kernels and the torch path, then times one 
 Triton eager, Triton replayed from the CUDA graphs of `gpullama.engine.decode_graphs.DecodeGraphs` (the model
 runner's decode path), and
 torch eager.
-Prints one markdown table last; everything else goes to the log. `--tiny --device cpu` runs the same code at
+Vision (`--towers gemma3`): a Gemma-3-4B-shaped random vision tower (F16 matrices, as mmproj files are published)
+encodes one 896x896 image of random pixels with TritonOps (float32 and bf16) and TorchOps bf16 against TorchOps
+float32 on the same device, then the bf16 encode is timed (Triton, torch).
+Prints markdown tables last; everything else goes to the log. `--tiny --device cpu` runs the same code at
 toy shapes (set TRITON_INTERPRET=1) to check the script itself without a GPU.
 """
 
@@ -35,6 +38,8 @@ from gpullama.model import Decoder  # noqa: E402
 from gpullama.ops import TorchOps  # noqa: E402
 from gpullama.ops.triton_ops import TritonOps  # noqa: E402
 from tests.kernel_tests.random_model import (  # noqa: E402
+    GEMMA3_4B_TOWER,
+    TINY_TOWER,
     batch_metadata,
     deepseek_v2_lite_config,
     gpt_oss_like_config,
@@ -47,6 +52,7 @@ from tests.kernel_tests.random_model import (  # noqa: E402
     qwen3_moe_config,
     qwen35_08b_config,
     qwen35_like_config,
+    random_gemma3_tower,
     random_tensors,
     tiny_config,
 )
@@ -58,6 +64,8 @@ FORMATS = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "moe-q8_0": Q.Q8_0, "
 """Weight formats; moe-*: the MoE decoder, its experts in that type, the other matrices Q8_0; mla-q8_0: the
 latent-attention MoE decoder in Q8_0; lfm2-q8_0: the short-convolution hybrid in Q8_0; qwen35-q8_0: the
 gated delta-net hybrid in Q8_0; granitehybrid-q8_0: the Mamba2 hybrid in Q8_0 (--tiny: with experts)."""
+TOWERS = {"gemma3": (GEMMA3_4B_TOWER, Q.F16)}
+"""Vision towers checked (--towers): their shape (--tiny: `TINY_TOWER`) and the type of their block matrices."""
 log = logging.getLogger("gpu_check")
 
 
@@ -94,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--iters", type=int, default=50, help="timed decode steps per measurement")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="copy bandwidth in bytes/s for the floor")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="dense bf16 tensor-core peak in TFLOP/s for the vision encode's floor (H100 SXM, H200: 989)")
+    p.add_argument("--towers", default="gemma3", help=f"comma list of vision towers to check ({', '.join(TOWERS)}); "
+                   "empty: none")
     p.add_argument("--tiny", action="store_true", help="toy shapes (1 layer, hidden 256) instead of Llama-3.2-1B")
     p.add_argument("--no-torch-timing", action="store_true", help="skip timing the torch eager path")
     p.add_argument("--log", default="gpu_check.log", help="file for the full log")
@@ -102,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [f for f in args.formats if f not in FORMATS]
     if unknown:
         p.error(f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+    args.towers = [t.strip().lower() for t in args.towers.split(",") if t.strip()]
+    unknown = [t for t in args.towers if t not in TOWERS]
+    if unknown:
+        p.error(f"unknown tower(s) {', '.join(unknown)}; choose from {', '.join(TOWERS)}")
     args.batches = [int(b) for b in args.batches.split(",")]
     if any(b < 1 for b in args.batches) or args.context < 2 or args.iters < 1:
         p.error("batches, iters must be >= 1 and context >= 2")
@@ -274,6 +290,68 @@ def check_format(args, config, fmt: str, device: torch.device, dtype: torch.dtyp
     checks[-1] = line + f"{graph_error:.1e} | {'ok' if ok else 'FAIL'} |"
 
 
+def tower_flops(c) -> float:
+    """Multiply-adds x 2 of one image through a SigLIP tower and its Gemma 3 head (`VisionConfig` `c`): the patch
+    embedding, per block q|k|v, out, the MLP and the attention's two products, then the projection."""
+    n, d, f = (c.image_size // c.patch_size) ** 2, c.hidden, c.ffn
+    block = 2 * n * (4 * d * d + 2 * d * f) + 4 * n * n * d
+    return 2 * n * 3 * c.patch_size ** 2 * d + c.layers * block + 2 * c.tokens_per_tile * d * c.projection_dim
+
+
+def check_tower(args, name: str, device: torch.device, dtype: torch.dtype, checks: list[str], rows: list[Row]) -> None:
+    """A random tower of `name`'s shape built on the device: one image's embeddings through TritonOps (float32 and
+    `dtype`) and TorchOps `dtype` against TorchOps float32 (a line appended to `checks`), then the `dtype` encode
+    timed with TritonOps and TorchOps (rows appended to `rows`)."""
+    from gpullama.vision.tower import VisionTower
+
+    shape, qtype = TOWERS[name]
+    shape = TINY_TOWER if args.tiny else shape
+    t0 = time.perf_counter()
+    model = random_gemma3_tower(shape, qtype, device, seed=0)
+    side = shape["image_size"]
+    g = torch.Generator(device=device).manual_seed(7)
+    pixels = torch.rand(1, 3, side, side, device=device, generator=g) * 2 - 1  # fresh, as preprocessed pixels are
+    log.info("vision %s: built a random %dx%d-pixel tower in %.1f s", name, side, side, time.perf_counter() - t0)
+
+    def encode(ops) -> torch.Tensor:
+        out = VisionTower(f"random {name} tower", ops, model).encode(pixels)
+        gc.collect()
+        return out
+
+    reference = encode(TorchOps(device, torch.float32))
+    errors, absolute = {}, {}
+    label = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    for what, ops in (("triton f32", TritonOps(device, torch.float32)), (f"triton {label}", TritonOps(device, dtype)),
+                      (f"torch {label}", TorchOps(device, dtype))):
+        got = encode(ops)
+        finite = bool(torch.isfinite(got).all())
+        absolute[what] = float((got - reference).abs().max()) if finite else float("inf")
+        errors[what] = absolute[what] / float(reference.abs().max())
+    # float32 kernels must match the float32 torch path; 16-bit kernels be no worse than torch in 16 bits
+    ok = errors["triton f32"] < 1e-3 and errors[f"triton {label}"] <= max(2e-2, 1.5 * errors[f"torch {label}"])
+    log.info("vision %s: max |error| %s, over max |value| %.3g: %s (%s)", name, absolute, float(reference.abs().max()),
+             errors, "ok" if ok else "FAIL")
+    fmt = f"vision-{name}-{qtype.name.lower()}"
+    checks.append(f"| {fmt} | {errors['triton f32']:.1e} | {errors[f'triton {label}']:.1e} | "
+                  f"{errors[f'torch {label}']:.1e} | {'ok' if ok else 'FAIL'} |")
+    del reference
+    paths = [("triton encode", TritonOps(device, dtype))]
+    if not args.no_torch_timing:
+        paths.append(("torch encode", TorchOps(device, dtype)))
+    for what, ops in paths:
+        tower = VisionTower(f"random {name} tower", ops, model)
+        c = tower.config
+        weight_bytes = sum(_nbytes(w) for blk in tower.blocks for w in (blk.qkv, blk.out, blk.up, blk.down))
+        ms = time_step(lambda tower=tower: tower.encode(pixels), device, args.iters)
+        floor_ms = tower_flops(c) / (args.peak_tflops * 1e12) * 1e3
+        rows.append(Row(fmt, 1, f"{what} {side}x{side}", ms, weight_bytes / 1e9, floor_ms,
+                        tok_s=c.tokens_per_tile / (ms / 1e3)))
+        log.info("%s (%.2f TFLOP an image: %.0f TFLOP/s)", rows[-1].markdown(), tower_flops(c) / 1e12,
+                 tower_flops(c) / (ms / 1e3) / 1e12)
+        del tower
+        gc.collect()
+
+
 def _nbytes(weight) -> int:
     """Bytes a prepared weight occupies."""
     return weight.nbytes  # a tensor, a QTensor of GGUF blocks, or a CPU path weight (cpu_weights): all have it
@@ -317,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     config = tiny_config(vocab_size=300) if args.tiny else llama_1b_config()
     dtype = torch.bfloat16
     checks: list[str] = []
+    vision: list[str] = []
     rows: list[Row] = []
     failed = False
     signal.signal(signal.SIGTERM, _stop)  # `timeout` in gpu_check.sh: still print what was measured
@@ -326,7 +405,17 @@ def main(argv: list[str] | None = None) -> int:
                 check_format(args, config, fmt, device, dtype, checks, rows)
             except Exception as exc:  # a kernel or capture error in one format: log it, go on with the next
                 log.exception("%s: failed", fmt)
-                checks.append(f"| {fmt} | error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''} | | | | FAIL |")
+                checks.append(f"| {fmt} | {_error(exc)} | | | | FAIL |")
+                failed = True
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        for name in args.towers:
+            try:
+                check_tower(args, name, device, dtype, vision, rows)
+            except Exception as exc:
+                log.exception("vision %s: failed", name)
+                vision.append(f"| vision-{name} | {_error(exc)} | | | FAIL |")
                 failed = True
             gc.collect()
             if device.type == "cuda":
@@ -334,16 +423,29 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit) as stop:
         log.error("stopped early (%s): the table holds what was measured", stop)
         failed = True
-    failed |= any(line.endswith("FAIL |") for line in checks)
+    failed |= any(line.endswith("FAIL |") for line in checks + vision)
     shape = "tiny" if args.tiny else f"Llama-3.2-1B shapes (moe-*: Qwen3-30B-A3B's, {args.moe_layers} layers)"
     print(f"\n### gpu_check: {card}, {shape}, bf16 compute, context {args.context}\n")
     print("Logits of a prefill + decode step, max |error| / max |value| against the torch float32 path; last, the\n"
           "decode step through DecodeGraphs (replayed CUDA graphs) against the same step run eagerly:\n")
     print("| format | triton f32 | triton bf16 | torch bf16 | graph vs eager | check |\n|---|---|---|---|---|---|")
     print("\n".join(checks))
-    print("\n| format | batch | path | ms/step | tok/s | weights read GB | % of bandwidth floor |\n|---|---|---|---|---|---|---|")
+    if args.towers:
+        tower = "toy shapes" if args.tiny else "Gemma-3-4B's shapes"
+        print(f"\nVision: one image's embeddings through a random tower ({tower}), max |error| / max |value| against "
+              "the torch float32 path:\n")
+        print("| tower | triton f32 | triton bf16 | torch bf16 | check |\n|---|---|---|---|---|")
+        print("\n".join(vision))
+    print("\nFloor: the weight bytes a decode step reads over the copy bandwidth; for an image encode (tok/s: its image "
+          "tokens), its FLOPs over the bf16 peak.\n")
+    print("| format | batch | path | ms/step | tok/s | weights read GB | % of floor |\n|---|---|---|---|---|---|---|")
     print("\n".join(r.markdown() for r in rows), flush=True)
     return 1 if failed else 0
+
+
+def _error(exc: Exception) -> str:
+    """A table cell naming an exception: its type and the start of its first line."""
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
 
 
 def _stop(signum: int, frame: object) -> None:

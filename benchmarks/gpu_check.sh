@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check for one NVIDIA Hopper GPU (torch + triton preinstalled, no network), about 5 minutes in all:
 #   tests  pytest tests/kernel_tests compiled on CUDA (the interpreter tests plus the `gpu`-marked real shapes)
-#   check  benchmarks/gpu_check.py: logits of TritonOps vs TorchOps, decode step timings (eager, graphs, torch)
+#   check  benchmarks/gpu_check.py: logits of TritonOps vs TorchOps, decode step timings (eager, graphs, torch);
+#          a Gemma-3-4B-shaped random vision tower (--towers gemma3): one image's embeddings through TritonOps vs
+#          TorchOps float32 on the device, and the encode time of one 896x896 image (Triton, torch) in the table
 #   serve  a random Llama-3.2-1B-shaped Q4_K GGUF (benchmarks/make_random_llama.py, written on the CPU while the
 #          steps above run), gpullama-serve on it (CUDA, graphs on) and bench_server.py at 1 and 64 streaming
 #          clients (benchmarks/gpu_serve.py); its rows join the timing table
@@ -123,7 +125,7 @@ if [[ ",$steps," == *,check,* ]]; then
     rc_check=$?
 fi
 if ! grep -q '^| format | batch |' "$TABLE"; then
-    printf '\n| format | batch | path | ms/step | tok/s | weights GB | %% of bandwidth floor |\n|---|---|---|---|---|---|---|\n' >>"$TABLE"
+    printf '\n| format | batch | path | ms/step | tok/s | weights GB | %% of floor |\n|---|---|---|---|---|---|---|\n' >>"$TABLE"
 fi
 
 # 3. end-to-end serve: gpullama-serve on the random GGUF, bench_server.py at 1 and 64 streaming clients

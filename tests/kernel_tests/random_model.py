@@ -343,3 +343,47 @@ def batch_metadata(seq_lens: list[int], q_lens: list[int], block_size: int, devi
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
+
+
+GEMMA3_4B_TOWER = dict(image_size=896, patch_size=14, embedding_length=1152, feed_forward_length=4304, block_count=27,
+                       head_count=16, projection_dim=2560, scale_factor=4)
+"""Gemma-3-4B's mmproj (SigLIP so400m: 896-pixel images of 14-pixel patches, 27 blocks of 1152 wide with 16 heads of
+72, an MLP of 4304, the 64x64 patch grid pooled 4x4 to 256 tokens of the text model's 2560)."""
+TINY_TOWER = dict(image_size=56, patch_size=14, embedding_length=64, feed_forward_length=128, block_count=2,
+                  head_count=2, projection_dim=64, scale_factor=2)
+"""A Gemma 3 tower on toy shapes: 4x4 patches pooled 2x2 to 4 tokens, 2 blocks of 2 heads of 32."""
+
+
+def random_gemma3_tower(shape: dict, qtype: gguf.GGMLQuantizationType, device: torch.device, seed: int = 0):
+    """A Gemma 3 mmproj of `shape` (`GEMMA3_4B_TOWER`, `TINY_TOWER`) built on `device` with random weights, as
+    `gpullama.vision.tower.VisionTower(path, ops, model)` takes it: an object with the file's ``metadata`` and its
+    ``tensors`` (the blocks' matrices in `qtype`, norms near 1, the rest float32)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    d, f, p = shape["embedding_length"], shape["feed_forward_length"], shape["patch_size"]
+    patches = (shape["image_size"] // p) ** 2
+    meta = {"general.architecture": "clip", "clip.projector_type": "gemma3", "clip.vision.image_size": shape["image_size"],
+            "clip.vision.patch_size": p, "clip.vision.embedding_length": d, "clip.vision.feed_forward_length": f,
+            "clip.vision.block_count": shape["block_count"], "clip.vision.attention.head_count": shape["head_count"],
+            "clip.vision.attention.layer_norm_epsilon": 1e-6, "clip.vision.image_mean": [0.5] * 3,
+            "clip.vision.image_std": [0.5] * 3, "clip.vision.projection_dim": shape["projection_dim"],
+            "clip.vision.projector.scale_factor": shape["scale_factor"]}
+
+    def dense(*dims: int, scale: float = 0.02, centre: float = 0.0) -> QTensor:
+        values = torch.randn(dims, device=device, generator=g) * scale + centre
+        return QTensor(values, Q.F32, dims)
+
+    tensors = {"v.patch_embd.weight": dense(d, 3, p, p), "v.patch_embd.bias": dense(d),
+               "v.position_embd.weight": dense(patches, d), "v.post_ln.weight": dense(d, scale=0.1, centre=1.0),
+               "v.post_ln.bias": dense(d), "mm.soft_emb_norm.weight": dense(d, scale=0.1, centre=1.0),
+               "mm.input_projection.weight": dense(d, shape["projection_dim"])}
+    for i in range(shape["block_count"]):
+        b = f"v.blk.{i}."
+        for name, rows, cols in (("attn_q", d, d), ("attn_k", d, d), ("attn_v", d, d), ("attn_out", d, d),
+                                 ("ffn_up", f, d), ("ffn_down", d, f)):
+            tensors[b + name + ".weight"] = random_weight(qtype, rows, cols, device, g)
+            tensors[b + name + ".bias"] = dense(rows)
+        for norm in ("ln1", "ln2"):
+            tensors[b + norm + ".weight"], tensors[b + norm + ".bias"] = dense(d, scale=0.1, centre=1.0), dense(d)
+    return SimpleNamespace(metadata=meta, tensors=tensors)
