@@ -655,7 +655,8 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
     """Qwen3.5 (`qwen35`): gated delta-net layers (`attention.recurrent_layers`, else every layer but each
     `full_attention_interval`-th) beside full-attention layers whose queries carry a sigmoid gate (each head's rows
     in `attn_q` are its query then its gate) and q/k norms; partial multi-axis rotary (`rope.dimension_sections`:
-    a text token has the same position on every axis, so the sections rotate as one plain partial rotary); the
+    a text token has the same position on every axis, so the sections rotate as one plain partial rotary; an image's
+    tokens (its qwen3vl_merger mmproj, without deepstack) turn them interleaved, as Qwen3-VL's); the
     pre-MLP norm in post_attention_norm; a next-token-prediction layer (`nextn_predict_layers`) is left out. A
     delta-net layer: `attn_qkv` gives q | k | v (`ssm.group_count` key heads of `ssm.state_size` dims,
     `ssm.time_step_rank` value heads in `ssm.inner_size` values; the converter orders the value heads so value
@@ -685,6 +686,8 @@ def _qwen35(config: ModelConfig, get, opt, path: str) -> None:
                          f"divide the value heads, the value heads the inner size, and the kernel be at least 2")
     config.attn_output_gate = True
     config.ffn_norm_tensor = "post_attention_norm"
+    _qwen2vl(config, get, opt, path)  # an image's tokens: interleaved M-RoPE positions, as Qwen3-VL's
+    config.mrope_interleaved = True
 
 
 def _gemma4(config: ModelConfig, get, opt, path: str) -> None:

@@ -9,8 +9,10 @@ from pathlib import Path
 log = logging.getLogger("gpullama")
 
 ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",), "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"),
-                 "qwen3vl": ("qwen3vl_merger",), "qwen3vlmoe": ("qwen3vl_merger",)}
-"""Text architecture -> the projector types it takes (SmolVLM's and Idefics3's text models are llama's)."""
+                 "qwen3vl": ("qwen3vl_merger",), "qwen3vlmoe": ("qwen3vl_merger",), "qwen35": ("qwen3vl_merger",),
+                 "qwen35moe": ("qwen3vl_merger",)}
+"""Text architecture -> the projector types it takes (SmolVLM's and Idefics3's text models are llama's; Qwen3.5's
+mmproj is Qwen3-VL's tower without deepstack)."""
 EXPECTS_MMPROJ = ("gemma3",)
 """Architectures whose models mostly come with an mmproj (`gpullama info` says when none lies beside one)."""
 

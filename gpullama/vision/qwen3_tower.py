@@ -10,7 +10,8 @@ Deepstack: after each block of ``clip.vision.is_deepstack_layers`` its output go
 (``v.deepstack.N.*``: the 2x2 block concatenated first, then a LayerNorm over it, ``fc1`` -> GELU -> ``fc2``). As
 llama.cpp's mmproj output, each merged token's embedding is the main one followed by the deepstack ones
 (``[tokens, projection_dim * (1 + deepstack)]``); the text model (`qwen3vl`, ``n_deepstack_layers``) takes the first
-as the token's input and adds the k-th to its hidden state after text layer k (`gpullama.model.Decoder`)."""
+as the token's input and adds the k-th to its hidden state after text layer k (`gpullama.model.Decoder`). Qwen3.5's
+mmproj (text model `qwen35`) is this tower without deepstack: one embedding a merged token."""
 
 from __future__ import annotations
 
@@ -50,8 +51,6 @@ class Qwen3VLTower(QwenVLTower):
             raise ModelFileError(f"{self.path}: v.position_embd is {tuple(self.position.shape)}, expected "
                                  f"({self.side * self.side}, {c.hidden}) for {c.image_size}-pixel images of "
                                  f"{c.patch_size}-pixel patches")
-        if not c.deepstack_layers:
-            raise ModelFileError(f"{self.path}: a qwen3vl_merger mmproj without clip.vision.is_deepstack_layers")
 
         def norm(name: str):
             return t.dense(name + ".weight"), t.dense(name + ".bias")
