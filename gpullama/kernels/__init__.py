@@ -6,6 +6,6 @@ puts them behind the ops seam. Importing a kernel module needs triton but no GPU
 tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check them).
 """
 
-CPU_MAX_HEAD_DIM = 256
+CPU_MAX_HEAD_DIM = 512
 """The widest attention head the C kernels take (``GL_MAX_HEAD_DIM`` in `cpu_native.c`): kept here, without torch,
 for `gpullama info`, which must not import torch."""

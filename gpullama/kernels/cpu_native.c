@@ -296,7 +296,8 @@ static inline vf vf_e8m0_half(const uint8_t *e) {
    matmul
    ------------------------------------------------------------------------------------------------------------ */
 
-#define GL_MAX_HEAD_DIM 256 /* attention: D a multiple of 16, at most this */
+#define GL_MAX_HEAD_DIM 512 /* attention: D a multiple of 16, at most this */
+#define HEAD_PIECE 256 /* attention: dims of a head summed in one pass (its accumulator arrays); wider heads in pieces */
 
 /* Quantized formats (see the top of the file): each GGUF type at its own width, 4-bit low nibbles, then (5 and 6
    bits) bit planes, then the type's own scale fields. */
@@ -1498,11 +1499,11 @@ static inline __attribute__((always_inline)) vf k_load(int kvt, const uint8_t *k
     return kvt == KV_F16 ? vf_f16((const uint16_t *)k + d * bs + o) : vf_load((const float *)k + d * bs + o);
 }
 
-/* values 16c .. 16c + 15 of a cache row v as floats (Q8_0: q * d) */
-static inline __attribute__((always_inline)) vf v_load(int kvt, const uint8_t *v, int64_t D, int64_t c) {
+/* values 16c .. 16c + 15 of a cache row's values v as floats (Q8_0: q * d, the scales d from s) */
+static inline __attribute__((always_inline)) vf v_load(int kvt, const uint8_t *v, const uint8_t *s, int64_t c) {
     if (kvt == KV_F32) return vf_load((const float *)v + 16 * c);
     if (kvt == KV_F16) return vf_f16((const uint16_t *)v + 16 * c);
-    return vf_mul(vf_i8((const int8_t *)v + 16 * c), vf_set1(half_to_float(((const uint16_t *)(v + D))[c / 2])));
+    return vf_mul(vf_i8((const int8_t *)v + 16 * c), vf_set1(half_to_float(((const uint16_t *)s)[c / 2])));
 }
 
 #if defined(__AVX512F__)
@@ -1550,44 +1551,49 @@ static inline __attribute__((always_inline)) void score_rows(int kvt, int RN, co
 }
 
 /* The weighted sums of values of RN rows (their probabilities in scores, row stride KV_CHUNK, key j at j - k0) over
-   the keys each sees in k0 .. k1 - 1, in key order, into part (row stride D + 2) */
+   the keys each sees in k0 .. k1 - 1, in key order, into part (row stride D + 2); a head wider than HEAD_PIECE in
+   pieces of it, each over all the keys (at most HEAD_PIECE / 16 accumulators a row) */
 static inline __attribute__((always_inline)) void value_rows(int kvt, int RN, const int64_t *n, const int64_t *lo,
                                                               const float *scores, const uint8_t *v_cache, int64_t bs,
                                                               int64_t Hk, int64_t D, const int32_t *table, int64_t hk,
                                                               int64_t k0, int64_t k1, float *part) {
-    int64_t rb = kv_row_bytes(kvt, D);
-    vf acc[4][GL_MAX_HEAD_DIM / 16];
-    for (int r = 0; r < RN; r++)
-        for (int64_t c = 0; c < D / 16; c++) acc[r][c] = vf_zero();
+    int64_t rb = kv_row_bytes(kvt, D), size = kvt == KV_F32 ? 4 : kvt == KV_F16 ? 2 : 1;
     int64_t jlo = lo[0] > k0 ? lo[0] : k0, jhi = n[RN - 1] < k1 ? n[RN - 1] : k1;
-    for (int64_t j = jlo; j < jhi;) { /* a run of keys inside one block: rows bs apart in the pool */
-        int64_t off = j % bs, end = j - off + bs < jhi ? j - off + bs : jhi, stride = Hk * rb;
-        const uint8_t *vr = v_cache + ((int64_t)table[j / bs] * bs * Hk + hk) * rb + off * stride;
-        int every = 1; /* every row sees every key of the run */
-        for (int r = 0; r < RN; r++) every &= j >= lo[r] && end <= n[r];
-        for (; j < end; j++, vr += stride) {
-            int use[4];
-            vf p[4];
-            for (int r = 0; r < RN; r++) {
-                use[r] = every || (j < n[r] && j >= lo[r]);
-                p[r] = vf_set1(use[r] ? scores[r * KV_CHUNK + (j - k0)] : 0.0f);
-            }
-            if (every) {
-                for (int64_t c = 0; c < D / 16; c++) {
-                    vf vv = v_load(kvt, vr, D, c);
-                    for (int r = 0; r < RN; r++) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+    for (int64_t d0 = 0; d0 < D; d0 += HEAD_PIECE) { /* a piece: its values at d0 of each row, Q8_0 scales at d0 / 32 */
+        int64_t vecs = (D - d0 < HEAD_PIECE ? D - d0 : HEAD_PIECE) / 16;
+        vf acc[4][HEAD_PIECE / 16];
+        for (int r = 0; r < RN; r++)
+            for (int64_t c = 0; c < vecs; c++) acc[r][c] = vf_zero();
+        for (int64_t j = jlo; j < jhi;) { /* a run of keys inside one block: rows bs apart in the pool */
+            int64_t off = j % bs, end = j - off + bs < jhi ? j - off + bs : jhi, stride = Hk * rb;
+            const uint8_t *vr = v_cache + ((int64_t)table[j / bs] * bs * Hk + hk) * rb + off * stride + d0 * size;
+            const uint8_t *sr = vr - d0 * size + D + d0 / 16;
+            int every = 1; /* every row sees every key of the run */
+            for (int r = 0; r < RN; r++) every &= j >= lo[r] && end <= n[r];
+            for (; j < end; j++, vr += stride, sr += stride) {
+                int use[4];
+                vf p[4];
+                for (int r = 0; r < RN; r++) {
+                    use[r] = every || (j < n[r] && j >= lo[r]);
+                    p[r] = vf_set1(use[r] ? scores[r * KV_CHUNK + (j - k0)] : 0.0f);
                 }
-            } else {
-                for (int64_t c = 0; c < D / 16; c++) {
-                    vf vv = v_load(kvt, vr, D, c);
-                    for (int r = 0; r < RN; r++)
-                        if (use[r]) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+                if (every) {
+                    for (int64_t c = 0; c < vecs; c++) {
+                        vf vv = v_load(kvt, vr, sr, c);
+                        for (int r = 0; r < RN; r++) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+                    }
+                } else {
+                    for (int64_t c = 0; c < vecs; c++) {
+                        vf vv = v_load(kvt, vr, sr, c);
+                        for (int r = 0; r < RN; r++)
+                            if (use[r]) acc[r][c] = vf_fma(p[r], vv, acc[r][c]);
+                    }
                 }
             }
         }
+        for (int r = 0; r < RN; r++)
+            for (int64_t c = 0; c < vecs; c++) vf_store(part + r * (D + 2) + d0 + 16 * c, acc[r][c]);
     }
-    for (int r = 0; r < RN; r++)
-        for (int64_t c = 0; c < D / 16; c++) vf_store(part + r * (D + 2) + 16 * c, acc[r][c]);
 }
 
 /* One chunk of one tile: query rows r = (position p0 + i, head h0 + j) of a sequence, all on kv head hk, each over
@@ -1706,7 +1712,7 @@ static int tile_rows(const tile_t *t, const float *q, int64_t ldq, int64_t t0, i
 
 /* Merge each row's chunk partials (part: chunk c's rows at (c - c0) * TILE_ROWS * (D + 2)), in chunk order: M = the largest
    chunk max (and the sink), L = sum of exp(m_c - M) l_c (then + exp(sink - M)), O = sum of exp(m_c - M) o_c (FMAs);
-   out = O * (1 / L). One chunk: exactly o * (1 / l). */
+   out = O * (1 / L). One chunk: exactly o * (1 / l). A head wider than HEAD_PIECE in pieces of it (L again each). */
 static void merge_tile(const tile_t *t, const float *part, int R, const int64_t *n, const int64_t *lo, int64_t D,
                        int64_t Hq, int64_t t0, const float *sinks, float *out) {
     for (int r = 0; r < R; r++) {
@@ -1714,18 +1720,21 @@ static void merge_tile(const tile_t *t, const float *part, int R, const int64_t 
         const float *pr = part + (a - t->c0) * stride + r * (D + 2);
         float sink = sinks ? sinks[t->h0 + r % t->nh] : -INFINITY, m = sink;
         for (int64_t c = 0; c <= z - a; c++) m = pr[c * stride + D] > m ? pr[c * stride + D] : m;
-        vf o[GL_MAX_HEAD_DIM / 16];
-        for (int64_t i = 0; i < D / 16; i++) o[i] = vf_zero();
-        float l = 0.0f;
-        for (int64_t c = 0; c <= z - a; c++) {
-            const float *pc = pr + c * stride;
-            float w = expf(pc[D] - m);
-            l += w * pc[D + 1];
-            for (int64_t i = 0; i < D / 16; i++) o[i] = vf_fma(vf_set1(w), vf_load(pc + 16 * i), o[i]);
-        }
-        if (sinks) l += expf(sink - m); /* a sink joins the softmax, with no value */
         float *dst = out + ((t0 + t->p0 + r / t->nh) * Hq + t->h0 + r % t->nh) * D;
-        for (int64_t i = 0; i < D / 16; i++) vf_store(dst + 16 * i, vf_mul(o[i], vf_set1(1.0f / l)));
+        for (int64_t d0 = 0; d0 < D; d0 += HEAD_PIECE) {
+            int64_t vecs = (D - d0 < HEAD_PIECE ? D - d0 : HEAD_PIECE) / 16;
+            vf o[HEAD_PIECE / 16];
+            for (int64_t i = 0; i < vecs; i++) o[i] = vf_zero();
+            float l = 0.0f;
+            for (int64_t c = 0; c <= z - a; c++) {
+                const float *pc = pr + c * stride;
+                float w = expf(pc[D] - m);
+                l += w * pc[D + 1];
+                for (int64_t i = 0; i < vecs; i++) o[i] = vf_fma(vf_set1(w), vf_load(pc + d0 + 16 * i), o[i]);
+            }
+            if (sinks) l += expf(sink - m); /* a sink joins the softmax, with no value */
+            for (int64_t i = 0; i < vecs; i++) vf_store(dst + d0 + 16 * i, vf_mul(o[i], vf_set1(1.0f / l)));
+        }
     }
 }
 

@@ -107,6 +107,7 @@ def attend(q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
 @pytest.mark.parametrize(("head_dim", "block_size", "hq", "window", "softcap"), [
     (64, 16, 6, 0, 0.0), (128, 32, 6, 0, 0.0), (64, 16, 40, 0, 0.0),
     (64, 16, 6, 7, 0.0), (256, 16, 2, 20, 0.0), (64, 16, 6, 0, 2.0), (64, 16, 40, 33, 1.5),
+    (512, 16, 6, 7, 0.0), (320, 32, 2, 0, 2.0),  # wider than the kernel's 256-dim pieces: Gemma 4's full layers (512)
 ])
 def test_attention_matches_torch_over_a_ragged_batch(head_dim: int, block_size: int, hq: int, window: int,
                                                      softcap: float) -> None:
@@ -141,11 +142,11 @@ def test_attention_row_is_the_same_alone_batched_or_chunked(window: int) -> None
     assert torch.equal(batched[9:], alone[11:])
 
 
-@pytest.mark.parametrize("rotary_dim", [64, 32, 8])
-def test_rope_and_cache_matches_torch(rotary_dim: int) -> None:
+@pytest.mark.parametrize(("rotary_dim", "d"), [(64, 64), (32, 64), (8, 64), (512, 512), (128, 512)])
+def test_rope_and_cache_matches_torch(rotary_dim: int, d: int) -> None:
     """Rotation in place on row-strided views of a fused qkv output (all of each head, or its first dims: partial
     rotary), k and v written to their pool rows."""
-    hq, hk, d, t = 4, 2, 64, 6
+    hq, hk, t = 4, 2, 6
     cos_sin = rope_cos_sin(rotary_dim, 64, 10000.0)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen(8))
     q, k, v = (qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d),
