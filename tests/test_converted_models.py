@@ -35,7 +35,7 @@ from gpullama.engine.llm_engine import LLMEngine
 from gpullama.engine.state_checkpoints import last_prompt_boundary
 from gpullama.gguf_file import read_header
 from gpullama.kernels import cpu_native
-from gpullama.ops import CpuOps
+from gpullama.ops import CpuOps, TorchOps
 from tests.engine.helpers import make_engine, random_prompt, run_requests, solo_runs
 from tests.engine.test_batching import LOGITS_TOLERANCE, LogitsRecorder, assert_as_solo, assert_logits_match_solo
 from tests.fixtures.llamacpp_source import cache_root, convert_hf_to_gguf, llamacpp_source, tokenizer_folder
@@ -111,6 +111,9 @@ CONFIGS = {
     "gemma4-moe": lambda **kw: Gemma4TextConfig(**GEMMA4, vocab_size_per_layer_input=kw["vocab_size"],
                                                 enable_moe_block=True, num_experts=4, top_k_experts=2,
                                                 moe_intermediate_size=32, **kw),
+    # the dense one with the released models' full-layer head dim, 512, sliding heads of 32 (Q8_0 pools take them)
+    "gemma4-512": lambda **kw: Gemma4TextConfig(**GEMMA4 | dict(head_dim=32, global_head_dim=512),
+                                                vocab_size_per_layer_input=kw["vocab_size"], **kw),
 }
 """Each family's tiny transformers config (the tokenizer: SmolLM2's, rebuilt from its GGUF; Gemma 4's converter
 wants a SentencePiece-style BPE one: `gemma4_tokenizer`)."""
@@ -636,6 +639,32 @@ def test_gemma4_float16_pool(converted) -> None:
         llm = LLM(str(path), device="cpu")
     assert llm.engine.runner.kv_dtype == torch.float16
     assert_close_and_same_top1(llm.logits(ids), hf_logits(model, ids), "gemma4 float16 pool", tolerance=3e-2)
+
+
+@needs_kernels
+def test_gemma4_head_dim_512_attends_in_c(converted) -> None:
+    """Full layers with the released models' head dim (512, two of the C attention's 256-dim pieces): the fast path
+    rotates, caches and attends them in C (torch's attention never runs) over the default float16 pool, within 3e-2
+    of transformers' largest logit as `test_gemma4_float16_pool` (8.7e-3 here); over a float32 pool within
+    FAST_TOLERANCE (9.5e-6). A Q8_0 pool is made and read in C (its arithmetic: the kernel tests' Q8_0 cases; the
+    logits here move by about 0.12 of the largest, the unscaled q.k of random weights magnifying the rounding)."""
+    model, path = converted("gemma4-512")
+    ids = token_ids(model.config.vocab_size)
+    want = hf_logits(model, ids)
+    for kv, dtype, tolerance in (("auto", torch.float16, 3e-2), ("float32", torch.float32, FAST_TOLERANCE)):
+        with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+            llm = LLM(str(path), device="cpu", kv_cache_dtype=kv)
+        runner = llm.engine.runner
+        assert runner.kv_dtype == dtype and [tuple(k.shape[2:]) for k in runner.k_caches] == [(2, 32), (1, 512)] * 2
+        with (mock.patch.object(TorchOps, "attention", side_effect=AssertionError("torch's attention ran")),
+              mock.patch.object(TorchOps, "rope_and_cache", side_effect=AssertionError("torch's KV write ran"))):
+            got = llm.logits(ids)
+        assert_close_and_same_top1(got, want, f"gemma4 head dim 512, kv {kv}", tolerance)
+    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
+        llm = LLM(str(path), device="cpu", kv_cache_dtype="q8_0")
+    assert llm.engine.runner.kv_dtype == torch.uint8
+    with mock.patch.object(TorchOps, "attention", side_effect=AssertionError("torch's attention ran")):
+        assert llm.logits(ids).isfinite().all()
 
 
 def test_gemma4_speculative_decoding_is_plain_decoding(loaded) -> None:
