@@ -379,7 +379,7 @@ def modalities(model_path: str, config, mmproj: str | None = None) -> str:
     """What a model reads: text, and images when its mmproj (named, or the one beside it) fits it."""
     from gpullama.gguf_file import ModelFileError, read_header
     from gpullama.vision.loading import ARCHITECTURES, EXPECTS_MMPROJ, find_mmproj
-    from gpullama.vision.projectors import PROJECTORS, describe_projector
+    from gpullama.vision.projectors import PROJECTORS, describe_projector, projector_type
 
     path = mmproj or find_mmproj(model_path)
     if path is None:
@@ -388,7 +388,7 @@ def modalities(model_path: str, config, mmproj: str | None = None) -> str:
         meta = read_header(path, text_model=False).metadata
     except ModelFileError as exc:
         return f"text ({Path(path).name}: {exc})"
-    projector, dim = meta.get("clip.projector_type"), meta.get("clip.vision.projection_dim")
+    projector, dim = projector_type(meta), meta.get("clip.vision.projection_dim")
     if projector not in PROJECTORS:
         return (f"text ({Path(path).name}: projector {projector} is not supported; gpullama reads "
                 f"{', '.join(PROJECTORS)})")

@@ -144,6 +144,7 @@ class ModelConfig:
     kv_shared_layers: int = 0
     value_norm: bool = False  # gemma4: each value head RMS-normalized (no weight) before it is cached
     per_layer_input_size: int = 0  # gemma4: width of each layer's slice of the per-layer embeddings; 0: none
+    pad_token_id: int = 0  # gemma4: an image row's per-layer input is this token's (`tokenizer.ggml.padding_token_id`)
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -331,6 +332,8 @@ class ModelConfig:
         family = _FAMILIES.get(arch)
         if family is not None:
             family(config, get, opt, path)
+        if config.per_layer_input_size:
+            config.pad_token_id = int(meta.get("tokenizer.ggml.padding_token_id") or 0)
         return config
 
 

@@ -526,6 +526,8 @@ class Decoder:
             if c.deepstack_layers:  # Qwen3-VL: the rest of each row is added after the first layers
                 deepstack = (rows, values[:, c.hidden_size :].reshape(rows.shape[0], c.deepstack_layers, -1)
                              .to(hidden.dtype))
+        per_layer = self._per_layer_inputs(self._per_layer_ids(token_ids, meta), hidden) \
+            if c.per_layer_input_size else None
         # the one-call stack attends causally only and reads one position a row: a step with an image that attends
         # both ways, with M-RoPE rows or with deepstack rows, runs the layer loop
         stack = self._layer_stack(k_caches, v_caches, states) if self.native_stack and meta.image_attention is None and \
@@ -533,8 +535,7 @@ class Decoder:
         if stack is not None:
             hidden, residual = stack(hidden, meta)
         else:
-            hidden, residual = self._layers(hidden, meta, k_caches, v_caches, states, self._per_layer_inputs(
-                token_ids, hidden) if c.per_layer_input_size else None, deepstack)
+            hidden, residual = self._layers(hidden, meta, k_caches, v_caches, states, per_layer, deepstack)
         rows = meta.logits_indices
         pooled = None
         if meta.pool_indices is not None:  # the embedding rows share the output norm with the sampling rows
@@ -757,6 +758,15 @@ class Decoder:
                 shared = shared * torch.sigmoid(x @ moe.shared_gate)[:, None]
             out = out + shared
         return out
+
+    def _per_layer_ids(self, token_ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        """The token ids Gemma 4's per-layer table is read at: an image row's is the pad token's (transformers'
+        `Gemma4Model.forward`, llama.cpp's padding row); its projection takes the image's embedding."""
+        if meta.input_embeds is None:
+            return token_ids
+        ids = token_ids.clone()
+        ids[meta.input_embeds[0]] = self.config.pad_token_id
+        return ids
 
     def _per_layer_inputs(self, token_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """Gemma 4's per-layer inputs ``[T, layers, P]``: each token's row of the per-layer table times sqrt(P),

@@ -8,12 +8,12 @@ from pathlib import Path
 
 log = logging.getLogger("gpullama")
 
-ARCHITECTURES = {"gemma3": ("gemma3",), "llama": ("idefics3",), "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"),
-                 "qwen3vl": ("qwen3vl_merger",), "qwen3vlmoe": ("qwen3vl_merger",), "qwen35": ("qwen3vl_merger",),
-                 "qwen35moe": ("qwen3vl_merger",)}
+ARCHITECTURES = {"gemma3": ("gemma3",), "gemma4": ("gemma4v",), "llama": ("idefics3",),
+                 "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"), "qwen3vl": ("qwen3vl_merger",),
+                 "qwen3vlmoe": ("qwen3vl_merger",), "qwen35": ("qwen3vl_merger",), "qwen35moe": ("qwen3vl_merger",)}
 """Text architecture -> the projector types it takes (SmolVLM's and Idefics3's text models are llama's; Qwen3.5's
 mmproj is Qwen3-VL's tower without deepstack)."""
-EXPECTS_MMPROJ = ("gemma3",)
+EXPECTS_MMPROJ = ("gemma3", "gemma4")
 """Architectures whose models mostly come with an mmproj (`gpullama info` says when none lies beside one)."""
 
 
@@ -36,17 +36,18 @@ def find_mmproj(model_path: str) -> str | None:
 
 def load_tower(path: str | os.PathLike, ops):
     """The tower of an mmproj file for its projector type: `VisionTower` (SigLIP: gemma3, idefics3), `QwenVLTower`
-    (qwen2vl_merger, qwen2.5vl_merger) or `Qwen3VLTower` (qwen3vl_merger)."""
+    (qwen2vl_merger, qwen2.5vl_merger), `Qwen3VLTower` (qwen3vl_merger) or `Gemma4VisionTower` (gemma4v)."""
     from gpullama.gguf_file import read_gguf
-    from gpullama.vision.projectors import QWEN_PROJECTORS
+    from gpullama.vision.gemma4_tower import Gemma4VisionTower
+    from gpullama.vision.projectors import QWEN_PROJECTORS, projector_type
     from gpullama.vision.qwen3_tower import Qwen3VLTower
     from gpullama.vision.qwen_tower import QwenVLTower
     from gpullama.vision.tower import VisionTower
 
     model = read_gguf(os.fspath(path), text_model=False)
-    projector = model.metadata.get("clip.projector_type")
+    projector = projector_type(model.metadata)
     kind = Qwen3VLTower if projector == "qwen3vl_merger" else QwenVLTower if projector in QWEN_PROJECTORS else \
-        VisionTower
+        Gemma4VisionTower if projector == "gemma4v" else VisionTower
     return kind(path, ops, model)
 
 

@@ -49,6 +49,20 @@ class Gemma3Format(ImageFormat):
         return f"\n\n{BOI}{SOFT * tokens_per_tile}{EOI}\n\n"
 
 
+class Gemma4Format(ImageFormat):
+    """Gemma 4's processor: the template's ``<|image|>`` becomes ``<|image>`` + N ``<|image|>`` + ``<image|>`` (N
+    the image's own count); causal attention (transformers' Gemma 4 with ``use_bidirectional_attention`` unset, as
+    the E2B / E4B models and llama.cpp for them)."""
+
+    marker = image_token = "<|image|>"
+    tokens = ("<|image>", "<|image|>", "<image|>")
+    causal = True
+    model = "Gemma 4"
+
+    def expand(self, tokens_per_tile: int, rows: int, cols: int) -> str:
+        return f"<|image>{'<|image|>' * tokens_per_tile}<image|>"
+
+
 class Idefics3Format(ImageFormat):
     """Idefics3's (SmolVLM's) processor: each tile ``<fake_token_around_image><row_R_col_C>`` + N ``<image>``, a
     ``\\n`` after each row, then ``\\n<fake_token_around_image><global-img>`` + N ``<image>`` +
@@ -89,7 +103,7 @@ class Qwen3VLFormat(Qwen2VLFormat):
     model = "Qwen3-VL"
 
 
-FORMATS: dict[str, type[ImageFormat]] = {"gemma3": Gemma3Format, "idefics3": Idefics3Format,
+FORMATS: dict[str, type[ImageFormat]] = {"gemma3": Gemma3Format, "gemma4v": Gemma4Format, "idefics3": Idefics3Format,
                                          "qwen2vl_merger": Qwen2VLFormat, "qwen2.5vl_merger": Qwen2VLFormat,
                                          "qwen3vl_merger": Qwen3VLFormat}
 """Projector type -> its images' place in the prompt."""

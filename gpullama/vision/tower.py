@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gpullama.gguf_file import ModelFileError, read_gguf
-from gpullama.vision.projectors import DEFAULT_SCALE, PROJECTORS, QWEN_PROJECTORS
+from gpullama.vision.projectors import DEFAULT_SCALE, GEMMA4_MAX_TOKENS, PROJECTORS, QWEN_PROJECTORS, projector_type
 
 
 @dataclass
@@ -41,7 +41,7 @@ class VisionConfig:
     eps: float
     mean: list[float]
     std: list[float]
-    tokens_per_tile: int  # the tokens of one tile (of the whole image, for gemma3)
+    tokens_per_tile: int  # the tokens of one tile (of the whole image, for gemma3; at most, for gemma4v)
     pool: int  # gemma3's average pool (4: 896/14 = 64 patches a side -> 16 -> 256 tokens), idefics3's pixel shuffle
     projection_dim: int  # the text model's embedding length
     longest_edge: int = 0  # idefics3: the image's longest side before it is cut into tiles
@@ -52,7 +52,7 @@ class VisionConfig:
         arch = meta.get("general.architecture")
         if arch != "clip":
             raise ModelFileError(f"{path}: not an mmproj file (general.architecture {arch!r}, expected 'clip')")
-        projector = meta.get("clip.projector_type")
+        projector = projector_type(meta)
         if projector not in PROJECTORS:
             raise ModelFileError(f"{path}: clip.projector_type {projector!r} is not supported; gpullama reads "
                                  f"{', '.join(PROJECTORS)}")
@@ -67,7 +67,7 @@ class VisionConfig:
         side = image // patch
         scale_key = "spatial_merge_size" if projector in QWEN_PROJECTORS else "projector.scale_factor"
         pool = int(meta.get(f"clip.vision.{scale_key}", DEFAULT_SCALE[projector]))
-        if pool < 1 or side % pool:
+        if pool < 1 or (side % pool and projector != "gemma4v"):  # gemma4v: each image at a size of its own
             raise ModelFileError(f"{path}: {side} patches a side do not pool by {pool}")
         longest = int(meta.get("clip.vision.preproc_image_size", image)) if projector == "idefics3" else 0
         if projector == "idefics3" and longest < image:
@@ -78,7 +78,8 @@ class VisionConfig:
             raise ModelFileError(f"{path}: clip.vision.is_deepstack_layers names blocks past the {layers} the tower has")
         return cls(projector, image, patch, int(key("embedding_length")), int(key("feed_forward_length")), layers,
                    int(key("attention.head_count")), float(key("attention.layer_norm_epsilon")),
-                   [float(x) for x in key("image_mean")], [float(x) for x in key("image_std")], (side // pool) ** 2,
+                   [float(x) for x in key("image_mean")], [float(x) for x in key("image_std")],
+                   GEMMA4_MAX_TOKENS if projector == "gemma4v" else (side // pool) ** 2,
                    pool, int(key("projection_dim")), longest, deepstack)
 
 
