@@ -181,10 +181,10 @@ def test_unsupported_projectors_are_refused_by_name(idefics3_folder, tmp_path, c
     model = str(idefics3_folder / "idefics3-f32.gguf")
     path = unsupported_mmproj(tmp_path / "mmproj-pixtral.gguf", "pixtral")
     with pytest.raises(ValueError, match="--mmproj: .*clip.projector_type 'pixtral' is not supported; gpullama reads "
-                                         "gemma3, idefics3, qwen2vl_merger, qwen2.5vl_merger, qwen3vl_merger"):
+                                         "gemma3, gemma4v, idefics3, qwen2vl_merger, qwen2.5vl_merger, qwen3vl_merger"):
         LLM(model, device="cpu", dtype="float32", mmproj=str(path))
     assert main(["info", model, "--mmproj", str(path)]) == 0
-    assert ("text (mmproj-pixtral.gguf: projector pixtral is not supported; gpullama reads gemma3, idefics3, "
+    assert ("text (mmproj-pixtral.gguf: projector pixtral is not supported; gpullama reads gemma3, gemma4v, idefics3, "
             "qwen2vl_merger, qwen2.5vl_merger, qwen3vl_merger)") in capsys.readouterr().out
 
 
