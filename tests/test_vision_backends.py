@@ -1,5 +1,5 @@
 """Every vision tower through the Triton kernels (issue 34): the tiny test models' mmproj files, as llama.cpp's own
-converter writes them (`tests/fixtures/gemma3_vision`, `tests/fixtures/tiny_vlm`), encoded with TritonOps (the
+converter writes them (`tests/fixtures/gemma3_vision`, `tests/fixtures/gemma4_vision`, `tests/fixtures/tiny_vlm`), encoded with TritonOps (the
 matmul, LayerNorm, GELU, RMSNorm, SwiGLU and rotary kernels; under the Triton interpreter on CPU tensors unless
 GPULLAMA_TEST_DEVICE=cuda) against the float32 torch path (TorchOps) on the same file, which tests/test_vision*.py
 hold to transformers' float32 features."""
@@ -16,11 +16,13 @@ from PIL import Image
 
 from gpullama.ops import TorchOps
 from gpullama.ops.triton_ops import TritonOps
+from gpullama.vision.gemma4_tower import Gemma4VisionTower
 from gpullama.vision.loading import load_tower
 from gpullama.vision.qwen3_tower import Qwen3VLTower
 from gpullama.vision.qwen_tower import QwenVLTower
 from gpullama.vision.tower import VisionTower
 from tests.fixtures.gemma3_vision import gemma3_vision_folder
+from tests.fixtures.gemma4_vision import gemma4_vision_folder
 from tests.fixtures.tiny_vlm import tiny_vlm_folder
 from tests.test_converted_models import smollm2_tokenizer
 
@@ -92,3 +94,16 @@ def test_bf16_towers_on_triton_stay_near_float32(default_model_path: Path, name:
     want = encoded(path, TorchOps(CPU), TOWERS[name][1])
     got = encoded(path, TritonOps(device, torch.bfloat16), TOWERS[name][1])
     assert rel_err(got, want) < 1e-2
+
+
+def test_gemma4_tower_on_triton_equals_the_torch_path(device: torch.device) -> None:
+    """Gemma 4's tower (RMSNorms, per-head q/k norms, its 2-D rotary in halves, GeGLU) through TritonOps within 1e-5
+    of the torch path's largest feature, on 36x24 pixels (6x9 patches: a whole image's 2,500 patches take minutes
+    under the interpreter; `encode` takes any whole number of pooled blocks)."""
+    from gpullama.vision.images import normalise
+
+    path = gemma4_vision_folder() / "mmproj-gemma4-f32.gguf"
+    want_tower, got_tower = Gemma4VisionTower(path, TorchOps(CPU)), Gemma4VisionTower(path, TritonOps(device))
+    pixels = normalise(picture(5, (36, 24)), want_tower.config.mean, want_tower.config.std)
+    want, got = want_tower.encode(pixels), got_tower.encode(pixels).cpu()
+    assert got.shape == want.shape == (6, 64) and rel_err(got, want) < 1e-5

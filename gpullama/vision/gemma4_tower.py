@@ -8,7 +8,9 @@ rotary (the first half of each head rotated by the patch's column, the second by
 (``ffn_gate``/``ffn_up``/``ffn_down``, GELU tanh), an optional scale of each block's output (``out_scale``) and
 optional clamps of each matrix's input and output (``.input_min`` ... ``.output_max``: Gemma4ClippableLinear); then
 each KxK block of patches averaged, times sqrt(width), standardized (``v.std_bias``, ``v.std_scale``), an RMSNorm
-without weight and ``mm.input_projection`` into the text model. The matrices go through `ops.linear`."""
+without weight and ``mm.input_projection`` into the text model. Its matrices, RMSNorms with a weight, GELU, rotary
+and attention go through the model's ops (as the other towers'); the patch and position embeddings, the norms
+without weight, the pooling and the clamps are torch on the ops' device."""
 
 from __future__ import annotations
 
@@ -143,7 +145,7 @@ class Gemma4VisionTower:
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[tokens, projection_dim]`` float32 of one image's pixels ``[3, H, W]`` (`preprocess`)."""
-        c = self.config
+        c, ops = self.config, self.ops
         p, k = c.patch_size, c.pool
         pixels = pixels.to(self.position.device, torch.float32) * 2.0 - 1.0
         rows, cols = pixels.shape[1] // p, pixels.shape[2] // p
@@ -157,22 +159,26 @@ class Gemma4VisionTower:
         if cols > self.position.shape[1] or rows > self.position.shape[1]:
             raise ValueError(f"{cols}x{rows} patches exceed the tower's {self.position.shape[1]} positions a side")
         x = patches @ self.patch_w.t() + self.position[0][px] + self.position[1][py]
-        cos, sin = self._rotary(px, py)
+        rope_x, rope_y = self._rotary(px), self._rotary(py)
         hd = c.hidden // c.heads
+        half = hd // 2
         for blk in self.blocks:
             cl = blk.clamps
-            h = _rms(x, c.eps, blk.ln1)
-            q = _rms(self._linear(h, blk.q, cl.get("attn_q")).view(n, c.heads, hd), c.eps, blk.q_norm)
-            kk = _rms(self._linear(h, blk.k, cl.get("attn_k")).view(n, c.heads, hd), c.eps, blk.k_norm)
+            h = ops.post_norm(x, blk.ln1, c.eps)
+            q = ops.head_rms_norm(self._linear(h, blk.q, cl.get("attn_q")).view(n, c.heads, hd), blk.q_norm, c.eps)
+            kk = ops.head_rms_norm(self._linear(h, blk.k, cl.get("attn_k")).view(n, c.heads, hd), blk.k_norm, c.eps)
             v = _rms(self._linear(h, blk.v, cl.get("attn_v")).view(n, c.heads, hd), c.eps)
-            q, kk = _rope(q, cos, sin), _rope(kk, cos, sin)
-            a = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), v.transpose(0, 1), scale=1.0)
-            a = self._linear(a.transpose(0, 1).reshape(n, c.hidden), blk.out, cl.get("attn_out"))
-            x = x + _rms(a, c.eps, blk.attn_post_norm)
-            h = _rms(x, c.eps, blk.ln2)
-            h = F.gelu(self._linear(h, blk.gate, cl.get("ffn_gate")), approximate="tanh") * \
+            # the 2-D rotary: each half of a head its own NeoX rotation, by the patch's column, then by its row
+            qx, kx = ops.rotate(q[..., :half].contiguous(), kk[..., :half].contiguous(), rope_x)
+            qy, ky = ops.rotate(q[..., half:].contiguous(), kk[..., half:].contiguous(), rope_y)
+            q, kk = torch.cat([qx, qy], dim=-1), torch.cat([kx, ky], dim=-1)
+            a = ops.image_attention(q.transpose(0, 1)[None], kk.transpose(0, 1)[None], v.transpose(0, 1)[None], 1.0)
+            a = self._linear(a[0].transpose(0, 1).reshape(n, c.hidden), blk.out, cl.get("attn_out"))
+            x = x + ops.post_norm(a, blk.attn_post_norm, c.eps)
+            h = ops.post_norm(x, blk.ln2, c.eps)
+            h = ops.gelu(self._linear(h, blk.gate, cl.get("ffn_gate")), "tanh") * \
                 self._linear(h, blk.up, cl.get("ffn_up"))
-            x = x + _rms(self._linear(h, blk.down, cl.get("ffn_down")), c.eps, blk.ffn_post_norm)
+            x = x + ops.post_norm(self._linear(h, blk.down, cl.get("ffn_down")), blk.ffn_post_norm, c.eps)
             if blk.out_scale is not None:
                 x = x * blk.out_scale
         pooled = F.avg_pool2d(x.view(rows, cols, c.hidden).permute(2, 0, 1)[None], k, k)  # [1, D, rows/k, cols/k]
@@ -181,25 +187,14 @@ class Gemma4VisionTower:
             x = (x - self.std[0]) * self.std[1]
         return self._linear(_rms(x, c.eps), self.projection, self.projection_clamp).float()
 
-    def _rotary(self, px: torch.Tensor, py: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[n, 1, head_dim]``: the first half of a head by the column (NeoX pairs: i and i + a
-        quarter), the second by the row."""
-        fx, fy = px[:, None].float() * self.inv_freq, py[:, None].float() * self.inv_freq
-        angles = torch.cat([fx, fx, fy, fy], dim=-1)[:, None]
-        return angles.cos(), angles.sin()
+    def _rotary(self, positions: torch.Tensor) -> torch.Tensor:
+        """The cos|sin rows ``[n, head_dim / 2]`` of one axis's positions for `ops.rotate` (NeoX pairs within a half
+        head: i and i + a quarter)."""
+        angles = positions[:, None].float() * self.inv_freq
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Each half of ``x [n, heads, head_dim]`` rotated NeoX style (rotate-half within the half)."""
-    half = x.shape[-1] // 2
-    parts = []
-    for i in range(2):
-        part = x[..., i * half : (i + 1) * half]
-        a, b = part[..., : half // 2], part[..., half // 2 :]
-        parts.append(torch.cat([-b, a], dim=-1))
-    return x * cos + torch.cat(parts, dim=-1) * sin
-
-
-def _rms(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    out = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    return out * weight if weight is not None else out
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without weight over the last dim (the values, the pooled tokens), float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
