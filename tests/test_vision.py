@@ -21,6 +21,7 @@ from gpullama.kernels import cpu_native
 from gpullama.ops import CpuOps
 from gpullama.vision.images import ImagePolicy, ImageRef, load_image
 from tests.fixtures.gemma3_vision import gemma3_vision_folder
+from tests.fixtures.tiny_vlm import vlm_factory
 from tests.test_converted_models import smollm2_tokenizer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -70,20 +71,7 @@ def hf_greedy(hf, messages: list[dict], n: int = GREEDY.max_tokens) -> tuple[lis
 def vision_llm(vision_folder):
     """Factory: the model with its mmproj, on the exact path (found beside the model by itself) or the fast path
     (named explicitly; the C kernels on the converter's F32/F16 matrices)."""
-    made: dict[bool, LLM] = {}
-
-    def get(fast: bool = False) -> LLM:
-        if fast not in made:
-            model = str(vision_folder / "gemma3-f32.gguf")
-            if fast:
-                with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
-                    made[fast] = LLM(model, device="cpu", mmproj=str(vision_folder / "mmproj-gemma3-f32.gguf"))
-                assert isinstance(made[fast].model.ops, CpuOps)
-            else:
-                made[fast] = LLM(model, device="cpu", dtype="float32")
-        return made[fast]
-
-    return get
+    return vlm_factory(vision_folder / "gemma3-f32.gguf", mmproj=str(vision_folder / "mmproj-gemma3-f32.gguf"))
 
 
 def one_image(img, question: str = "What is in this picture?") -> list[dict]:

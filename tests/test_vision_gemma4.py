@@ -5,14 +5,12 @@ the greedy tokens), on the exact path and the CPU fast path."""
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
-from gpullama import LLM
 from gpullama.ops import CpuOps
 from tests.fixtures.gemma4_vision import PATCH, gemma4_processor, gemma4_vision_folder
+from tests.fixtures.tiny_vlm import vlm_factory
 from tests.test_vision import GREEDY, needs_kernels, one_image, picture
 
 
@@ -32,20 +30,7 @@ def hf(folder):
 @pytest.fixture(scope="module")
 def llm(folder):
     """Factory: the model with its mmproj, on the exact path (found beside the model) or the fast path."""
-    made: dict[bool, LLM] = {}
-
-    def get(fast: bool = False) -> LLM:
-        if fast not in made:
-            model = str(folder / "gemma4-f32.gguf")
-            if fast:
-                with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
-                    made[fast] = LLM(model, device="cpu", mmproj=str(folder / "mmproj-gemma4-f32.gguf"))
-                assert isinstance(made[fast].model.ops, CpuOps)
-            else:
-                made[fast] = LLM(model, device="cpu", dtype="float32")
-        return made[fast]
-
-    return get
+    return vlm_factory(folder / "gemma4-f32.gguf", mmproj=str(folder / "mmproj-gemma4-f32.gguf"))
 
 
 def hf_features(hf, images):

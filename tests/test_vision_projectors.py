@@ -16,7 +16,7 @@ import torch
 from gpullama import LLM, SamplingParams
 from gpullama.ops import CpuOps
 from gpullama.vision.images import ImageRef
-from tests.fixtures.tiny_vlm import qwen2vl_processor, tiny_vlm_folder
+from tests.fixtures.tiny_vlm import qwen2vl_processor, tiny_vlm_folder, vlm_factory
 from tests.test_converted_models import smollm2_tokenizer
 from tests.test_vision import needs_kernels, picture
 
@@ -52,21 +52,7 @@ def idefics3_hf(idefics3_folder):
 @pytest.fixture(scope="module")
 def idefics3_llm(idefics3_folder):
     """Factory: the model with its mmproj (found beside it) on the exact path, or on the fast path."""
-    made: dict[bool, LLM] = {}
-
-    def get(fast: bool = False) -> LLM:
-        if fast not in made:
-            model = str(idefics3_folder / "idefics3-f32.gguf")
-            if fast:
-                with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
-                    made[fast] = LLM(model, device="cpu")
-                assert isinstance(made[fast].model.ops, CpuOps)
-            else:
-                made[fast] = LLM(model, device="cpu", dtype="float32")
-            assert made[fast].vision is not None
-        return made[fast]
-
-    return get
+    return vlm_factory(idefics3_folder / "idefics3-f32.gguf")
 
 
 def images_of(messages: list[dict]) -> list:

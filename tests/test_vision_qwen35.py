@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from gpullama import LLM
-from gpullama.ops import CpuOps
 from gpullama.vision import ImageSpan
 from gpullama.vision.images import ImageRef
 from gpullama.vision.prompt import PromptIds
-from tests.fixtures.tiny_vlm import qwen2vl_processor, tiny_vlm_folder
+from tests.fixtures.tiny_vlm import load_vlm, qwen2vl_processor, tiny_vlm_folder, vlm_factory
 from tests.test_converted_models import smollm2_tokenizer
 from tests.test_vision import needs_kernels, picture
 from tests.test_vision_projectors import GREEDY, QWEN_CHATS, hf_inputs, images_of
@@ -43,20 +42,14 @@ def hf(folder):
 
 @pytest.fixture(scope="module")
 def qwen35_llm(folder):
-    """Factory: the model with its mmproj (found beside it) on the exact path, or on the fast path."""
-    made: dict[bool, LLM] = {}
+    """Factory: the model with its mmproj (found beside it) on the exact path, or on the fast path (delta-nets in
+    layers 0-2, gated attention in layer 3)."""
+    load = vlm_factory(folder / "qwen35-f32.gguf")
 
     def get(fast: bool = False) -> LLM:
-        if fast not in made:
-            model = str(folder / "qwen35-f32.gguf")
-            if fast:
-                with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
-                    made[fast] = LLM(model, device="cpu")
-                assert isinstance(made[fast].model.ops, CpuOps)
-            else:
-                made[fast] = LLM(model, device="cpu", dtype="float32")
-            assert made[fast].vision is not None and made[fast].model.config.delta_layers == (True, True, True, False)
-        return made[fast]
+        llm = load(fast)
+        assert llm.model.config.delta_layers == (True, True, True, False)
+        return llm
 
     return get
 
@@ -150,9 +143,8 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(default_model_path: Pat
     with mock.patch.dict(tokenization_auto.TOKENIZER_MAPPING_NAMES, {"qwen3_5_moe": "TokenizersBackend"}):
         reference = (Qwen3_5MoeForConditionalGeneration.from_pretrained(moe, dtype=torch.float32).eval(),
                      qwen2vl_processor(moe, "Qwen3VLProcessor"))
-    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=fast):
-        llm = LLM(str(moe / "qwen35moe-f32.gguf"), device="cpu", **({} if fast else {"dtype": "float32"}))
-    assert isinstance(llm.model.ops, CpuOps) == fast and llm.model.config.num_experts == 8
+    llm = load_vlm(moe / "qwen35moe-f32.gguf", fast)
+    assert llm.model.config.num_experts == 8
     for chat in ("two images of other shapes (one of several windows)", "an image in a later turn"):
         messages = QWEN_CHATS[chat]()
         text, inputs = hf_inputs(reference, messages)

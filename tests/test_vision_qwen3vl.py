@@ -17,7 +17,7 @@ from gpullama.ops import CpuOps
 from gpullama.vision import ImageSpan
 from gpullama.vision.images import ImageRef
 from gpullama.vision.prompt import PromptIds
-from tests.fixtures.tiny_vlm import QWEN3VL_DEEPSTACK, qwen2vl_processor, tiny_vlm_folder
+from tests.fixtures.tiny_vlm import QWEN3VL_DEEPSTACK, load_vlm, qwen2vl_processor, tiny_vlm_folder, vlm_factory
 from tests.test_converted_models import smollm2_tokenizer
 from tests.test_vision import needs_kernels, picture
 from tests.test_vision_projectors import GREEDY, QWEN_CHATS, hf_inputs, images_of
@@ -41,21 +41,7 @@ def hf(folder):
 @pytest.fixture(scope="module")
 def qwen3vl_llm(folder):
     """Factory: the model with its mmproj (found beside it) on the exact path, or on the fast path."""
-    made: dict[bool, LLM] = {}
-
-    def get(fast: bool = False) -> LLM:
-        if fast not in made:
-            model = str(folder / "qwen3vl-f32.gguf")
-            if fast:
-                with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=True):
-                    made[fast] = LLM(model, device="cpu")
-                assert isinstance(made[fast].model.ops, CpuOps)
-            else:
-                made[fast] = LLM(model, device="cpu", dtype="float32")
-            assert made[fast].vision is not None
-        return made[fast]
-
-    return get
+    return vlm_factory(folder / "qwen3vl-f32.gguf")
 
 
 def hf_features(model, inputs) -> torch.Tensor:
@@ -134,9 +120,8 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(default_model_path: Pat
     moe = tiny_vlm_folder("qwen3vlmoe", smollm2_tokenizer(default_model_path))
     reference = (Qwen3VLMoeForConditionalGeneration.from_pretrained(moe, dtype=torch.float32).eval(),
                  qwen2vl_processor(moe, "Qwen3VLProcessor"))
-    with mock.patch("gpullama.engine.model_spec.quantized_cpu_path", return_value=fast):
-        llm = LLM(str(moe / "qwen3vlmoe-f32.gguf"), device="cpu", **({} if fast else {"dtype": "float32"}))
-    assert isinstance(llm.model.ops, CpuOps) == fast and llm.model.config.num_experts == 8
+    llm = load_vlm(moe / "qwen3vlmoe-f32.gguf", fast)
+    assert llm.model.config.num_experts == 8
     for chat in ("two images of other shapes (one of several windows)", "an image in a later turn"):
         messages = QWEN_CHATS[chat]()
         text, inputs = hf_inputs(reference, messages)
