@@ -80,6 +80,24 @@ CHATS = {
 }
 
 
+def assert_two_images_answer_apart(llm: LLM, hf) -> None:
+    """Two images under the same question: each answer is transformers' greedy one, and they differ (the same text and
+    placeholders: only the pixels do)."""
+    model, _ = hf
+    answers = []
+    for image in (picture(11), picture(12)):
+        messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": "What is in this picture?"}]}]
+        _, inputs = hf_inputs(hf, messages)
+        with torch.no_grad():
+            ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        out = llm.chat(messages, GREEDY)[0]
+        assert out.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+        answers.append(out)
+    assert answers[0].prompt_token_ids == answers[1].prompt_token_ids
+    assert answers[0].token_ids != answers[1].token_ids
+
+
 def test_idefics3_tiles_and_features_equal_transformers(idefics3_llm, idefics3_hf) -> None:
     model, processor = idefics3_hf
     tower = idefics3_llm().vision.tower

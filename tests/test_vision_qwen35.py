@@ -20,7 +20,13 @@ from gpullama.vision.prompt import PromptIds
 from tests.fixtures.tiny_vlm import load_vlm, qwen2vl_processor, tiny_vlm_folder, vlm_factory
 from tests.test_converted_models import smollm2_tokenizer
 from tests.test_vision import needs_kernels, picture
-from tests.test_vision_projectors import GREEDY, QWEN_CHATS, hf_inputs, images_of
+from tests.test_vision_projectors import (
+    GREEDY,
+    QWEN_CHATS,
+    assert_two_images_answer_apart,
+    hf_inputs,
+    images_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,19 +102,7 @@ def test_logits_and_greedy_tokens_equal_transformers(qwen35_llm, hf, chat: str, 
 
 
 def test_two_images_give_different_answers(qwen35_llm, hf) -> None:
-    model, _ = hf
-    answers = []
-    for image in (picture(11), picture(12)):
-        messages = [{"role": "user", "content": [{"type": "image", "image": image},
-                                                 {"type": "text", "text": "What is in this picture?"}]}]
-        _, inputs = hf_inputs(hf, messages)
-        with torch.no_grad():
-            ref = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
-        out = qwen35_llm().chat(messages, GREEDY)[0]
-        assert out.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
-        answers.append(out)
-    assert answers[0].prompt_token_ids == answers[1].prompt_token_ids  # the same text and placeholders
-    assert answers[0].token_ids != answers[1].token_ids
+    assert_two_images_answer_apart(qwen35_llm(), hf)
 
 
 def test_chunked_prefill_and_the_state_checkpoints_keyed_by_the_image(folder, hf) -> None:
