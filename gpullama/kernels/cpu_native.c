@@ -224,6 +224,40 @@ static inline float vf_hsum(vf a) {
     return out[0];
 }
 
+/* 16-lane int32 vectors: the quantized matmul's exact integer sums (the same arithmetic on every path) */
+#if defined(__AVX512F__)
+typedef __m512i vi;
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
+static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); } /* the low 32 bits of each product */
+static inline vi vi_i8(const int8_t *q) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)); }
+static inline vi vi_of(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline vf vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct { __m256i a, b; } vi;
+static inline vi vi_of(__m256i lo, __m256i hi) { vi r = {lo, hi}; return r; }
+static inline vi vi_zero(void) { return vi_of(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+static inline vi vi_set1(int32_t a) { return vi_of(_mm256_set1_epi32(a), _mm256_set1_epi32(a)); }
+static inline vi vi_add(vi x, vi y) { return vi_of(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
+static inline vi vi_mul(vi x, vi y) { return vi_of(_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)); }
+static inline vi vi_i8(const int8_t *q) {
+    return vi_of(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)),
+                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+}
+static inline vf vi_float(vi x) { return mk(_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)); }
+#else
+typedef struct { int32_t v[16]; } vi;
+#define GL_ILANES(expr) { vi r; for (int i = 0; i < 16; i++) r.v[i] = (expr); return r; }
+static inline vi vi_zero(void) GL_ILANES(0)
+static inline vi vi_set1(int32_t a) GL_ILANES(a)
+static inline vi vi_add(vi a, vi b) GL_ILANES((int32_t)((uint32_t)a.v[i] + (uint32_t)b.v[i]))
+static inline vi vi_mul(vi a, vi b) GL_ILANES((int32_t)((uint32_t)a.v[i] * (uint32_t)b.v[i]))
+static inline vi vi_i8(const int8_t *q) GL_ILANES(q[i])
+#undef GL_ILANES
+static inline vf vi_float(vi a) GL_LANES((float)a.v[i])
+#endif
+
 /* e^x, within 2 ulp on [-87, 88] (Cephes' polynomial); clamped outside */
 static inline vf vf_exp(vf x) {
     x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.0f));
@@ -397,7 +431,7 @@ static inline void unit_scales(int fmt, const uint8_t *b, int j, int t, vf *scal
 /* The 16 rows x 32 unsigned values of one value section, unpacked: chunk c holds, per row (lane), values
    4c .. 4c + 3. wg_dots(w, n, hi, lo, c0, c1, bias, eight, out): for each of n rows of x (n <= WG_ROWS), the 16
    weight rows' integer dot products of chunks c0 .. c1 - 1 with the values Q = 256 hi[r] + lo[r] (int8, values
-   4 c0 .. 4 c1 - 1), plus bias[r], as floats in out[r]; exact in int32. `eight`: every hi is 0 (8-bit
+   4 c0 .. 4 c1 - 1), plus bias[r], in out[r]; exact in int32. `eight`: every hi is 0 (8-bit
    activations), whose products the vector paths skip (the same sums). AVX-512 computes the n rows together; AVX2
    and plain C define wg_dot for one row, and wg_dots loops over it. */
 #define WG_ROWS 4
@@ -443,7 +477,7 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
 #define GL_WG_DOTS
 static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
                                                           const int8_t *const *lo, int c0, int c1,
-                                                          const int32_t *bias, int eight, vf *out) {
+                                                          const int32_t *bias, int eight, vi *out) {
     __m512i a[WG_ROWS], b[WG_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < n; r++) a[r] = _mm512_setzero_si512(), b[r] = _mm512_set1_epi32(bias[r]);
@@ -459,7 +493,7 @@ static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, co
         }
 #pragma GCC unroll 4
     for (int r = 0; r < n; r++) {
-        out[r] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a[r], 8), b[r])); /* 256 a + b */
+        out[r] = _mm512_add_epi32(_mm512_slli_epi32(a[r], 8), b[r]); /* 256 a + b */
     }
 }
 #elif defined(__AVX2__)
@@ -520,7 +554,7 @@ static inline void wg_load(int fmt, const uint8_t *b, wg *w) {
 static inline __m256i wg_rows(__m256i a, __m256i b) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
 }
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias, int eight) {
+static inline vi wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias, int eight) {
     __m256i r0, r1;
     if (w->q4) {
         __m256i sh0 = _mm256_setzero_si256(), sh1 = sh0, sl0 = sh0, sl1 = sh0;
@@ -556,32 +590,27 @@ static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0,
         r0 = wg_rows(acc[0], acc[1]), r1 = wg_rows(acc[2], acc[3]);
     }
     __m256i bv = _mm256_set1_epi32(bias);
-    float f[16];
-    _mm256_storeu_ps(f, _mm256_cvtepi32_ps(_mm256_add_epi32(r0, bv)));
-    _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(_mm256_add_epi32(r1, bv)));
-    return vf_load(f);
+    return vi_of(_mm256_add_epi32(r0, bv), _mm256_add_epi32(r1, bv));
 }
 #else
 typedef struct { uint8_t c[8][64]; } wg;
 static inline void wg_load(int fmt, const uint8_t *b, wg *w) { unpack_values(fmt, b, w->c); }
-static inline vf wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias, int eight) {
-    int32_t acc[16];
+static inline vi wg_dot(const wg *w, const int8_t *hi, const int8_t *lo, int c0, int c1, int32_t bias, int eight) {
+    vi acc;
     (void)eight; /* hi is 0 then: the same sums */
-    for (int r = 0; r < 16; r++) acc[r] = 0;
+    for (int r = 0; r < 16; r++) acc.v[r] = bias;
     for (int c = c0; c < c1; c++)
         for (int r = 0; r < 16; r++)
             for (int i = 0; i < 4; i++)
-                acc[r] += (int32_t)w->c[c][4 * r + i] * (256 * (int32_t)hi[4 * c + i] + (int32_t)lo[4 * c + i]);
-    float f[16];
-    for (int r = 0; r < 16; r++) f[r] = (float)(acc[r] + bias);
-    return vf_load(f);
+                acc.v[r] += (int32_t)w->c[c][4 * r + i] * (256 * (int32_t)hi[4 * c + i] + (int32_t)lo[4 * c + i]);
+    return acc;
 }
 #endif
 
 #ifndef GL_WG_DOTS
 static inline __attribute__((always_inline)) void wg_dots(const wg *w, int n, const int8_t *const *hi,
                                                           const int8_t *const *lo, int c0, int c1,
-                                                          const int32_t *bias, int eight, vf *out) {
+                                                          const int32_t *bias, int eight, vi *out) {
     for (int r = 0; r < n; r++) out[r] = wg_dot(w, hi[r], lo[r], c0, c1, bias[r], eight);
 }
 #endif
@@ -608,6 +637,7 @@ typedef struct {
     float *d;   /* [tiles][G][MT] */
     int32_t *s; /* [tiles][G][MT][2] */
     int eight;  /* 8-bit activations: |Q| <= 127, every hi 0 */
+    int super;  /* each 256 values' 8 groups share one d (8-bit activations for the K-quants, quantize_rows) */
 } xquant_t;
 
 #define Q_MAX 32258 /* the largest |Q| (254 * 127): |hi| <= 126 */
@@ -620,76 +650,228 @@ static inline int64_t xq_pad(int64_t M) { return (M + MT - 1) / MT * MT; }
 static inline size_t xq_bytes(int64_t Mp, int64_t K) { return (size_t)(Mp * (K / 32)) * (64 + 4 + 8); }
 static inline xquant_t xq_over(uint8_t *buf, int64_t Mp, int64_t K) {
     size_t n = (size_t)(Mp * (K / 32));
-    xquant_t q = {(int8_t *)buf, (float *)(buf + 64 * n), (int32_t *)(buf + 68 * n), 0};
+    xquant_t q = {(int8_t *)buf, (float *)(buf + 64 * n), (int32_t *)(buf + 68 * n), 0, 0};
     return q;
 }
 /* the rows from r (a multiple of MT) of q */
 static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
     int64_t n = r * (K / 32);
-    xquant_t o = {q->q + 64 * n, q->d + n, q->s + 2 * n, q->eight};
+    xquant_t o = {q->q + 64 * n, q->d + n, q->s + 2 * n, q->eight, q->super};
     return o;
 }
 
+/* the largest |v| of 32 values */
+static inline float group_amax(const float *v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v)), _mm512_abs_ps(_mm512_loadu_ps(v + 16))));
+#else
+    float amax = 0.0f;
+    for (int k = 0; k < 32; k++) {
+        float a = fabsf(v[k]);
+        amax = a > amax ? a : amax; /* fmaxf, without its call */
+    }
+    return amax;
+#endif
+}
+
+/* 32 values v as Q = round(v id), clamped to +-qmax, into hi and lo (Q = 256 hi + lo); s[0], s[1]: the sums of Q
+   over each 16 */
+static inline void quantize_group(const float *v, float id, int32_t qmax, int8_t *hi, int8_t *lo, int32_t *s) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* the plain C below, 16 values a register: the same integers (a product and a rounding to nearest even are
+       exact lane by lane; integer sums in any order) */
+    __m512i lim = _mm512_set1_epi32(qmax), q[2];
+    q[0] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(id)));
+    q[1] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16), _mm512_set1_ps(id)));
+    for (int i = 0; i < 2; i++) {
+        q[i] = _mm512_max_epi32(_mm512_min_epi32(q[i], lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q[i], _mm512_set1_epi32(128)), 8);
+        _mm_storeu_si128((__m128i *)(hi + 16 * i), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128((__m128i *)(lo + 16 * i), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q[i], _mm512_slli_epi32(h, 8))));
+        s[i] = _mm512_reduce_add_epi32(q[i]);
+    }
+#else
+    s[0] = s[1] = 0;
+    for (int k = 0; k < 32; k++) {
+        int32_t q = (int32_t)nearbyintf(v[k] * id);
+        q = q > qmax ? qmax : q < -qmax ? -qmax : q;
+        int32_t h = (q + 128) >> 8; /* floor((q + 128) / 256): -128 <= q - 256 h <= 127, |h| <= 126 */
+        hi[k] = (int8_t)h, lo[k] = (int8_t)(q - 256 * h);
+        s[k >= 16] += q;
+    }
+#endif
+}
+
 /* Row m of x [M, ldx] quantized into row dest[m] of xq (dest NULL: row m), to 16 bits (|Q| <= Q_MAX) or with
-   `bits` 8 to 8 (|Q| <= Q_MAX8, d = max |x| / 127: each hi 0). */
+   `bits` 8 to 8 (|Q| <= Q_MAX8, d = max |x| / 127: each hi 0). The max is each group's of 32, or with `super`
+   (8-bit activations for a K-quant, as llama.cpp's Q8_K) each 256 values': their 8 groups share one d. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xquant_t *xq, const int64_t *dest,
-                          int bits, int threads) {
-    int64_t G = K / 32;
+                          int bits, int super, int threads) {
+    int64_t G = K / 32, span = super ? 8 : 1; /* groups a scale */
     const int32_t qmax = bits == 8 ? Q_MAX8 : Q_MAX;
     xq->eight = bits == 8;
+    xq->super = super;
     (void)threads; /* read by GL_OMP only */
     GL_OMP(parallel for num_threads(threads) if (M * K >= 65536))
     for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            const float *v = x + m * ldx + 32 * g;
-            int64_t rec = xq_rec(dest ? dest[m] : m, G, g);
-            int8_t *hi = xq->q + 64 * rec, *lo = hi + 32;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-            /* the plain C below, 16 values a register: the same integers (max, a product and a rounding to
-               nearest even are exact lane by lane; integer sums in any order) */
-            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            float d = amax / (float)qmax, id = amax > 0.0f ? (float)qmax / amax : 0.0f;
-            __m512i lim = _mm512_set1_epi32(qmax), q[2];
-            q[0] = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-            q[1] = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-            for (int i = 0; i < 2; i++) {
-                q[i] = _mm512_max_epi32(_mm512_min_epi32(q[i], lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-                __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q[i], _mm512_set1_epi32(128)), 8);
-                _mm_storeu_si128((__m128i *)(hi + 16 * i), _mm512_cvtepi32_epi8(h));
-                _mm_storeu_si128((__m128i *)(lo + 16 * i), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q[i], _mm512_slli_epi32(h, 8))));
-            }
-            int32_t s0 = _mm512_reduce_add_epi32(q[0]), s1 = _mm512_reduce_add_epi32(q[1]);
-#else
+        for (int64_t g0 = 0; g0 < G; g0 += span) {
+            const float *v = x + m * ldx + 32 * g0;
             float amax = 0.0f;
-            for (int k = 0; k < 32; k++) {
-                float a = fabsf(v[k]);
-                amax = a > amax ? a : amax; /* fmaxf, without its call */
+            for (int64_t g = 0; g < span; g++) {
+                float a = group_amax(v + 32 * g);
+                amax = a > amax ? a : amax;
             }
             float d = amax / (float)qmax, id = amax > 0.0f ? (float)qmax / amax : 0.0f;
-            int32_t s0 = 0, s1 = 0;
-            for (int k = 0; k < 32; k++) {
-                int32_t q = (int32_t)nearbyintf(v[k] * id);
-                q = q > qmax ? qmax : q < -qmax ? -qmax : q;
-                int32_t h = (q + 128) >> 8; /* floor((q + 128) / 256): -128 <= q - 256 h <= 127, |h| <= 126 */
-                hi[k] = (int8_t)h, lo[k] = (int8_t)(q - 256 * h);
-                if (k < 16) s0 += q; else s1 += q;
+            for (int64_t g = g0; g < g0 + span; g++) {
+                int64_t rec = xq_rec(dest ? dest[m] : m, G, g);
+                int8_t *hi = xq->q + 64 * rec;
+                quantize_group(v + 32 * (g - g0), id, qmax, hi, hi + 32, xq->s + 2 * rec);
+                xq->d[rec] = d;
             }
-#endif
-            xq->d[rec] = d;
-            xq->s[2 * rec] = s0, xq->s[2 * rec + 1] = s1;
         }
 }
 
-/* a group's weights unpacked, with its scales and zeros as floats */
+/* the integer sub-scales of set t of sub-block j of a K-quant unit at b, one a row (Q4_K, Q5_K: 0 .. 63; Q6_K:
+   int8, a set each 16 values) */
+static inline vi unit_isc(int fmt, const uint8_t *b, int j, int t) {
+    const int8_t *meta = (const int8_t *)(b + 8 * fmt_vbytes(fmt));
+    return vi_i8(meta + 16 * (fmt == FMT_Q6_K ? 2 * j + t : j));
+}
+/* Q4_K's and Q5_K's mins (0 .. 63) of sub-blocks 2p and 2p + 1, as the int16 pair (lo, hi) of each row's lane */
+static inline vi unit_min_pair(int fmt, const uint8_t *b, int p) {
+    const int8_t *mn = (const int8_t *)(b + 8 * fmt_vbytes(fmt)) + 128 + 32 * p;
+    return vi_add(vi_i8(mn), vi_mul(vi_i8(mn + 16), vi_set1(65536)));
+}
+/* acc + a.lo b.lo + a.hi b.hi, the lanes' int16 halves (vpdpwssd) */
+static inline vi vi_dot_pairs(vi acc, vi a, vi b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#elif defined(__AVX512BW__) && defined(__AVX512F__)
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#elif defined(__AVX512F__)
+    __m256i lo = _mm256_madd_epi16(_mm512_castsi512_si256(a), _mm512_castsi512_si256(b));
+    __m256i hi = _mm256_madd_epi16(_mm512_extracti64x4_epi64(a, 1), _mm512_extracti64x4_epi64(b, 1));
+    return _mm512_add_epi32(acc, vi_of(lo, hi));
+#elif defined(__AVX2__) && defined(__FMA__)
+    return vi_of(_mm256_add_epi32(acc.a, _mm256_madd_epi16(a.a, b.a)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(a.b, b.b)));
+#else
+    for (int i = 0; i < 16; i++)
+        acc.v[i] += (int32_t)(int16_t)a.v[i] * (int16_t)b.v[i] + (a.v[i] >> 16) * (b.v[i] >> 16);
+    return acc;
+#endif
+}
+
+/* a group's weights unpacked, with its scales and zeros as floats (the float epilogue), or its integer sub-scales
+   (and, in a K-quant unit's first 4 groups, the mins of sub-blocks 2j and 2j + 1: the integer epilogue) */
 typedef struct {
     wg u;
-    vf scale[2], zero[2];
+    union {
+        struct { vf scale[2], zero[2]; } f;
+        struct { vi sc[2], min_pair; } i;
+    };
 } wgs_t;
 
-static inline __attribute__((always_inline)) void unpack_group(int fmt, int sets, const uint8_t *b, int j, wgs_t *o) {
+/* the integer epilogue: 8-bit activations on a K-quant (mm_super8) */
+static inline int int_epilogue(int fmt, int eight) { return eight && fmt_super(fmt); }
+
+static inline __attribute__((always_inline)) void unpack_group(int fmt, int sets, int eight, const uint8_t *b, int j,
+                                                               wgs_t *o) {
     wg_load(fmt, b + j * fmt_vbytes(fmt), &o->u);
-    for (int t = 0; t < sets; t++) unit_scales(fmt, b, j, t, &o->scale[t], &o->zero[t]);
+    if (int_epilogue(fmt, eight)) {
+        for (int t = 0; t < sets; t++) o->i.sc[t] = unit_isc(fmt, b, j, t);
+        if (fmt_has_zero(fmt) && j < 4) o->i.min_pair = unit_min_pair(fmt, b, j);
+    } else {
+        for (int t = 0; t < sets; t++) unit_scales(fmt, b, j, t, &o->f.scale[t], &o->f.zero[t]);
+    }
+}
+
+/* 8-bit activations on a K-quant (xq->super: one d for each 256 values, as llama.cpp's Q8_K): per super-block and
+   row of x, the 8 sub-blocks' integer dots times their integer sub-scales add up in int32, exact (at most 8 x 63 x
+   31 x 127 x 32 for Q5_K, 16 x 128 x 32 x 127 x 16 for Q6_K), as do the mins times the sub-blocks' sums of Q; then
+   y += (d dx) sum_j sc_j dot_j - (dmin dx) sum_j mn_j sum(Q_j): two roundings a super-block instead of two a
+   group. */
+static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int sets, const weight_t *w,
+                                                                 const xquant_t *xq, int64_t m0, int mt, int64_t rb,
+                                                                 float *y, int64_t ldy, const wgs_t *pre, int64_t u0,
+                                                                 int64_t u1, int has_pre) {
+    int64_t G = w->K / 32;
+    int vbytes = fmt_vbytes(fmt), chunks = 8 / sets, offset = fmt_offset(fmt);
+    const uint8_t *b = w->data + (rb * w->G + u0) * w->block_bytes;
+    vf acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = u0 ? vf_load(y + (m0 + i) * ldy + 16 * rb) : vf_zero();
+    if (pre) pre -= u0 * 8; /* pre[g]: group g of the matrix */
+    for (int64_t unit = u0; unit < u1; unit++, b += w->block_bytes) {
+        /* without pre, the unit's integer scales and mins first: their lines, at the unit's end, then load beside
+           the values' instead of after them (an 8B-sized matrix at one row: Q4_K +14%, Q6_K +18%); with pre, each
+           where it is used (holding them all cost a prefill 5%) */
+        vi isum[MT], scs[16], pairs[4];
+        for (int i = 0; i < mt; i++) isum[i] = vi_zero();
+        if (!has_pre) {
+            for (int j = 0; j < 8; j++)
+                for (int t = 0; t < sets; t++) scs[2 * j + t] = unit_isc(fmt, b, j, t);
+            if (fmt_has_zero(fmt))
+                for (int p = 0; p < 4; p++) pairs[p] = unit_min_pair(fmt, b, p);
+        }
+        for (int j = 0; j < 8; j++) {
+            int64_t g = unit * 8 + j;
+            const wg *up;
+            wg u;
+            if (has_pre) {
+                up = &pre[g].u;
+            } else {
+                for (int64_t l = j * w->block_bytes / 8; l < (j + 1) * w->block_bytes / 8; l += 64)
+                    __builtin_prefetch(b + 8192 + l, 0, 2); /* as mm_int */
+                wg_load(fmt, b + j * vbytes, &u);
+                up = &u;
+            }
+#pragma GCC unroll 2
+            for (int t = 0; t < sets; t++) {
+                vi sc = has_pre ? pre[g].i.sc[t] : scs[2 * j + t];
+#pragma GCC unroll 8
+                for (int i0 = 0; i0 < mt; i0 += WG_ROWS) {
+                    int n = mt - i0 < WG_ROWS ? mt - i0 : WG_ROWS;
+                    const int8_t *hi[WG_ROWS], *lo[WG_ROWS];
+                    int32_t bias[WG_ROWS];
+                    vi dot[WG_ROWS];
+#pragma GCC unroll 4
+                    for (int r = 0; r < n; r++) {
+                        int64_t rec = xq_rec(m0 + i0 + r, G, g);
+                        const int32_t *s = xq->s + 2 * rec;
+                        bias[r] = offset * (sets == 1 ? s[0] + s[1] : s[t]);
+                        hi[r] = xq->q + 64 * rec, lo[r] = hi[r] + 32;
+                    }
+                    wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, 1, dot);
+#pragma GCC unroll 4
+                    for (int r = 0; r < n; r++) isum[i0 + r] = vi_add(isum[i0 + r], vi_mul(dot[r], sc));
+                }
+            }
+        }
+        const uint8_t *meta = b + 8 * vbytes;
+        vf d = vf_f16((const uint16_t *)(meta + 256));
+        if (has_pre && fmt_has_zero(fmt))
+            for (int p = 0; p < 4; p++) pairs[p] = pre[unit * 8 + p].i.min_pair;
+        for (int i = 0; i < mt; i++) {
+            int64_t rec0 = xq_rec(m0 + i, G, unit * 8); /* group j of the unit: record rec0 + j MT */
+            float dx = xq->d[rec0];
+            acc[i] = vf_fma(vi_float(isum[i]), vf_mul(d, vf_set1(dx)), acc[i]);
+            if (fmt_has_zero(fmt)) {
+                vi msum = vi_zero();
+                for (int p = 0; p < 4; p++) {
+                    const int32_t *s0 = xq->s + 2 * (rec0 + 2 * p * MT), *s1 = s0 + 2 * MT;
+                    uint32_t lo = (uint16_t)(s0[0] + s0[1]), hi = (uint32_t)(s1[0] + s1[1]) << 16; /* |sum| <= 4064 */
+                    msum = vi_dot_pairs(msum, pairs[p], vi_set1((int32_t)(lo | hi)));
+                }
+                acc[i] = vf_fma(vi_float(msum), vf_mul(vf_f16((const uint16_t *)(meta + 288)), vf_set1(-dx)), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
+}
+static inline __attribute__((always_inline)) void mm_super8(int fmt, int sets, const weight_t *w, const xquant_t *xq,
+                                                            int64_t m0, int mt, int64_t rb, float *y, int64_t ldy,
+                                                            const wgs_t *pre, int64_t u0, int64_t u1) {
+    if (pre) mm_super8_with(fmt, sets, w, xq, m0, mt, rb, y, ldy, pre, u0, u1, 1);
+    else mm_super8_with(fmt, sets, w, xq, m0, mt, rb, y, ldy, NULL, u0, u1, 0);
 }
 
 /* rows m0 .. m0 + mt - 1 of y against the 16 weight rows of block `rb` (quantized formats): per 32 values, exact
@@ -698,13 +880,18 @@ static inline __attribute__((always_inline)) void unpack_group(int fmt, int sets
    registers. pre (NULL: unpack here): the block's groups already unpacked (mm_blocks, for more than one tile). */
 static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, int eight, const weight_t *w,
                                                          const xquant_t *xq, int64_t m0, int mt, int64_t rb, float *y,
-                                                         int64_t ldy, const wgs_t *pre) {
+                                                         int64_t ldy, const wgs_t *pre, int64_t u0, int64_t u1) {
+    if (int_epilogue(fmt, eight)) {
+        mm_super8(fmt, sets, w, xq, m0, mt, rb, y, ldy, pre, u0, u1);
+        return;
+    }
     int64_t K = w->K, G = K / 32;
     int sub = fmt_super(fmt) ? 8 : 1, vbytes = fmt_vbytes(fmt), chunks = 8 / sets, offset = fmt_offset(fmt);
-    const uint8_t *b = w->data + rb * w->G * w->block_bytes;
+    const uint8_t *b = w->data + (rb * w->G + u0) * w->block_bytes;
     vf acc[MT];
-    for (int i = 0; i < mt; i++) acc[i] = vf_zero();
-    for (int64_t unit = 0; unit < w->G; unit++, b += w->block_bytes)
+    for (int i = 0; i < mt; i++) acc[i] = u0 ? vf_load(y + (m0 + i) * ldy + 16 * rb) : vf_zero();
+    if (pre) pre -= u0 * sub; /* pre[g]: group g of the matrix */
+    for (int64_t unit = u0; unit < u1; unit++, b += w->block_bytes)
         for (int j = 0; j < sub; j++) {
             int64_t g = unit * sub + j; /* the group of 32 values of x */
             /* the lines 8 KiB ahead, spread evenly over the unit's sub-blocks (a K-quant unit's scale fields too):
@@ -725,7 +912,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, int 
 #pragma GCC unroll 2
             for (int t = 0; t < sets; t++) {
                 vf scale, zero;
-                if (pre) scale = pre[g].scale[t], zero = pre[g].zero[t];
+                if (pre) scale = pre[g].f.scale[t], zero = pre[g].f.zero[t];
                 else unit_scales(fmt, b, j, t, &scale, &zero);
 #pragma GCC unroll 8
                 for (int i0 = 0; i0 < mt; i0 += WG_ROWS) {
@@ -733,7 +920,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, int 
                     const int8_t *hi[WG_ROWS], *lo[WG_ROWS];
                     int32_t sum[WG_ROWS], bias[WG_ROWS];
                     float d[WG_ROWS];
-                    vf dot[WG_ROWS];
+                    vi dot[WG_ROWS];
 #pragma GCC unroll 4
                     for (int r = 0; r < n; r++) {
                         int64_t rec = xq_rec(m0 + i0 + r, G, g);
@@ -747,7 +934,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, int 
 #pragma GCC unroll 4
                     for (int r = 0; r < n; r++) {
                         vf *ac = &acc[i0 + r];
-                        *ac = vf_fma(dot[r], vf_mul(scale, vf_set1(d[r])), *ac);
+                        *ac = vf_fma(vi_float(dot[r]), vf_mul(scale, vf_set1(d[r])), *ac);
                         if (fmt_has_zero(fmt)) *ac = vf_fma(zero, vf_set1(d[r] * (float)sum[r]), *ac);
                     }
                 }
@@ -769,39 +956,69 @@ static inline __attribute__((always_inline)) void mm_dense(int fmt, const weight
     for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
 }
 
-/* one tile of mt rows of x (mt a constant after the switch) */
+/* one tile of mt rows of x (mt a constant after the switch), over units u0 .. u1 - 1 of K (quantized formats) */
 static inline __attribute__((always_inline)) void mm_tile(int fmt, int sets, int eight, const weight_t *w,
                                                           const float *x,
                                                           int64_t ldx, const xquant_t *xq, int64_t m0, int mt,
-                                                          int64_t rb, float *y, int64_t ldy, const wgs_t *pre) {
+                                                          int64_t rb, float *y, int64_t ldy, const wgs_t *pre,
+                                                          int64_t u0, int64_t u1) {
 #define GL_TILE(n)                                                                                                   \
     case n:                                                                                                          \
-        if (fmt_quantized(fmt)) mm_int(fmt, sets, eight, w, xq, m0, n, rb, y, ldy, pre);                             \
+        if (fmt_quantized(fmt)) mm_int(fmt, sets, eight, w, xq, m0, n, rb, y, ldy, pre, u0, u1);                     \
         else mm_dense(fmt, w, x, ldx, m0, n, rb, y, ldy);                                                            \
         break;
     switch (mt) { GL_TILE(1) GL_TILE(2) GL_TILE(3) GL_TILE(4) GL_TILE(5) GL_TILE(6) GL_TILE(7) GL_TILE(8) }
 #undef GL_TILE
 }
 
+/* More than one tile (a prefill): x's rows in chunks and K in slices, and each block's slice of weights unpacked
+   once for the chunk's tiles. A chunk's activations of one slice (128 rows x 4096 values, 1.2 MB) stay in L2 while
+   every block uses them; unchunked, each block streamed all of x from L3 or memory (17 MB at K = 14336 and 512
+   rows: a third slower there). A tile's sums go through y between slices, stored and loaded back exactly, so a
+   row's arithmetic is the same in any chunk, tile or slice. */
+#define SLICE_GROUPS 128 /* groups of 32 values a slice of K */
+#define CHUNK_ROWS 128  /* rows of x a chunk: whole tiles */
+
 /* blocks rb0 .. rb1 - 1 against every row of x, MT rows at a time */
 static inline __attribute__((always_inline)) void mm_blocks(int fmt, int sets, int eight, const weight_t *w,
                                                             const float *x,
                                                             int64_t ldx, const xquant_t *xq, int64_t M, int64_t rb0,
                                                             int64_t rb1, float *y, int64_t ldy) {
+    int sub = fmt_super(fmt) ? 8 : 1;
+    int64_t units = w->G;
     wgs_t *pre = NULL;
-    if (fmt_quantized(fmt) && M > MT) { /* more than one tile: unpack each block's weights once, for all tiles */
-        uint8_t *p = scratch(SCRATCH_UNPACK, sizeof(wgs_t) * (w->K / 32) + 64);
+    if (fmt_quantized(fmt) && M > MT) {
+        uint8_t *p = scratch(SCRATCH_UNPACK, sizeof(wgs_t) * SLICE_GROUPS + 64);
         if (p) pre = (wgs_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
     }
-    int sub = fmt_super(fmt) ? 8 : 1;
-    for (int64_t rb = rb0; rb < rb1; rb++) {
-        if (pre) {
-            const uint8_t *b = w->data + rb * w->G * w->block_bytes;
-            for (int64_t unit = 0; unit < w->G; unit++, b += w->block_bytes)
-                for (int j = 0; j < sub; j++) unpack_group(fmt, sets, b, j, &pre[unit * sub + j]);
+    /* without pre (one tile, a float format, or no memory): one chunk of every row, one slice of all of K */
+    int64_t chunk = pre ? CHUNK_ROWS : M, slice = pre ? SLICE_GROUPS / sub : units;
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+        int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
+        for (int64_t u0 = 0; u0 < units; u0 += slice) {
+            int64_t u1 = u0 + slice < units ? u0 + slice : units;
+            for (int64_t rb = rb0; rb < rb1; rb++) {
+                const uint8_t *b = w->data + (rb * units + u0) * w->block_bytes;
+                if (pre)
+                    for (int64_t unit = u0; unit < u1; unit++)
+                        for (int j = 0; j < sub; j++)
+                            unpack_group(fmt, sets, eight, b + (unit - u0) * w->block_bytes, j,
+                                         &pre[(unit - u0) * sub + j]);
+                /* the next block's slice into L2 meanwhile, a share a tile: its lines do not follow these ones */
+                int64_t bytes = (u1 - u0) * w->block_bytes, tiles = (c1 - c0 + MT - 1) / MT;
+                const char *next = (const char *)b + units * w->block_bytes;
+                for (int64_t m = c0, t = 0; m < c1; m += MT, t++) {
+                    if (pre && rb + 1 < rb1)
+                        for (int64_t l = bytes * t / tiles / 64 * 64; l < bytes * (t + 1) / tiles; l += 64)
+                            __builtin_prefetch(next + l, 0, 2);
+                    /* whole tiles from pre; a last part tile unpacks its own (one copy of the kernel a tile size
+                       without pre, one with: half the code, and compile time, of every size both ways) */
+                    if (pre && c1 - m >= MT) mm_int(fmt, sets, eight, w, xq, m, MT, rb, y, ldy, pre, u0, u1);
+                    else mm_tile(fmt, sets, eight, w, x, ldx, xq, m, c1 - m < MT ? (int)(c1 - m) : MT, rb, y, ldy,
+                                 NULL, u0, u1);
+                }
+            }
         }
-        for (int64_t m = 0; m < M; m += MT)
-            mm_tile(fmt, sets, eight, w, x, ldx, xq, m, M - m < MT ? (int)(M - m) : MT, rb, y, ldy, pre);
     }
 }
 
@@ -853,17 +1070,20 @@ static int64_t matmul_bytes; /* weight bytes gl_matmul has read, for benchmarks 
 /* the weight bytes gl_matmul has read so far (every block of each matrix, once per call) */
 int64_t gl_matmul_bytes_read(void) { return matmul_bytes; }
 
+/* whether `fmt`'s activations at `bits` share a d each 256 values (quantize_rows' `super`) */
+static inline int xq_super_for(int fmt, int bits) { return bits == 8 && fmt_super(fmt); }
+
 /* x quantized (to `bits`, 16 or 8) for the quantized formats into the matmul's scratch (xq->q NULL for the float
    ones); -1: no memory */
 static int matmul_quantize(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, xquant_t *xq, int bits,
                            int threads) {
-    xquant_t none = {NULL, NULL, NULL, 0};
+    xquant_t none = {NULL, NULL, NULL, 0, 0};
     *xq = none;
     if (!fmt_quantized(fmt)) return 0;
     uint8_t *buf = scratch(SCRATCH_MATMUL, xq_bytes(xq_pad(M), K));
     if (!buf) return -1;
     *xq = xq_over(buf, xq_pad(M), K);
-    quantize_rows(x, ldx, M, K, xq, NULL, bits, threads);
+    quantize_rows(x, ldx, M, K, xq, NULL, bits, xq_super_for(fmt, bits), threads);
     return 0;
 }
 
@@ -1898,7 +2118,7 @@ static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *
             if (b0 >= b1) continue;
             weight_t w = ex->w;
             w.data = ex->w.data + e * ex->stride;
-            xquant_t q = {NULL, NULL, NULL, 0};
+            xquant_t q = {NULL, NULL, NULL, 0, 0};
             if (xq->q) q = xq_rows(xq, pstart[e], K);
             run(&w, x + r0 * K, K, &q, M, b0, b1, y + r0 * ldy, ldy);
         }
@@ -1908,11 +2128,11 @@ static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *
 /* rows of x [M, K] quantized as quantize_rows does (row m into row dest[m] of Mp), into buffer `which` of the MoE
    scratch */
 static int moe_quantize(const float *x, int64_t M, int64_t Mp, int64_t K, const int64_t *dest, xquant_t *xq,
-                        int which, int bits, int threads) {
+                        int which, int bits, int super, int threads) {
     uint8_t *buf = moe_scratch(which, xq_bytes(Mp, K));
     if (!buf) return -1;
     *xq = xq_over(buf, Mp, K);
-    quantize_rows(x, K, M, K, xq, dest, bits, threads);
+    quantize_rows(x, K, M, K, xq, dest, bits, super, threads);
     return 0;
 }
 
@@ -1964,14 +2184,14 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
     float *y1 = moe_scratch(2, sizeof(float) * P * N1);
     float *y2 = moe_scratch(3, sizeof(float) * P * N2);
     if (!xs || !y1 || !y2) return -1;
-    xquant_t xq = {NULL, NULL, NULL, 0};
+    xquant_t xq = {NULL, NULL, NULL, 0, 0};
     if (quant1) { /* quantize each token once, then gather its rows (identical to quantizing the gathered rows) */
         xquant_t tq;
-        if (moe_quantize(x, T, xq_pad(T), H, NULL, &tq, 4, bits, threads)) return -1;
+        if (moe_quantize(x, T, xq_pad(T), H, NULL, &tq, 4, bits, xq_super_for(fmt1, bits), threads)) return -1;
         uint8_t *buf = moe_scratch(5, xq_bytes(Pp, H));
         if (!buf) return -1;
         xq = xq_over(buf, Pp, H);
-        xq.eight = tq.eight;
+        xq.eight = tq.eight, xq.super = tq.super;
         int64_t G = H / 32;
         GL_OMP(parallel for num_threads(threads) if (P * H >= 65536))
         for (int64_t r = 0; r < P; r++)
@@ -2012,8 +2232,8 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
             vf_store_n(h + i, vf_mul(s, uv), n);
         }
     }
-    xquant_t hq = {NULL, NULL, NULL, 0};
-    if (quant2 && moe_quantize(xs, P, Pp, I, prow, &hq, 6, bits, threads)) return -1;
+    xquant_t hq = {NULL, NULL, NULL, 0, 0};
+    if (quant2 && moe_quantize(xs, P, Pp, I, prow, &hq, 6, bits, xq_super_for(fmt2, bits), threads)) return -1;
     experts_matmul(&ex2, xs, &hq, start, pstart, active, n_active, y2, N2, threads);
 
     /* out[t] = sum over j in order of wts[t, j] * (y2 + b2) */
@@ -2146,10 +2366,12 @@ static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t 
 /* x [T, K] (row stride ldx) @ the parts' rows, side by side in y [T, ldy] */
 static int mat_parts(const gl_mat_t *parts, int64_t n_parts, const float *x, int64_t T, int64_t ldx, float *y,
                      int64_t ldy, int bits, int threads) {
-    xquant_t xq = {NULL, NULL, NULL, 0}; /* x quantized once for all the quantized parts (the same K) */
+    /* x quantized once for all the quantized parts (the same K), again where a part needs the other scale span */
+    xquant_t xq = {NULL, NULL, NULL, 0, 0};
     for (int64_t i = 0, off = 0; i < n_parts; off += parts[i].n, i++) {
         int fmt = (int)parts[i].fmt;
-        if (fmt_quantized(fmt) && !xq.q && matmul_quantize(fmt, x, T, parts[i].k, ldx, &xq, bits, threads))
+        if (fmt_quantized(fmt) && (!xq.q || xq.super != xq_super_for(fmt, bits)) &&
+            matmul_quantize(fmt, x, T, parts[i].k, ldx, &xq, bits, threads))
             return -1;
         matmul_quantized(fmt, x, T, parts[i].k, ldx, &xq, parts[i].data, parts[i].n, y + off, ldy, threads);
     }

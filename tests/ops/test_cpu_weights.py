@@ -28,13 +28,17 @@ def weight_and_reference(qtype: gguf.GGMLQuantizationType, rows: int = ROWS, col
     return QTensor(torch.from_numpy(raw), qtype, (rows, cols)), torch.from_numpy(reference)
 
 
-def rounded_input(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+def rounded_input(x: torch.Tensor, bits: int = 16, qtype: gguf.GGMLQuantizationType | None = None) -> torch.Tensor:
     """x as the quantized matmul sees it: each 32 values rounded to multiples of their largest magnitude / 32258
-    (16-bit activations), or / 127 (8-bit ones, as llama.cpp's Q8_0 rounds them)."""
+    (16-bit activations), or / 127 (8-bit ones, as llama.cpp's Q8_0 rounds them); 8-bit ones for a K-quant `qtype`
+    each 256 values by their largest magnitude / 127 (as llama.cpp's Q8_K)."""
     top = 32258 if bits == 16 else 127
-    groups = x.view(x.shape[0], -1, 32)
+    span = 256 if bits == 8 and qtype in cpu_weights.K_QUANTS else 32
+    groups = x.view(x.shape[0], -1, span)
     amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.where(amax > 0, torch.round(groups * (top / amax)), 0)
+    # top / amax as the kernel divides (torch computes a number over a tensor as its reciprocal times the number,
+    # an ulp away, which can move a value near a half to the other integer)
+    q = torch.where(amax > 0, torch.round(groups * (torch.tensor(float(top)) / amax)), 0)
     return (q * (amax / top)).view_as(x)
 
 
@@ -75,12 +79,27 @@ def test_matmul_is_the_dot_product_with_the_rounded_input(qtype, bits) -> None:
     |terms|), with 16-bit and with 8-bit activations; float formats: ``x @ W.T`` (`bits` unused)."""
     weight, reference = weight_and_reference(qtype)
     x = torch.randn(9, COLS, generator=torch.Generator().manual_seed(1))
-    seen = x if qtype in FLOATS else rounded_input(x, bits)
+    seen = x if qtype in FLOATS else rounded_input(x, bits, qtype)
     want = seen.double() @ reference.double().T
     size = seen.double().abs() @ reference.double().abs().T
     got = CpuWeight.from_qtensor(weight).matmul(x, bits)
     assert got.shape == (9, ROWS)
     assert ((got.double() - want).abs() / size).max() < 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_prefill_in_row_chunks_and_k_slices_is_the_dot_product(qtype, bits) -> None:
+    """A prefill's matmul (more than 128 rows, K past 4096 values: the kernel's row chunks and K slices, its sums
+    carried through y between slices) is still ``rounded_input(x, bits) @ W.T``, and each row the same as alone."""
+    weight, reference = weight_and_reference(qtype, rows=32, cols=4608)
+    x = torch.randn(140, 4608, generator=torch.Generator().manual_seed(4))
+    seen = rounded_input(x, bits, qtype).double()
+    packed = CpuWeight.from_qtensor(weight)
+    got = packed.matmul(x, bits)
+    assert ((got.double() - seen @ reference.double().T).abs() / (seen.abs() @ reference.double().abs().T)).max() < 1e-6
+    assert torch.equal(got[137:], packed.matmul(x[137:], bits)) and torch.equal(got[5:6], packed.matmul(x[5:6], bits))
 
 
 @needs_kernels
