@@ -176,8 +176,9 @@ class EngineArgs:
         "of float16's bytes, CPU fast path only", choices=list(KV_CACHE_DTYPES))
     cpu_activation_bits: int = _arg(
         16, "CPU fast path: the integers each group of 32 activations is rounded to in the quantized matmuls: 16 "
-        "(to 1 part in 64516 of the group's largest value) or 8 (1 part in 254, as llama.cpp's Q8 activations: "
-        "half the integer dot products, a faster prefill; logits further from the float32 reference) "
+        "(to 1 part in 64516 of the group's largest value) or 8 (1 part in 254, as llama.cpp's Q8 activations, "
+        "each 256 values sharing one scale for the K-quants as its Q8_K: a faster prefill; logits further from "
+        "the float32 reference) "
         "(default: %(default)s)", type=int, choices=[16, 8])
     max_num_seqs: int = _arg(64, "sequences per batch (default: %(default)s)", type=positive_int)
     max_num_batched_tokens: int = _arg(
