@@ -16,7 +16,9 @@ Matmul, y[m, n] = sum_k x[m, k] * w[n, k]. Quantized formats: each row of x is c
 rounded to integers Q = round(x / d), d = max |x| / 32258, held as 256 hi + lo (two int8); per group and weight
 row the integer dot product of Q with the values u + offset (u unsigned, the offset the type's: see the table below)
 is exact in int32 (AVX512-VNNI, AVX2 or plain C), and y accumulates (scale * d) * dot + (zero * d) * sum(Q), group
-after group, 16 weight rows in the 16 lanes of one accumulator. Float formats: FMAs value after value. Tiles of up
+after group, 16 weight rows in the 16 lanes of one accumulator. 8-bit activations (d = max |x| / 127) on a K-quant
+share one d each 256 values (llama.cpp's Q8_K), so a super-block's sub-block dots times their integer sub-scales
+add up in int32 before one float step (mm_super8). Float formats: FMAs value after value. Tiles of up
 to 8 rows of x share each block's unpacked weights; threads split the weight rows; a row's arithmetic is the same in
 any tile.
 
