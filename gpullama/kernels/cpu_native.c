@@ -236,7 +236,7 @@ static inline vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); } /* the 
 static inline vi vi_i8(const int8_t *q) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)); }
 static inline vi vi_of(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline vf vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) /* with or without FMA (vf: AVX2, or plain C without FMA) */
 typedef struct { __m256i a, b; } vi;
 static inline vi vi_of(__m256i lo, __m256i hi) { vi r = {lo, hi}; return r; }
 static inline vi vi_zero(void) { return vi_of(_mm256_setzero_si256(), _mm256_setzero_si256()); }
@@ -247,7 +247,16 @@ static inline vi vi_i8(const int8_t *q) {
     return vi_of(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)),
                  _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
 }
-static inline vf vi_float(vi x) { return mk(_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)); }
+static inline vf vi_float(vi x) {
+#if defined(__FMA__)
+    return mk(_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b));
+#else
+    float f[16];
+    _mm256_storeu_ps(f, _mm256_cvtepi32_ps(x.a));
+    _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(x.b));
+    return vf_load(f);
+#endif
+}
 #else
 typedef struct { int32_t v[16]; } vi;
 #define GL_ILANES(expr) { vi r; for (int i = 0; i < 16; i++) r.v[i] = (expr); return r; }
@@ -754,7 +763,7 @@ static inline vi vi_dot_pairs(vi acc, vi a, vi b) {
     __m256i lo = _mm256_madd_epi16(_mm512_castsi512_si256(a), _mm512_castsi512_si256(b));
     __m256i hi = _mm256_madd_epi16(_mm512_extracti64x4_epi64(a, 1), _mm512_extracti64x4_epi64(b, 1));
     return _mm512_add_epi32(acc, vi_of(lo, hi));
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__)
     return vi_of(_mm256_add_epi32(acc.a, _mm256_madd_epi16(a.a, b.a)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(a.b, b.b)));
 #else
     for (int i = 0; i < 16; i++)
