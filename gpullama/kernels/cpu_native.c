@@ -796,6 +796,35 @@ static inline __attribute__((always_inline)) void unpack_group(int fmt, int sets
     }
 }
 
+/* the lines 8 KiB ahead of unit b, spread evenly over its `sub` sub-blocks (a K-quant unit's scale fields too): this
+   is sub-block j's share. One prefetch per group left most of a K-quant unit to the hardware prefetcher, and a whole
+   unit's lines at once (36 for Q4_K) stalled the loads behind them. Into L2 (prefetcht1), not L1: an L1 prefetch
+   holds one of the core's few L1 miss buffers until its line arrives: one core's Q4_K stream went from 9.0 to 11.6
+   GB/s with this on a Xeon VM (docs/performance.md) */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *b, int64_t block_bytes, int j,
+                                                                 int sub) {
+    for (int64_t l = j * block_bytes / sub; l < (j + 1) * block_bytes / sub; l += 64)
+        __builtin_prefetch(b + 8192 + l, 0, 2);
+}
+
+/* what wg_dots takes for rows m0 .. m0 + n - 1 of x in group g, set t of `sets`: each row's record (its hi and lo
+   halves), and the offset's bias (offset x the sum of Q); sum and d (NULL: not wanted) that sum and the row's d */
+static inline __attribute__((always_inline)) void tile_records(const xquant_t *xq, int64_t m0, int n, int64_t G,
+                                                               int64_t g, int sets, int t, int offset,
+                                                               const int8_t **hi, const int8_t **lo, int32_t *bias,
+                                                               int32_t *sum, float *d) {
+#pragma GCC unroll 4
+    for (int r = 0; r < n; r++) {
+        int64_t rec = xq_rec(m0 + r, G, g);
+        const int32_t *s = xq->s + 2 * rec;
+        int32_t q = sets == 1 ? s[0] + s[1] : s[t];
+        bias[r] = offset * q;
+        if (sum) sum[r] = q;
+        if (d) d[r] = xq->d[rec];
+        hi[r] = xq->q + 64 * rec, lo[r] = hi[r] + 32;
+    }
+}
+
 /* 8-bit activations on a K-quant (xq->super: one d for each 256 values, as llama.cpp's Q8_K): per super-block and
    row of x, the 8 sub-blocks' integer dots times their integer sub-scales add up in int32, exact (at most 8 x 63 x
    31 x 127 x 32 for Q5_K, 16 x 128 x 32 x 127 x 16 for Q6_K), as do the mins times the sub-blocks' sums of Q; then
@@ -830,8 +859,7 @@ static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int se
             if (has_pre) {
                 up = &pre[g].u;
             } else {
-                for (int64_t l = j * w->block_bytes / 8; l < (j + 1) * w->block_bytes / 8; l += 64)
-                    __builtin_prefetch(b + 8192 + l, 0, 2); /* as mm_int */
+                prefetch_ahead(b, w->block_bytes, j, 8);
                 wg_load(fmt, b + j * vbytes, &u);
                 up = &u;
             }
@@ -844,13 +872,7 @@ static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int se
                     const int8_t *hi[WG_ROWS], *lo[WG_ROWS];
                     int32_t bias[WG_ROWS];
                     vi dot[WG_ROWS];
-#pragma GCC unroll 4
-                    for (int r = 0; r < n; r++) {
-                        int64_t rec = xq_rec(m0 + i0 + r, G, g);
-                        const int32_t *s = xq->s + 2 * rec;
-                        bias[r] = offset * (sets == 1 ? s[0] + s[1] : s[t]);
-                        hi[r] = xq->q + 64 * rec, lo[r] = hi[r] + 32;
-                    }
+                    tile_records(xq, m0 + i0, n, G, g, sets, t, offset, hi, lo, bias, NULL, NULL);
                     wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, 1, dot);
 #pragma GCC unroll 4
                     for (int r = 0; r < n; r++) isum[i0 + r] = vi_add(isum[i0 + r], vi_mul(dot[r], sc));
@@ -905,18 +927,12 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, int 
     for (int64_t unit = u0; unit < u1; unit++, b += w->block_bytes)
         for (int j = 0; j < sub; j++) {
             int64_t g = unit * sub + j; /* the group of 32 values of x */
-            /* the lines 8 KiB ahead, spread evenly over the unit's sub-blocks (a K-quant unit's scale fields too):
-               one prefetch per group left most of a K-quant unit to the hardware prefetcher, and a whole unit's
-               lines at once (36 for Q4_K) stalled the loads behind them. Into L2 (prefetcht1), not L1: an L1
-               prefetch holds one of the core's few L1 miss buffers until its line arrives: one core's Q4_K stream
-               went from 9.0 to 11.6 GB/s with this on a Xeon VM (docs/performance.md) */
             const wg *up;
             wg u;
             if (pre) {
                 up = &pre[g].u;
             } else {
-                for (int64_t l = j * w->block_bytes / sub; l < (j + 1) * w->block_bytes / sub; l += 64)
-                    __builtin_prefetch(b + 8192 + l, 0, 2);
+                prefetch_ahead(b, w->block_bytes, j, sub);
                 wg_load(fmt, b + j * vbytes, &u);
                 up = &u;
             }
@@ -932,15 +948,7 @@ static inline __attribute__((always_inline)) void mm_int(int fmt, int sets, int 
                     int32_t sum[WG_ROWS], bias[WG_ROWS];
                     float d[WG_ROWS];
                     vi dot[WG_ROWS];
-#pragma GCC unroll 4
-                    for (int r = 0; r < n; r++) {
-                        int64_t rec = xq_rec(m0 + i0 + r, G, g);
-                        const int32_t *s = xq->s + 2 * rec;
-                        d[r] = xq->d[rec];
-                        sum[r] = sets == 1 ? s[0] + s[1] : s[t];
-                        bias[r] = offset * sum[r];
-                        hi[r] = xq->q + 64 * rec, lo[r] = hi[r] + 32;
-                    }
+                    tile_records(xq, m0 + i0, n, G, g, sets, t, offset, hi, lo, bias, sum, d);
                     wg_dots(up, n, hi, lo, t * chunks, (t + 1) * chunks, bias, eight, dot);
 #pragma GCC unroll 4
                     for (int r = 0; r < n; r++) {
