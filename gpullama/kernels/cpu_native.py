@@ -85,8 +85,9 @@ FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3", 
 """What `library()` tries in turn, the first that builds and loads winning: -march=native for the vector units this
 CPU has, OpenMP for threads (without it the kernels run on one)."""
 WARNINGS = ("-Wall", "-Wextra")
-"""On every build: the source compiles without a warning under each of `FLAG_SETS` (a test builds it with -Werror);
-a compiler's warnings are logged at info level."""
+"""On every build: the source compiles without a warning under each of `FLAG_SETS` (a test checks the library's
+own build, and the other sets with -Werror); a compiler's warnings are logged at info level and kept beside the
+library (`build_warnings`)."""
 
 
 
@@ -167,6 +168,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _tried = False
+_built: tuple[tuple[str, ...], Path] | None = None
 
 
 def cache_dir() -> Path:
@@ -192,8 +194,14 @@ def _command(cc: str, flags: list[str] | tuple[str, ...], target: Path) -> list[
     return [cc, *flags, "-shared", "-fPIC", "-std=gnu11", str(SOURCE), "-o", str(target), "-lm"]
 
 
+def _warnings_path(library_path: Path) -> Path:
+    """Where the compiler's output (its warnings; empty when it had none) is kept beside a built library."""
+    return library_path.with_suffix(".warnings")
+
+
 def _compile(cc: str, flags: list[str] | tuple[str, ...], out: Path) -> None:
-    """Compile the source into `out` (atomically: a half-written file is never seen by another process)."""
+    """Compile the source into `out` (atomically: a half-written file is never seen by another process), the
+    compiler's stderr into `_warnings_path(out)` first, so every library in the cache has it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
@@ -203,10 +211,14 @@ def _compile(cc: str, flags: list[str] | tuple[str, ...], out: Path) -> None:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
         if proc.stderr.strip():
             log.info("the C compiler warned (%s): %s", " ".join(flags), proc.stderr.strip()[-2000:])
+        warnings = _warnings_path(target)
+        warnings.write_text(proc.stderr)
+        os.replace(warnings, _warnings_path(out))
         os.replace(target, out)
 
 
-def _build() -> ctypes.CDLL:
+def _build() -> tuple[ctypes.CDLL, tuple[str, ...], Path]:
+    """The first of `FLAG_SETS` that builds (or is cached) and loads: the library, its flag set, its path."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
@@ -232,22 +244,37 @@ def _build() -> ctypes.CDLL:
         lib.gl_matmul_bytes_read.restype = ctypes.c_int64
         lib.gl_read_sum.restype = ctypes.c_float
         lib.gl_unit_bytes.restype = ctypes.c_int64
-        return lib
+        return lib, tuple(flag_set), path
     raise RuntimeError("; ".join(errors))
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built on the first call), or None when they cannot be built here."""
-    global _lib, _error, _tried
+    global _lib, _error, _tried, _built
     with _lock:
         if not _tried:
             _tried = True
             try:
-                _lib = _build()
+                lib, flags, path = _build()
+                _lib, _built = lib, (flags, path)
             except Exception as e:  # any failure means: no native kernels, use the torch path
                 _error = str(e)
                 log.warning("CPU kernels unavailable, using the torch path: %s", _error)
         return _lib
+
+
+def build_warnings() -> tuple[tuple[str, ...], str | None] | None:
+    """The flag set (of `FLAG_SETS`) the loaded library was built with and what the compiler wrote to stderr then
+    (None when the cache holds no record of it: a library compiled before these were kept); None without a
+    library."""
+    library()
+    if _built is None:
+        return None
+    flags, path = _built
+    try:
+        return flags, _warnings_path(path).read_text()
+    except OSError:
+        return flags, None
 
 
 def build_error() -> str | None:
