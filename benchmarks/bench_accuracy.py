@@ -99,6 +99,9 @@ def main() -> None:
     parser.add_argument("--text-file", help="the passage to score (default: the one in this script)")
     parser.add_argument("--positions", type=int, help="at most this many tokens of it")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="gpullama's context (default 4096: the passage's tokens must fit; a file's own, such as "
+                             "131072, would need more KV cache than the default 1 GiB)")
     parser.add_argument("--llama-dir", type=Path, help="llama.cpp's build/bin (libllama.so): add its rows")
     parser.add_argument("--llama-include", type=Path, help="llama.h's folder, if not DIR/../../include")
     parser.add_argument("--llama-fa", default="-1,0",
@@ -110,12 +113,15 @@ def main() -> None:
 
     rows, notes = [], []
     for model in args.model or ["smollm2-135m"]:
-        with LLM(model, device="cpu", threads=args.threads, dtype="float32") as llm:
+        with LLM(model, device="cpu", threads=args.threads, dtype="float32", max_model_len=args.max_model_len) as llm:
             ids = llm.tokenizer.encode(text, add_special_tokens=True)[: args.positions]
             name, path = Path(llm.path).name, str(llm.path)
+            if len(ids) > args.max_model_len:
+                raise SystemExit(f"{name}: {len(ids)} tokens to score, more than --max-model-len {args.max_model_len}")
             ref = llm.logits(ids).float()
-        engines = {"gpullama 16-bit": gpullama_logits(model, ids, args.threads),
-                   "gpullama 8-bit": gpullama_logits(model, ids, args.threads, cpu_activation_bits=8)}
+        engines = {"gpullama 16-bit": gpullama_logits(model, ids, args.threads, max_model_len=args.max_model_len),
+                   "gpullama 8-bit": gpullama_logits(model, ids, args.threads, max_model_len=args.max_model_len,
+                                                     cpu_activation_bits=8)}
         for fa in fa_settings if exe else []:
             logits, used = llama_logits(exe, path, ids, args.threads, fa)
             engines[f"llama.cpp, flash attn {used}"] = logits
