@@ -143,10 +143,15 @@ def test_greedy_tokens_equal_transformers(vision_llm, hf, chat: str, fast: bool)
     assert out.token_ids == ref_tokens
 
 
-def test_two_images_give_different_answers(vision_llm) -> None:
-    first, second = vision_llm().chat([one_image(picture(7)), one_image(picture(8))], GREEDY)
+def assert_two_pictures_answer_apart(llm: LLM) -> None:
+    """Two chats that differ only in their picture's pixels: the same prompt ids, different answers."""
+    first, second = llm.chat([one_image(picture(7)), one_image(picture(8))], GREEDY)
     assert first.prompt_token_ids == second.prompt_token_ids  # the same text and placeholders: only the pixels differ
     assert first.token_ids != second.token_ids
+
+
+def test_two_images_give_different_answers(vision_llm) -> None:
+    assert_two_pictures_answer_apart(vision_llm())
 
 
 def test_every_image_source_reads_the_same_pixels(vision_llm, tmp_path) -> None:

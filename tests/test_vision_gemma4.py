@@ -11,7 +11,8 @@ import torch
 from gpullama.ops import CpuOps
 from tests.fixtures.gemma4_vision import PATCH, gemma4_processor, gemma4_vision_folder
 from tests.fixtures.tiny_vlm import vlm_factory
-from tests.test_vision import GREEDY, needs_kernels, one_image, picture
+from tests.test_vision import CHATS as VISION_CHATS
+from tests.test_vision import GREEDY, assert_two_pictures_answer_apart, needs_kernels, picture
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +95,7 @@ def hf_greedy(hf, messages: list[dict]) -> tuple[list[int], list[int]]:
     return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-CHATS = {
-    "one image": lambda: one_image(picture(1)),
-    "two images in one message": lambda: [{"role": "user", "content": [
-        {"type": "text", "text": "Compare"}, {"type": "image", "image": picture(2)},
-        {"type": "text", "text": "with"}, {"type": "image", "image": picture(3, (20, 50))},
-        {"type": "text", "text": "please."}]}],
-}
+CHATS = {name: VISION_CHATS[name] for name in ("one image", "two images in one message")}
 
 
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)], ids=["exact", "fast"])
@@ -114,9 +109,7 @@ def test_greedy_tokens_equal_transformers(llm, hf, chat: str, fast: bool) -> Non
 
 
 def test_two_images_give_different_answers(llm) -> None:
-    first, second = llm().chat([one_image(picture(7)), one_image(picture(8))], GREEDY)
-    assert first.prompt_token_ids == second.prompt_token_ids  # the same text and placeholders: only the pixels differ
-    assert first.token_ids != second.token_ids
+    assert_two_pictures_answer_apart(llm())
 
 
 def test_info_names_the_projector(folder, capsys) -> None:
