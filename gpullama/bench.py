@@ -96,10 +96,15 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, threads: int | Non
     """The machine's memory read bandwidth in bytes/s, as STREAM measures it: `threads` (default torch's) threads
     read a float32 buffer of `nbytes` (far larger than the caches) once each time, in contiguous shares, with
     vector loads (`cpu_native.read_sum`; `torch.sum` where the C kernels are not built); the best of `repeats`
-    after a first touch. A decode step reads every weight once, so this is its limit."""
+    after a first touch. A decode step reads every weight once, so this is its limit. The buffer is on 2 MiB pages
+    where Linux gives them (`cpu_native.advise_huge_pages`): on 4 KiB pages this loop, which has no software
+    prefetch, waits on a TLB miss a page, and read 15% slower on a VM than on 2 MiB pages, where it matches the
+    decode matmuls' own stream (docs/performance.md)."""
     from gpullama.kernels import cpu_native
 
-    x = torch.ones(nbytes // 4)
+    x = torch.empty(nbytes // 4)
+    cpu_native.advise_huge_pages(x)
+    x.fill_(1.0)
     read = cpu_native.read_sum if cpu_native.library() is not None else (lambda t, n: float(t.sum()))
     read(x, threads)  # first touch
     best = math.inf

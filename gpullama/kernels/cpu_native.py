@@ -309,6 +309,26 @@ def matmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, b
     return out
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux for 2 MiB pages (``madvise(MADV_HUGEPAGE)``) under the whole 2 MiB-aligned stretches of `t`'s
+    memory, before it is first written: where transparent huge pages are on only for such regions (``madvise``, a
+    common default) its pages are otherwise 4 KiB. False where it is not done (not Linux, no whole 2 MiB stretch, or
+    the call refused); the memory and its contents are the same either way. Used for the buffer of
+    `gpullama.bench.read_bandwidth`: a plain streaming read, without the matmuls' software prefetch, pays a TLB miss
+    every 4 KiB page (docs/performance.md)."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if not platform.system() == "Linux" or last <= first:
+        return False
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise(first, last - first, _MADV_HUGEPAGE) == 0
+
+
 def repack(fmt: int, parts: list[torch.Tensor], k: int) -> torch.Tensor:
     """GGUF rows ``[n, row bytes]`` (uint8, unit column stride) of one or more matrices of ``K = k`` columns and
     quantized format `fmt`, their rows joined in order, as that format's blocks ``[ceil(N / 16), units, unit

@@ -77,6 +77,34 @@ def test_read_sum_reads_every_value_once(n: int, threads: int) -> None:
     assert cpu_native.read_sum(x, threads) == float(x.double().sum())
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_huge_page_advice_marks_the_whole_2mib_stretches_and_keeps_the_contents() -> None:
+    """`advise_huge_pages` (the read bandwidth's buffer): the kernel's record of the mapping gains MADV_HUGEPAGE's
+    flag (``hg`` in /proc/self/smaps) over the tensor's whole 2 MiB stretches; a tensor with none is left alone; the
+    values are untouched."""
+    assert not cpu_native.advise_huge_pages(torch.ones(1000))
+    if sys.platform != "linux":
+        assert not cpu_native.advise_huge_pages(torch.ones(3 << 20))
+        return
+    x = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: its own mapping, at least 4 whole 2 MiB stretches
+    assert "hg" not in _vm_flags(x.data_ptr() + (6 << 20))
+    assert cpu_native.advise_huge_pages(x)
+    assert "hg" in _vm_flags(x.data_ptr() + (6 << 20))
+    assert torch.equal(x, torch.arange(3 << 20, dtype=torch.float32))
+
+
 def metadata(q_lens: list[int], seq_lens: list[int], block_size: int, blocks: list[list[int]]) -> BatchMetadata:
     starts = [0]
     for n in q_lens:
