@@ -68,7 +68,7 @@ def test_the_server_renders_the_template(served):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_calls_parse_and_validate(served, choice):
-    fmt, client, _, model = served
+    _, client, _, model = served
     out = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice=choice, n=2,
                                          temperature=1.0, seed=3, max_tokens=160,
                                          extra_body=NO_THINKING)
@@ -88,7 +88,7 @@ def test_forced_calls_parse_and_validate(served, choice):
 
 
 def test_streamed_calls_accumulate_to_the_whole_answer(served):
-    fmt, client, _, model = served
+    _, client, _, model = served
     body = dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                 temperature=0, max_tokens=160, extra_body=NO_THINKING)
     whole = client.chat.completions.create(**body).choices[0]
