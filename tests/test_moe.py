@@ -4,6 +4,8 @@ CPU fast path, batched like alone, the config each file gives, and the files ref
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -14,9 +16,12 @@ from gpullama.kernels import cpu_native
 from gpullama.model import Decoder
 from gpullama.ops import CpuOps, TorchOps
 from gpullama.ops.cpu_weights import CpuExperts
+from gpullama.quants import QTensor
 from tests.engine.helpers import make_engine, run_requests, solo_runs
 from tests.engine.test_batching import LogitsRecorder, assert_as_solo, assert_logits_match_solo
+from tests.fixtures.quant_blocks import random_blocks
 from tests.fixtures.tiny_models import EXPERTS_USED, GPT_OSS_ORIGINAL_CONTEXT, MOE_ARCHS, NUM_EXPERTS, SLIDING_WINDOW
+from tests.ops.test_cpu_weights import rounded_input
 from tests.test_cpu_fast_path import assert_close_and_same_top1
 from tests.test_families import family_prompts
 from tests.test_model_parity import SEQ_LEN, assert_close, hf_logits, token_ids
@@ -24,6 +29,7 @@ from tests.test_model_parity import SEQ_LEN, assert_close, hf_logits, token_ids
 # one quantized file per family: K-quant, Q8_0 and Q4_0 experts, and gpt-oss's MXFP4 experts (Q8_0 elsewhere)
 QUANTIZED = [("qwen3moe", "Q8_0"), ("mixtral", "Q4_K"), ("qwen2moe", "Q4_0"), ("gpt-oss", "MXFP4")]
 GREEDY_TOKENS = 12
+Q = gguf.GGMLQuantizationType
 needs_kernels = pytest.mark.skipif(cpu_native.library() is None, reason=f"no CPU kernels: {cpu_native.build_error()}")
 
 
@@ -140,6 +146,42 @@ def test_fast_moe_kernel_matches_the_reference_and_ignores_the_batch(tiny_model)
         for t in (0, 4, 10, 19):
             alone = fast.moe(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts[0])
             assert torch.equal(alone[0], got[t]), f"{activation}: row {t} differs alone"
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_fast_moe_kernel_is_each_expert_on_its_rounded_inputs(qtype, bits: int) -> None:
+    """The C MoE block on K-quant experts with CpuOps' activation bits: each token's rows quantized once, then
+    gathered by expert (with 8 bits, one d each 256 values and the mins' sums of Q that go with them), is each
+    chosen expert's ``rounded_input`` matmuls in float64 (gate|up on the rounded x, down on the rounded
+    silu(gate) * up), summed with the routing weights; and a row alone is the same bits."""
+    e, hidden, inter, t, k = 4, 512, 256, 20, 2
+    raw = [random_blocks(qtype, e * inter, hidden, 1), random_blocks(qtype, e * inter, hidden, 2),
+           random_blocks(qtype, e * hidden, inter, 3)]
+    ref = [torch.from_numpy(gguf.quants.dequantize(r, qtype).astype(np.float32)).double() for r in raw]
+    gate, up = (QTensor(torch.from_numpy(r), qtype, (e, inter, hidden)) for r in raw[:2])
+    down = QTensor(torch.from_numpy(raw[2]), qtype, (e, hidden, inter))
+    wg, wu, wd = ref[0].view(e, inter, hidden), ref[1].view(e, inter, hidden), ref[2].view(e, hidden, inter)
+    ops = CpuOps(torch.device("cpu"), activation_bits=bits)
+    experts = ops.prepare_experts([gate, up], down)
+    assert isinstance(experts.gate_up, CpuExperts)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(t, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    ids[:11, 0] = 3  # expert 3 serves more rows than one tile of 8
+    weights = torch.rand(t, k, generator=gen)
+    got = ops.moe(x, ids, weights, experts)
+    want = torch.zeros(t, hidden, dtype=torch.float64)
+    for row in range(t):
+        seen = rounded_input(x[row : row + 1], bits, qtype).double()
+        for j in range(k):
+            n = int(ids[row, j])
+            h = (torch.nn.functional.silu(seen @ wg[n].T) * (seen @ wu[n].T)).float()
+            want[row] += float(weights[row, j]) * (rounded_input(h, bits, qtype).double() @ wd[n].T)[0]
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    for row in (0, 4, 10, 19):
+        assert torch.equal(ops.moe(x[row : row + 1], ids[row : row + 1], weights[row : row + 1], experts)[0], got[row])
 
 
 def test_configs_read_from_the_files(tiny_model) -> None:

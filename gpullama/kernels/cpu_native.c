@@ -18,7 +18,8 @@ row the integer dot product of Q with the values u + offset (u unsigned, the off
 is exact in int32 (AVX512-VNNI, AVX2 or plain C), and y accumulates (scale * d) * dot + (zero * d) * sum(Q), group
 after group, 16 weight rows in the 16 lanes of one accumulator. 8-bit activations (d = max |x| / 127) on a K-quant
 share one d each 256 values (llama.cpp's Q8_K), so a super-block's sub-block dots times their integer sub-scales
-add up in int32 before one float step (mm_super8). Float formats: FMAs value after value. Tiles of up
+add up in int32 before one float step (mm_super8; the mins' sums of Q come as int16 pairs made once a row, in
+quantize_rows, for every block that reads it). Float formats: FMAs value after value. Tiles of up
 to 8 rows of x share each block's unpacked weights; threads split the weight rows; a row's arithmetic is the same in
 any tile.
 
@@ -647,6 +648,8 @@ typedef struct {
     int8_t *q;  /* [tiles][G][MT][64]: a record's hi [32], then its lo [32] */
     float *d;   /* [tiles][G][MT] */
     int32_t *s; /* [tiles][G][MT][2] */
+    int32_t *p; /* with `super`: [tiles][G / 8][MT][4], each 256 values' 4 pair words (sum(Q) of groups 2i and 2i + 1
+                   as the int16 pair (lo, hi) of word i), what mm_super8's mins take */
     int eight;  /* 8-bit activations: |Q| <= 127, every hi 0 */
     int super;  /* each 256 values' 8 groups share one d (8-bit activations for the K-quants, quantize_rows) */
 } xquant_t;
@@ -658,16 +661,16 @@ static inline int64_t xq_rec(int64_t m, int64_t G, int64_t g) { return ((m / MT)
 /* M rows rounded up to whole tiles */
 static inline int64_t xq_pad(int64_t M) { return (M + MT - 1) / MT * MT; }
 /* the bytes of Mp rows (whole tiles) of K values, and the xquant_t over such a buffer */
-static inline size_t xq_bytes(int64_t Mp, int64_t K) { return (size_t)(Mp * (K / 32)) * (64 + 4 + 8); }
+static inline size_t xq_bytes(int64_t Mp, int64_t K) { return (size_t)(Mp * (K / 32)) * (64 + 4 + 8 + 2); }
 static inline xquant_t xq_over(uint8_t *buf, int64_t Mp, int64_t K) {
     size_t n = (size_t)(Mp * (K / 32));
-    xquant_t q = {(int8_t *)buf, (float *)(buf + 64 * n), (int32_t *)(buf + 68 * n), 0, 0};
+    xquant_t q = {(int8_t *)buf, (float *)(buf + 64 * n), (int32_t *)(buf + 68 * n), (int32_t *)(buf + 76 * n), 0, 0};
     return q;
 }
 /* the rows from r (a multiple of MT) of q */
 static inline xquant_t xq_rows(const xquant_t *q, int64_t r, int64_t K) {
     int64_t n = r * (K / 32);
-    xquant_t o = {q->q + 64 * n, q->d + n, q->s + 2 * n, q->eight, q->super};
+    xquant_t o = {q->q + 64 * n, q->d + n, q->s + 2 * n, q->p + 4 * r * (K / 256), q->eight, q->super};
     return o;
 }
 
@@ -724,7 +727,8 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
     xq->super = super;
     (void)threads; /* read by GL_OMP only */
     GL_OMP(parallel for num_threads(threads) if (M * K >= 65536))
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = 0; m < M; m++) {
+        int64_t row = dest ? dest[m] : m;
         for (int64_t g0 = 0; g0 < G; g0 += span) {
             const float *v = x + m * ldx + 32 * g0;
             float amax = 0.0f;
@@ -734,12 +738,20 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, xqu
             }
             float d = amax / (float)qmax, id = amax > 0.0f ? (float)qmax / amax : 0.0f;
             for (int64_t g = g0; g < g0 + span; g++) {
-                int64_t rec = xq_rec(dest ? dest[m] : m, G, g);
+                int64_t rec = xq_rec(row, G, g);
                 int8_t *hi = xq->q + 64 * rec;
                 quantize_group(v + 32 * (g - g0), id, qmax, hi, hi + 32, xq->s + 2 * rec);
                 xq->d[rec] = d;
             }
+            if (super) { /* the pair words: each |sum(Q)| of 32 values <= 32 x 127, an int16 */
+                int32_t *pw = xq->p + 4 * xq_rec(row, G / 8, g0 / 8);
+                for (int i = 0; i < 4; i++) {
+                    const int32_t *s0 = xq->s + 2 * xq_rec(row, G, g0 + 2 * i), *s1 = s0 + 2 * MT;
+                    pw[i] = (int32_t)((uint32_t)(uint16_t)(s0[0] + s0[1]) | (uint32_t)(s1[0] + s1[1]) << 16);
+                }
+            }
         }
+    }
 }
 
 /* the integer sub-scales of set t of sub-block j of a K-quant unit at b, one a row (Q4_K, Q5_K: 0 .. 63; Q6_K:
@@ -883,18 +895,16 @@ static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int se
         vf d = vf_f16((const uint16_t *)(meta + 256));
         if (has_pre && fmt_has_zero(fmt))
             for (int p = 0; p < 4; p++) pairs[p] = pre[unit * 8 + p].i.min_pair;
+        /* row m0 + i's d is dx[i], its pair words pw[4 i ..]: a tile starts at a multiple of MT (mm_blocks) */
+        const float *dx = xq->d + xq_rec(m0, G, unit * 8);
+        const int32_t *pw = xq->p + 4 * xq_rec(m0, G / 8, unit);
+        vf neg_dmin = vf_sub(vf_zero(), vf_f16((const uint16_t *)(meta + 288))); /* -dmin dx, exactly dmin (-dx) */
         for (int i = 0; i < mt; i++) {
-            int64_t rec0 = xq_rec(m0 + i, G, unit * 8); /* group j of the unit: record rec0 + j MT */
-            float dx = xq->d[rec0];
-            acc[i] = vf_fma(vi_float(isum[i]), vf_mul(d, vf_set1(dx)), acc[i]);
+            acc[i] = vf_fma(vi_float(isum[i]), vf_mul(d, vf_set1(dx[i])), acc[i]);
             if (fmt_has_zero(fmt)) {
                 vi msum = vi_zero();
-                for (int p = 0; p < 4; p++) {
-                    const int32_t *s0 = xq->s + 2 * (rec0 + 2 * p * MT), *s1 = s0 + 2 * MT;
-                    uint32_t lo = (uint16_t)(s0[0] + s0[1]), hi = (uint32_t)(s1[0] + s1[1]) << 16; /* |sum| <= 4064 */
-                    msum = vi_dot_pairs(msum, pairs[p], vi_set1((int32_t)(lo | hi)));
-                }
-                acc[i] = vf_fma(vi_float(msum), vf_mul(vf_f16((const uint16_t *)(meta + 288)), vf_set1(-dx)), acc[i]);
+                for (int p = 0; p < 4; p++) msum = vi_dot_pairs(msum, pairs[p], vi_set1(pw[4 * i + p]));
+                acc[i] = vf_fma(vi_float(msum), vf_mul(neg_dmin, vf_set1(dx[i])), acc[i]);
             }
         }
     }
@@ -1098,7 +1108,7 @@ static inline int xq_super_for(int fmt, int bits) { return bits == 8 && fmt_supe
    ones); -1: no memory */
 static int matmul_quantize(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, xquant_t *xq, int bits,
                            int threads) {
-    xquant_t none = {NULL, NULL, NULL, 0, 0};
+    xquant_t none = {NULL, NULL, NULL, NULL, 0, 0};
     *xq = none;
     if (!fmt_quantized(fmt)) return 0;
     uint8_t *buf = scratch(SCRATCH_MATMUL, xq_bytes(xq_pad(M), K));
@@ -2139,7 +2149,7 @@ static void experts_matmul(const experts_t *ex, const float *x, const xquant_t *
             if (b0 >= b1) continue;
             weight_t w = ex->w;
             w.data = ex->w.data + e * ex->stride;
-            xquant_t q = {NULL, NULL, NULL, 0, 0};
+            xquant_t q = {NULL, NULL, NULL, NULL, 0, 0};
             if (xq->q) q = xq_rows(xq, pstart[e], K);
             run(&w, x + r0 * K, K, &q, M, b0, b1, y + r0 * ldy, ldy);
         }
@@ -2205,7 +2215,7 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
     float *y1 = moe_scratch(2, sizeof(float) * P * N1);
     float *y2 = moe_scratch(3, sizeof(float) * P * N2);
     if (!xs || !y1 || !y2) return -1;
-    xquant_t xq = {NULL, NULL, NULL, 0, 0};
+    xquant_t xq = {NULL, NULL, NULL, NULL, 0, 0};
     if (quant1) { /* quantize each token once, then gather its rows (identical to quantizing the gathered rows) */
         xquant_t tq;
         if (moe_quantize(x, T, xq_pad(T), H, NULL, &tq, 4, bits, xq_super_for(fmt1, bits), threads)) return -1;
@@ -2221,6 +2231,8 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
                 memcpy(xq.q + 64 * to, tq.q + 64 * from, 64);
                 xq.d[to] = tq.d[from];
                 xq.s[2 * to] = tq.s[2 * from], xq.s[2 * to + 1] = tq.s[2 * from + 1];
+                if (xq.super && g % 8 == 0)
+                    memcpy(xq.p + 4 * xq_rec(prow[r], G / 8, g / 8), tq.p + 4 * xq_rec(pair[r] / k, G / 8, g / 8), 16);
             }
     } else {
         GL_OMP(parallel for num_threads(threads) if (P * H >= 65536))
@@ -2253,7 +2265,7 @@ int gl_moe(int fmt1, const uint8_t *w1, int64_t stride1, int64_t N1, const float
             vf_store_n(h + i, vf_mul(s, uv), n);
         }
     }
-    xquant_t hq = {NULL, NULL, NULL, 0, 0};
+    xquant_t hq = {NULL, NULL, NULL, NULL, 0, 0};
     if (quant2 && moe_quantize(xs, P, Pp, I, prow, &hq, 6, bits, xq_super_for(fmt2, bits), threads)) return -1;
     experts_matmul(&ex2, xs, &hq, start, pstart, active, n_active, y2, N2, threads);
 
@@ -2388,7 +2400,7 @@ static void route_rows(float *logits, int64_t ld, int64_t T, int64_t E, int64_t 
 static int mat_parts(const gl_mat_t *parts, int64_t n_parts, const float *x, int64_t T, int64_t ldx, float *y,
                      int64_t ldy, int bits, int threads) {
     /* x quantized once for all the quantized parts (the same K), again where a part needs the other scale span */
-    xquant_t xq = {NULL, NULL, NULL, 0, 0};
+    xquant_t xq = {NULL, NULL, NULL, NULL, 0, 0};
     for (int64_t i = 0, off = 0; i < n_parts; off += parts[i].n, i++) {
         int fmt = (int)parts[i].fmt;
         if (fmt_quantized(fmt) && (!xq.q || xq.super != xq_super_for(fmt, bits)) &&
