@@ -42,9 +42,7 @@ def build(name: str, source: str, out: Path) -> ctypes.CDLL:
     """`source` (C text) compiled as the library is, loaded with gl_matmul's signature."""
     src = out.with_suffix(".c")
     src.write_text(source)
-    cc = cpu_native._compiler()
-    flags = [*cpu_native.FLAG_SETS[0], *cpu_native.WARNINGS]
-    cmd = [cc, *flags, "-shared", "-fPIC", "-std=gnu11", str(src), "-o", str(out), "-lm"]
+    cmd = cpu_native._command(cpu_native._compiler(), [*cpu_native.FLAG_SETS[0], *cpu_native.WARNINGS], out, src)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name}: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")

@@ -898,7 +898,8 @@ static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int se
         /* row m0 + i's d is dx[i], its pair words pw[4 i ..]: a tile starts at a multiple of MT (mm_blocks) */
         const float *dx = xq->d + xq_rec(m0, G, unit * 8);
         const int32_t *pw = xq->p + 4 * xq_rec(m0, G / 8, unit);
-        vf neg_dmin = vf_sub(vf_zero(), vf_f16((const uint16_t *)(meta + 288))); /* -dmin dx, exactly dmin (-dx) */
+        /* -dmin dx, exactly dmin (-dx); Q6_K has no dmin: its unit ends at meta + 288 */
+        vf neg_dmin = fmt_has_zero(fmt) ? vf_sub(vf_zero(), vf_f16((const uint16_t *)(meta + 288))) : vf_zero();
         for (int i = 0; i < mt; i++) {
             acc[i] = vf_fma(vi_float(isum[i]), vf_mul(d, vf_set1(dx[i])), acc[i]);
             if (fmt_has_zero(fmt)) {

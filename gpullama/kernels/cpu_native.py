@@ -189,9 +189,9 @@ def _cpu_identity() -> bytes:
         return f"{platform.machine()} {platform.processor()}".encode()
 
 
-def _command(cc: str, flags: list[str] | tuple[str, ...], target: Path) -> list[str]:
-    """The compiler command that builds the source into the shared library `target`."""
-    return [cc, *flags, "-shared", "-fPIC", "-std=gnu11", str(SOURCE), "-o", str(target), "-lm"]
+def _command(cc: str, flags: list[str] | tuple[str, ...], target: Path, source: Path = SOURCE) -> list[str]:
+    """The compiler command that builds `source` (the kernels' own by default) into the shared library `target`."""
+    return [cc, *flags, "-shared", "-fPIC", "-std=gnu11", str(source), "-o", str(target), "-lm"]
 
 
 def _warnings_path(library_path: Path) -> Path:
