@@ -901,12 +901,13 @@ static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int se
         /* -dmin dx, exactly dmin (-dx); Q6_K has no dmin: its unit ends at meta + 288 */
         vf neg_dmin = fmt_has_zero(fmt) ? vf_sub(vf_zero(), vf_f16((const uint16_t *)(meta + 288))) : vf_zero();
         for (int i = 0; i < mt; i++) {
-            acc[i] = vf_fma(vi_float(isum[i]), vf_mul(d, vf_set1(dx[i])), acc[i]);
+            vf t = vf_mul(vi_float(isum[i]), d);
             if (fmt_has_zero(fmt)) {
                 vi msum = vi_zero();
                 for (int p = 0; p < 4; p++) msum = vi_dot_pairs(msum, pairs[p], vi_set1(pw[4 * i + p]));
-                acc[i] = vf_fma(vi_float(msum), vf_mul(neg_dmin, vf_set1(dx[i])), acc[i]);
+                t = vf_fma(vi_float(msum), neg_dmin, t);
             }
+            acc[i] = vf_fma(t, vf_set1(dx[i]), acc[i]);
         }
     }
     for (int i = 0; i < mt; i++) vf_store(y + (m0 + i) * ldy + 16 * rb, acc[i]);
