@@ -840,8 +840,8 @@ static inline __attribute__((always_inline)) void tile_records(const xquant_t *x
 /* 8-bit activations on a K-quant (xq->super: one d for each 256 values, as llama.cpp's Q8_K): per super-block and
    row of x, the 8 sub-blocks' integer dots times their integer sub-scales add up in int32, exact (at most 8 x 63 x
    31 x 127 x 32 for Q5_K, 16 x 128 x 32 x 127 x 16 for Q6_K), as do the mins times the sub-blocks' sums of Q; then
-   y += (d dx) sum_j sc_j dot_j - (dmin dx) sum_j mn_j sum(Q_j): two roundings a super-block instead of two a
-   group. */
+   y += dx (d sum_j sc_j dot_j - dmin sum_j mn_j sum(Q_j)): a multiply and two FMAs a super-block and row (the
+   super-block's weights times its integers, then times the row's d), where a group's float epilogue takes two. */
 static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int sets, const weight_t *w,
                                                                  const xquant_t *xq, int64_t m0, int mt, int64_t rb,
                                                                  float *y, int64_t ldy, const wgs_t *pre, int64_t u0,
@@ -898,7 +898,7 @@ static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int se
         /* row m0 + i's d is dx[i], its pair words pw[4 i ..]: a tile starts at a multiple of MT (mm_blocks) */
         const float *dx = xq->d + xq_rec(m0, G, unit * 8);
         const int32_t *pw = xq->p + 4 * xq_rec(m0, G / 8, unit);
-        /* -dmin dx, exactly dmin (-dx); Q6_K has no dmin: its unit ends at meta + 288 */
+        /* -dmin; Q6_K has no dmin: its unit ends at meta + 288 */
         vf neg_dmin = fmt_has_zero(fmt) ? vf_sub(vf_zero(), vf_f16((const uint16_t *)(meta + 288))) : vf_zero();
         for (int i = 0; i < mt; i++) {
             vf t = vf_mul(vi_float(isum[i]), d);
