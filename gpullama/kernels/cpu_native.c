@@ -841,7 +841,7 @@ static inline __attribute__((always_inline)) void tile_records(const xquant_t *x
    row of x, the 8 sub-blocks' integer dots times their integer sub-scales add up in int32, exact (at most 8 x 63 x
    31 x 127 x 32 for Q5_K, 16 x 128 x 32 x 127 x 16 for Q6_K), as do the mins times the sub-blocks' sums of Q; then
    y += dx (d sum_j sc_j dot_j - dmin sum_j mn_j sum(Q_j)): a multiply and two FMAs a super-block and row (the
-   super-block's weights times its integers, then times the row's d), where a group's float epilogue takes two. */
+   super-block's weights times its integers, then times the row's d), where mm_int takes two a group. */
 static inline __attribute__((always_inline)) void mm_super8_with(int fmt, int sets, const weight_t *w,
                                                                  const xquant_t *xq, int64_t m0, int mt, int64_t rb,
                                                                  float *y, int64_t ldy, const wgs_t *pre, int64_t u0,
